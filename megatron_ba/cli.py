@@ -1,0 +1,62 @@
+"""The `megatron-ba` command line.
+
+    megatron-ba --help                 # list the subcommands
+    megatron-ba plan --help            # help of one subcommand
+
+Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported only when their subcommand runs, so `megatron-ba plan` needs torch alone
+while `megatron-ba train` may import megatron-core and vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Later features register here.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": (
+        "megatron_ba.commands.plan",
+        "show the per-sequence weights of every aggregation rule for a small GRPO batch",
+    ),
+    "bench": (
+        "megatron_ba.commands.bench",
+        "run a benchmark (aggregation, ...) and print its measurements",
+    ),
+}
+
+
+def _top_level_help() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = [
+        "usage: megatron-ba COMMAND [options]",
+        "",
+        "Balanced Aggregation for GRPO on megatron-core.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `megatron-ba COMMAND --help` for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_top_level_help())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"megatron-ba: unknown command {name!r}\n\n{_top_level_help()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"megatron-ba {name}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
