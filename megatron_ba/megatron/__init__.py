@@ -1,0 +1,1 @@
+"""megatron-core integration: vocab-parallel log-probs, loss functions and layout checks."""
