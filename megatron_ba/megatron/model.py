@@ -215,6 +215,26 @@ def build_model_chunks(
     return [wrapped]
 
 
+def model_pg_collection_without_cp():
+    """Process groups for a model that sees whole sequences while parallel_state has CP > 1.
+
+    megatron-core's attention cannot run context parallelism on CPU (it needs Transformer
+    Engine), so CPU checks of CP run the model on whole sequences and shard at the loss
+    (grpo_step's cp_mode="loss"). The model must then not slice its rotary embedding by CP rank:
+    it gets megatron-core's default groups with `cp` replaced by a group of this rank alone.
+    Returns None when CP is 1 (use the defaults). Collective: every rank calls it.
+    megatron-core >= 0.14 (models take `pg_collection`).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    pgs.cp = collectives.singleton_group()
+    return pgs
+
+
 # ---------------------------------------------------------------------------------------------
 # Full-shape weights: deterministic initialisation, loading into shards, gathering back.
 
@@ -347,7 +367,7 @@ def gather_full_state_dict(
         sharded, dim, stride = _tp_layout(param)
         if sharded:
             t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
-        local[name] = t.to(param.dtype)
+        local[name] = t.to(param.dtype).clone()  # a copy: buffers change at the next step
     merged = collectives.gather_pipeline_stages(local, group=pp_group)
     return {k: v.cpu() for k, v in sorted(merged.items(), key=lambda kv: _order(kv[0]))}
 

@@ -142,3 +142,21 @@ def singleton_group():
     """A process group holding this rank alone (collective: every rank of the world calls it)."""
     group, _ = dist.new_subgroups(group_size=1)
     return group
+
+
+def all_reduce_sum(t: torch.Tensor, *, group) -> torch.Tensor:
+    """A SUM over `group` of a copy of `t` (metrics of a step)."""
+    out = t.clone()
+    if _world(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def broadcast_object_from_last_stage(obj, *, group):
+    """A picklable object (e.g. metric names) from the last rank of `group` on every rank."""
+    size = _world(group)
+    if size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, size - 1), group=group)
+    return box[0]
