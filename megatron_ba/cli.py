@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.plan",
         "show the per-sequence weights of every aggregation rule for a small GRPO batch",
     ),
+    "check-layout": (
+        "megatron_ba.commands.check_layout",
+        "check a TP x PP x CP x DP layout's loss and gradients against a single process (gloo)",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",

@@ -14,6 +14,9 @@ Errors (float32 runs):
   max_rel_grad_err = max over parameters of max|g - g_ref| / max|g_ref| (each gathered to full
                      shape), loss_err = |L - L_ref| (absolute: a balanced loss is near 0).
 CP runs at the loss level on CPU (grpo_step's cp_mode="loss"): the model sees whole sequences.
+Each launch also checks, once per layout: our CP shards against megatron-core's
+get_batch_on_this_cp_rank, forward-only log-probs/entropy, and one clipped AdamW step
+(layout_workers.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import json
 import os
 import socket
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -82,11 +85,24 @@ class CaseResult:
         return self.max_rel_grad_err <= TOLERANCE and self.loss_err <= TOLERANCE
 
 
+@dataclass
+class LayoutReport:
+    """Everything one launch of a layout checked, besides the cases."""
+
+    cases: list[CaseResult]
+    cp_layout_matches_megatron: bool  # our CP shards == get_batch_on_this_cp_rank's, every rank
+    logprobs_err: float  # compute_logprobs on the layout vs single process, max abs
+    entropy_err: float
+    grad_norm_rel_err: float  # ShardedAdamW's global gradient norm vs single process
+    update_rel_err: float  # one clipped AdamW step's parameter change vs single process
+
+
 NUM_GROUPS, GROUP_SIZE = 4, 3
 REWARDS = [[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 0]]  # group 3: zero variance
 
 
-def _spec():
+def tiny_spec():
+    """The model of the check: megatron_ba.megatron.model.tiny_qwen2_spec()."""
     from megatron_ba.megatron.model import tiny_qwen2_spec
 
     return tiny_qwen2_spec()
@@ -100,7 +116,7 @@ def check_layout_possible(layout: Layout, cases: list[Case], world_size: int | N
             raise ValueError(f"--{name}: must be an integer >= 1, got {v!r}")
     if world_size is not None and world_size != layout.world:
         raise ValueError(f"world size {world_size} != tp*pp*cp*dp = {layout.world}")
-    _spec().check_layout(layout.tp, layout.pp)
+    tiny_spec().check_layout(layout.tp, layout.pp)
     n = NUM_GROUPS * GROUP_SIZE
     if n % layout.dp:
         raise ValueError(f"--dp: {layout.dp} does not divide the batch's {n} sequences")
@@ -115,7 +131,7 @@ def check_layout_possible(layout: Layout, cases: list[Case], world_size: int | N
 def synthetic_batch(seed: int) -> dict[str, torch.Tensor]:
     """The global batch (without log-probs): rows grouped by prompt, 4 groups of 3."""
     g = torch.Generator().manual_seed(seed)
-    spec = _spec()
+    spec = tiny_spec()
     rewards = torch.tensor(REWARDS, dtype=torch.float64).reshape(-1)
     group_ids = torch.arange(NUM_GROUPS).repeat_interleave(GROUP_SIZE)
     right = torch.randint(2, 6, (rewards.numel(),), generator=g)
@@ -144,119 +160,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world: int, port: int, layout: Layout) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron_ba.megatron import cpu_compat
+def expected_reducer_calls(layout: Layout) -> list[int]:
+    """1 on the ranks of the last pipeline stage (they compute the loss), 0 elsewhere.
 
-    cpu_compat.install()
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
-    cpu_compat.seed_model_parallel_rng(0)
-
-
-def _build(per_token_loss: bool, seed: int):
-    from megatron_ba.megatron import model as mm
-
-    spec = _spec()
-    config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss)
-    chunks = mm.build_model_chunks(
-        spec, config=config, pg_collection=mm.model_pg_collection_without_cp()
-    )
-    mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, seed))
-    return chunks
-
-
-def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
-    from megatron.core import parallel_state
-
-    from megatron_ba.megatron.grpo_step import GRPOBatch, StepConfig, forward_backward
-    from megatron_ba.megatron.model import gather_full_state_dict
-    from megatron_ba.parallel.collectives import StatisticsReducer
-
-    local = GRPOBatch(
-        tokens=batch["tokens"][rows],
-        response_mask=batch["response_mask"][rows],
-        advantages=batch["advantages"][rows],
-        group_ids=batch["group_ids"][rows],
-        old_logprobs=batch["old_logprobs"][rows],
-        ref_logprobs=batch["ref_logprobs"][rows],
-    )
-    cfg = StepConfig(
-        num_groups=NUM_GROUPS,
-        num_microbatches=case.num_microbatches,
-        rule=case.rule,
-        scope=case.scope,
-        max_length=16,
-        loss=LOSS_CONFIG,
-        normalization=case.normalization,
-        assume_megatron_version=(
-            tuple(case.assume_megatron_version) if case.assume_megatron_version else None
-        ),
-    )
-    reducer = StatisticsReducer(parallel_state.get_data_parallel_group())
-    result = forward_backward(chunks, local, cfg, reducer=reducer)
-    return result, reducer.calls, gather_full_state_dict(chunks, grads=True)
-
-
-def _reference_worker(rank: int, port: int, seed: int, keys: list, out_path: str) -> None:
-    _init(rank, 1, port, Layout())
-    from megatron_ba.megatron.grpo_step import compute_logprobs
-
-    chunks = _build(False, seed)
-    batch = synthetic_batch(seed)
-    logp, _ = compute_logprobs(chunks, batch["tokens"])
-    g = torch.Generator().manual_seed(seed + 1)
-    batch["old_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
-    batch["ref_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
-    out = {"batch": batch, "results": {}}
-    rows = torch.arange(batch["tokens"].shape[0])
-    for rule, scope in keys:
-        result, _, grads = _run_case(chunks, batch, rows, Case(rule, 1, scope))
-        out["results"][(rule, scope)] = (result.loss, grads)
-    torch.save(out, out_path)
-    torch.distributed.destroy_process_group()
-
-
-def _layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
-    _init(rank, world, port, layout)
-    from megatron.core import parallel_state
-
-    ref = torch.load(ref_path, weights_only=False)
-    batch = ref["batch"]
-    rows = dp_rows(batch["tokens"].shape[0], layout.dp, parallel_state.get_data_parallel_rank())
-    models = {}
-    report = []
-    for case in cases:
-        if case.per_token_loss not in models:
-            models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"])
-        result, calls, grads = _run_case(models[case.per_token_loss], batch, rows, case)
-        all_calls = [None] * world
-        torch.distributed.all_gather_object(all_calls, calls)
-        loss_ref, grads_ref = ref["results"][(case.rule, case.scope)]
-        rel = max(
-            float((grads[k] - grads_ref[k]).abs().max() / grads_ref[k].abs().max().clamp(min=1e-30))
-            for k in grads_ref
-        )
-        if set(grads) != set(grads_ref):
-            rel = float("inf")
-        report.append(
-            dict(
-                case=asdict(case),
-                max_rel_grad_err=rel,
-                loss_err=abs(result.loss - loss_ref),
-                loss=result.loss,
-                loss_ref=loss_ref,
-                reducer_calls=all_calls,
-            )
-        )
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(report, f)
-    torch.distributed.destroy_process_group()
+    megatron-core's default rank order is tp-cp-ep-dp-pp: the pipeline stage is the slowest
+    varying index, so the last stage holds the last tp*cp*dp global ranks.
+    """
+    per_stage = layout.tp * layout.cp * layout.dp
+    return [1 if r // per_stage == layout.pp - 1 else 0 for r in range(layout.world)]
 
 
 def _spawn(fn, nprocs: int, args: tuple) -> None:
@@ -267,42 +178,39 @@ def _spawn(fn, nprocs: int, args: tuple) -> None:
 
 def compute_reference(cases: list[Case], seed: int, path: str) -> None:
     """The single-process results of every (rule, scope) in `cases`, saved to `path`."""
+    from megatron_ba.megatron import layout_workers
+
     keys = sorted({(c.rule, c.scope) for c in cases})
-    _spawn(_reference_worker, 1, (_free_port(), seed, keys, path))
-    ref = torch.load(path, weights_only=False)
-    ref["seed"] = seed
-    torch.save(ref, path)
+    _spawn(layout_workers.reference_worker, 1, (_free_port(), seed, keys, path))
 
 
 def run_layout(
     layout: Layout, cases: list[Case], *, seed: int = 0, reference: str | None = None
-) -> list[CaseResult]:
+) -> LayoutReport:
     """Run every case on `layout` in one launch and compare with the single-process reference.
 
-    `reference`: a file written by `compute_reference` for these cases and seed (computed here,
-    in a temporary file, when None).
+    `reference`: a file written by `compute_reference` for (a superset of) these cases' rules and
+    scopes and this seed; computed here, in a temporary file, when None.
     """
+    from megatron_ba.megatron import layout_workers
+
     check_layout_possible(layout, cases)
     with tempfile.TemporaryDirectory() as tmp:
         if reference is None:
             reference = os.path.join(tmp, "reference.pt")
             compute_reference(cases, seed, reference)
         out = os.path.join(tmp, "report.json")
-        _spawn(
-            _layout_worker,
-            layout.world,
-            (layout.world, _free_port(), layout, cases, reference, out),
-        )
+        args = (layout.world, _free_port(), layout, cases, reference, out)
+        _spawn(layout_workers.layout_worker, layout.world, args)
         with open(out) as f:
             report = json.load(f)
-    return [
-        CaseResult(
-            case=Case(**r["case"]),
-            max_rel_grad_err=r["max_rel_grad_err"],
-            loss_err=r["loss_err"],
-            loss=r["loss"],
-            loss_ref=r["loss_ref"],
-            reducer_calls=r["reducer_calls"],
+    results = []
+    for r in report.pop("cases"):
+        case = r.pop("case")
+        version = case.pop("assume_megatron_version")
+        results.append(
+            CaseResult(
+                Case(**case, assume_megatron_version=tuple(version) if version else None), **r
+            )
         )
-        for r in report
-    ]
+    return LayoutReport(cases=results, **report)

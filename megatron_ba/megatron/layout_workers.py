@@ -1,0 +1,236 @@
+"""The process bodies of the layout check (megatron_ba.megatron.layout_check spawns them).
+
+`reference_worker` (one process, TP=PP=CP=DP=1, one micro-batch) computes the model's log-probs
+and entropy (checked against a direct forward + log_softmax), the noisy old/reference log-probs
+of the synthetic batch, every (rule, scope)'s loss and full gradients, and one clipped AdamW step.
+`layout_worker` (tp*pp*cp*dp processes) recomputes all of that on its layout and writes the
+errors (rank 0) to a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import asdict
+
+import torch
+
+from megatron_ba.megatron.layout_check import (
+    LOSS_CONFIG,
+    NUM_GROUPS,
+    Case,
+    Layout,
+    dp_rows,
+    synthetic_batch,
+    tiny_spec,
+)
+
+# One clipped AdamW step (eps 1e-2 keeps the update a smooth function of the gradient, so that
+# float32 rounding in the gradient stays small in the update; the clip threshold is below the
+# gradient norm, so clipping is exercised).
+OPTIMIZER = dict(lr=1e-3, eps=1e-2, clip_grad=0.5)
+OPTIMIZER_CASE = Case("balanced", 1)
+
+
+def _init(rank: int, world: int, port: int, layout: Layout) -> None:
+    # megatron-core warns at import that Apex / Transformer Engine are missing: expected on CPU.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron_ba.megatron import cpu_compat
+
+    cpu_compat.install()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
+    cpu_compat.seed_model_parallel_rng(0)
+
+
+def _build(per_token_loss: bool, seed: int):
+    from megatron_ba.megatron import model as mm
+
+    spec = tiny_spec()
+    config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss)
+    chunks = mm.build_model_chunks(
+        spec, config=config, pg_collection=mm.model_pg_collection_without_cp()
+    )
+    mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, seed))
+    return chunks
+
+
+def _local_batch(batch: dict, rows: torch.Tensor):
+    from megatron_ba.megatron.batching import GRPOBatch
+
+    return GRPOBatch(
+        tokens=batch["tokens"][rows],
+        response_mask=batch["response_mask"][rows],
+        advantages=batch["advantages"][rows],
+        group_ids=batch["group_ids"][rows],
+        old_logprobs=batch["old_logprobs"][rows],
+        ref_logprobs=batch["ref_logprobs"][rows],
+    )
+
+
+def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
+    from megatron.core import parallel_state
+
+    from megatron_ba.megatron.grpo_step import StepConfig, forward_backward
+    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.parallel.collectives import StatisticsReducer
+
+    cfg = StepConfig(
+        num_groups=NUM_GROUPS,
+        num_microbatches=case.num_microbatches,
+        rule=case.rule,
+        scope=case.scope,
+        max_length=16,
+        loss=LOSS_CONFIG,
+        normalization=case.normalization,
+        assume_megatron_version=case.assume_megatron_version,
+    )
+    reducer = StatisticsReducer(parallel_state.get_data_parallel_group())
+    result = forward_backward(chunks, _local_batch(batch, rows), cfg, reducer=reducer)
+    return result, reducer.calls, gather_full_state_dict(chunks, grads=True)
+
+
+def _optimizer_step(chunks, batch: dict, rows: torch.Tensor):
+    """(gradient norm, full-shape parameter change) of one clipped AdamW step."""
+    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.megatron.optimizer import ShardedAdamW
+
+    before = gather_full_state_dict(chunks)
+    _run_case(chunks, batch, rows, OPTIMIZER_CASE)
+    applied, norm = ShardedAdamW(chunks, **OPTIMIZER).step()
+    assert applied
+    after = gather_full_state_dict(chunks)
+    return norm, {k: after[k] - before[k] for k in after}
+
+
+def _direct_logprobs(chunks, tokens: torch.Tensor):
+    """Log-probs and entropy from one plain forward of the (single-process) model."""
+    n, s = tokens.shape
+    pos = torch.arange(s).expand(n, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    with torch.no_grad():
+        logp_all = torch.log_softmax(chunks[0](tokens, pos, mask).double(), dim=-1)
+    lp = torch.zeros(n, s, dtype=torch.float64)
+    lp[:, 1:] = logp_all[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    ent = torch.zeros(n, s, dtype=torch.float64)
+    ent[:, 1:] = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]
+    return lp, ent
+
+
+def reference_worker(rank: int, port: int, seed: int, keys: list, out_path: str) -> None:
+    _init(rank, 1, port, Layout())
+    from megatron_ba.megatron.grpo_step import compute_logprobs
+
+    chunks = _build(False, seed)
+    batch = synthetic_batch(seed)
+    logp, ent = compute_logprobs(chunks, batch["tokens"], with_entropy=True)
+    lp_direct, ent_direct = _direct_logprobs(chunks, batch["tokens"])
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["old_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    batch["ref_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    rows = torch.arange(batch["tokens"].shape[0])
+    out = {
+        "seed": seed,
+        "batch": batch,
+        "logprobs": logp,
+        "entropy": ent,
+        "direct_logprobs_err": float((logp.double() - lp_direct).abs().max()),
+        "direct_entropy_err": float((ent.double() - ent_direct).abs().max()),
+        "results": {},
+    }
+    for rule, scope in keys:
+        result, _, grads = _run_case(chunks, batch, rows, Case(rule, 1, scope))
+        out["results"][(rule, scope)] = (result.loss, grads)
+    out["optimizer"] = _optimizer_step(chunks, batch, rows)
+    torch.save(out, out_path)
+    torch.distributed.destroy_process_group()
+
+
+def _rel_err(g: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |g - ref| / max |ref| (a tensor whose reference is all 0 must be all 0)."""
+    scale = float(ref.abs().max())
+    diff = float((g.double() - ref.double()).abs().max())
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def _max_rel_err(tensors: dict, refs: dict) -> float:
+    if set(tensors) != set(refs):  # a missing or extra parameter fails the check
+        return float("inf")
+    return max(_rel_err(tensors[k], refs[k]) for k in refs)
+
+
+def _cp_layout_matches_megatron(tokens: torch.Tensor) -> bool:
+    """Our CP shard of the tokens is megatron-core's get_batch_on_this_cp_rank (real CP group)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megatron_ba.parallel.layout import cp_shard
+
+    cp = parallel_state.get_context_parallel_world_size()
+    rank = parallel_state.get_context_parallel_rank()
+    group = parallel_state.get_context_parallel_group()
+    theirs = get_batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=group)["tokens"]
+    return bool(torch.equal(theirs, cp_shard(tokens, cp=cp, rank=rank, dim=1)))
+
+
+def _all_ranks(obj, world: int) -> list:
+    out: list = [None] * world
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
+    _init(rank, world, port, layout)
+    from megatron.core import parallel_state
+
+    from megatron_ba.megatron.grpo_step import compute_logprobs
+
+    ref = torch.load(ref_path, weights_only=False)
+    batch = ref["batch"]
+    rows = dp_rows(batch["tokens"].shape[0], layout.dp, parallel_state.get_data_parallel_rank())
+    cp_ok = all(_all_ranks(_cp_layout_matches_megatron(batch["tokens"]), world))
+    models = {False: _build(False, ref["seed"])}
+    m = max(c.num_microbatches for c in cases)
+    logp, ent = compute_logprobs(
+        models[False], batch["tokens"][rows], num_microbatches=m, with_entropy=True
+    )
+    lp_err = max(_all_ranks(float((logp - ref["logprobs"][rows]).abs().max()), world))
+    ent_err = max(_all_ranks(float((ent - ref["entropy"][rows]).abs().max()), world))
+    report = []
+    for case in cases:
+        if case.per_token_loss not in models:
+            models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"])
+        result, calls, grads = _run_case(models[case.per_token_loss], batch, rows, case)
+        loss_ref, grads_ref = ref["results"][(case.rule, case.scope)]
+        report.append(
+            dict(
+                case=asdict(case),
+                max_rel_grad_err=_max_rel_err(grads, grads_ref),
+                loss_err=abs(result.loss - loss_ref),
+                loss=result.loss,
+                loss_ref=loss_ref,
+                reducer_calls=_all_ranks(calls, world),
+            )
+        )
+    norm, delta = _optimizer_step(models[False], batch, rows)
+    norm_ref, delta_ref = ref["optimizer"]
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(
+                dict(
+                    cases=report,
+                    cp_layout_matches_megatron=cp_ok,
+                    logprobs_err=lp_err,
+                    entropy_err=ent_err,
+                    grad_norm_rel_err=abs(norm - norm_ref) / norm_ref,
+                    update_rel_err=_max_rel_err(delta, delta_ref),
+                ),
+                f,
+            )
+    torch.distributed.destroy_process_group()

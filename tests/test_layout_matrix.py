@@ -1,0 +1,95 @@
+"""The layout matrix: every TP/PP/CP/DP layout of the issue gives the single-process gradients.
+
+    python -m pytest tests/test_layout_matrix.py        # ~3-5 min on 2 cores
+
+One launch computes the single-process reference (TP=PP=CP=DP=1, one micro-batch) for every rule
+and scope used; then one launch per layout (2 or 4 gloo processes) runs all of that layout's cases:
+rules token, sequence, balanced with 1 and 3 micro-batches each, plus per-layout extras
+(balanced_mass, batch scope, megatron-core's calculate_per_token_loss), and negative controls
+that must fail the same comparison: a per-micro-batch-normalised loss (NeMo-Aligner's) and a loss
+scaled for megatron-core 0.12 (whose schedule multiplies by CP) on the CP layouts. Each launch also
+checks that the plan statistics were all-reduced exactly once per global batch on each rank that
+computes the loss, our CP shards against megatron-core's get_batch_on_this_cp_rank, forward-only
+log-probs and entropy, and one clipped AdamW step. Groups of 3 responses are split across the DP
+ranks; response lengths are uneven and longer for wrong answers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ba.megatron.layout_check import (
+    TOLERANCE,
+    Case,
+    Layout,
+    compute_reference,
+    expected_reducer_calls,
+    run_layout,
+)
+
+CORE = [Case(rule, m) for rule in ("token", "sequence", "balanced") for m in (1, 3)]
+NEGATIVE_MB = Case("token", 3, normalization="per_microbatch")
+NEGATIVE_SCALE = Case("balanced", 3, assume_megatron_version=(0, 12))
+
+LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
+    "DP2": (
+        Layout(dp=2),
+        [
+            Case("balanced_mass", 3),
+            Case("balanced", 3, scope="batch"),
+            Case("balanced", 3, per_token_loss=True),
+            NEGATIVE_MB,
+            Case("token", 1, normalization="per_microbatch"),
+        ],
+    ),
+    "TP2": (Layout(tp=2), [Case("balanced", 3, per_token_loss=True)]),
+    "PP2": (Layout(pp=2), [Case("token", 3, per_token_loss=True), NEGATIVE_MB]),
+    "CP2": (
+        Layout(cp=2),
+        [Case("sequence", 3, per_token_loss=True), NEGATIVE_MB, NEGATIVE_SCALE],
+    ),
+    "TP2xDP2": (Layout(tp=2, dp=2), [Case("balanced_mass", 1)]),
+    "PP2xDP2": (Layout(pp=2, dp=2), [Case("balanced", 3, per_token_loss=True)]),
+    "TP2xPP2": (Layout(tp=2, pp=2), [Case("balanced", 1, per_token_loss=True)]),
+    "CP2xDP2": (
+        Layout(cp=2, dp=2),
+        [Case("balanced", 3, per_token_loss=True), NEGATIVE_MB, NEGATIVE_SCALE],
+    ),
+}
+
+
+def _negative(case: Case) -> bool:
+    return case.normalization != "plan" or case.assume_megatron_version is not None
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> str:
+    cases = CORE + [c for _, extra in LAYOUTS.values() for c in extra]
+    path = str(tmp_path_factory.mktemp("layout") / "reference.pt")
+    compute_reference(cases, seed=0, path=path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, reference):
+    layout, extra = LAYOUTS[name]
+    report = run_layout(layout, CORE + extra, seed=0, reference=reference)
+    assert report.cp_layout_matches_megatron
+    assert report.logprobs_err <= TOLERANCE and report.entropy_err <= TOLERANCE
+    assert report.grad_norm_rel_err <= TOLERANCE
+    assert report.update_rel_err <= 1e-3  # AdamW's g / (|g| + eps) amplifies rounding by ~lr/eps
+    failures = []
+    for r in report.cases:
+        assert r.reducer_calls == expected_reducer_calls(layout), (str(r.case), r.reducer_calls)
+        if _negative(r.case):
+            # The comparison must be able to fail: clearly, not by rounding.
+            if r.max_rel_grad_err < 1e-2:
+                failures.append(f"negative control passed: {r.case}: {r.max_rel_grad_err:.2e}")
+        elif not r.ok:
+            failures.append(
+                f"{r.case}: max_rel_grad_err={r.max_rel_grad_err:.2e} loss_err={r.loss_err:.2e}"
+            )
+    assert not failures, f"{layout}: " + "; ".join(failures)
+    assert len(report.cases) == len(CORE + extra)
