@@ -114,6 +114,15 @@ def test_matches_float64_reference(seed, lead, vocab, scale, temperature, chunk_
     assert grad.dtype == logits.dtype and rel_err(grad, r_grad) < TOL32
 
 
+@pytest.mark.parametrize("chunk_size", [None, 8])
+def test_accuracy_at_a_real_vocab_shard_size(chunk_size):
+    # sums over ~19k entries: sloppy fp32 accumulation (e.g. torch.bmm for sum p x) shows here
+    logits, targets = make_case(7, (24,), 18992, scale=2.0, dtype=torch.bfloat16)
+    r_lp, r_h, _ = reference(logits, targets)
+    lp, h = vocab_parallel_logprobs(logits, targets, chunk_size=chunk_size, with_entropy=True)
+    assert rel_err(lp, r_lp) < 1e-6 and rel_err(h, r_h) < 1e-6
+
+
 @pytest.mark.parametrize("use", [("lp", "h"), ("lp",), ("h",)])
 def test_chunked_equals_unchunked(use):
     logits, targets = make_case(1, (3, 13), 29, scale=4.0)  # 39 tokens

@@ -185,8 +185,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if with_entropy:
                 e = torch.exp(x, out=ebuf[: b - a])
                 s = e.sum(dim=1)
-                # sum_j e_j (x_j - m) as a batched dot product: no [chunk, V/TP] temporary
-                ex = torch.bmm(e.unsqueeze(1), x.unsqueeze(2)).view(-1)
+                # sum_j e_j (x_j - m), in place in x (no longer needed): no temporary; torch.bmm
+                # would avoid the write too but accumulates ~50x less accurately here
+                ex = x.mul_(e).sum(dim=1)
                 h_r[a:b] = s.log() - ex / s
             else:
                 s = x.exp_().sum(dim=1)
