@@ -185,8 +185,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if with_entropy:
                 e = torch.exp(x, out=ebuf[: b - a])
                 s = e.sum(dim=1)
-                # sum_j e_j (x_j - m) as a batched dot product: no [chunk, V/TP] temporary
-                ex = torch.bmm(e.unsqueeze(1), x.unsqueeze(2)).view(-1)
+                # sum_j e_j (x_j - m), in place in x (no longer needed): no temporary; torch.bmm
+                # would avoid the write too but accumulates ~50x less accurately here
+                ex = x.mul_(e).sum(dim=1)
                 h_r[a:b] = s.log() - ex / s
             else:
                 s = x.exp_().sum(dim=1)
@@ -223,17 +224,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits2d, memory_format=torch.contiguous_format)
         xbuf = torch.empty(c, v_local, dtype=torch.float32, device=logits2d.device)
         pbuf = torch.empty_like(xbuf) if g_h is not None else None
+        if g_h is not None:
+            # -p (g_lp + g_h (log p + H)) = p (slope log p + offset): two passes, not four
+            slope = -g_h
+            offset = -g_h * entropy - (0.0 if g_lp is None else g_lp)
         for a in range(0, n, c):
             b = min(a + c, n)
             y = _load_chunk(xbuf, logits2d[a:b], tau)
             y.sub_(lse[a:b, None])  # log p
             if g_h is not None:
                 p = torch.exp(y, out=pbuf[: b - a])
-                # -p * (g_lp + g_h (log p + H)), built in place in y
-                y.add_(entropy[a:b, None]).mul_(g_h[a:b, None])
-                if g_lp is not None:
-                    y.add_(g_lp[a:b, None])
-                y.mul_(p).neg_()
+                y.mul_(slope[a:b, None]).add_(offset[a:b, None]).mul_(p)
             else:
                 y.exp_().mul_(-g_lp[a:b, None])
             if g_lp is not None:
