@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.vocab_parallel",
         "chunked vocab-parallel log-prob + entropy vs the naive fp32 path: peak memory, time",
     ),
+    "stats-allreduce": (
+        "benchmarks.stats_allreduce",
+        "the plan-statistics all-reduce over DP: payload bytes per step for 128 / 4,096 groups",
+    ),
 }
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,167 @@
+"""Single-process pieces of the megatron-core integration: scaling table, reducer, batch layout.
+
+    python -m pytest tests/test_megatron_units.py
+
+Runs in this process without torch.distributed; the one check that needs megatron-core's
+parallel state (cpu_compat, the model builder's shapes) runs in a subprocess so that the shims
+never leak into other tests. The distributed behaviour is in tests/test_layout_matrix.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_ba.megatron import scaling
+from megatron_ba.megatron.batching import (
+    CPView,
+    GRPOBatch,
+    label_aligned,
+    microbatch_slices,
+    prepare_microbatches,
+)
+from megatron_ba.megatron.model import Qwen2Spec, full_parameter_shapes, tiny_qwen2_spec
+from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
+
+
+@pytest.mark.parametrize(
+    ("version", "per_token", "expected"),
+    [
+        ((0, 16), False, 3 * 2 * 2),  # schedule 1/M, DDP 1/(DP x CP)
+        ((0, 16), True, 3 * 2 * 2),  # finalize_model_grads: 1/(num_tokens over DP x CP)
+        ((0, 19), True, 3 * 2 * 2),
+        ((0, 13), True, 3 * 2 * 2),
+        ((0, 12), False, 3 * 2),  # 0.12's forward_step multiplies the loss by CP
+        ((0, 12), True, 3 * 2),  # num_tokens all-reduced over DP without CP before 0.13
+        ((0, 10), False, 3 * 2 * 2),
+        ((0, 10), True, 3 * 2),
+    ],
+)
+def test_loss_scale_table(version, per_token, expected):
+    got = scaling.loss_scale(3, 2, 2, per_token_loss=per_token, version=version)
+    assert got == expected
+
+
+def test_loss_scale_installed_version_and_errors():
+    pytest.importorskip("megatron.core")
+    assert scaling.megatron_core_version() >= (0, 10)
+    assert scaling.loss_scale(1, 1, 1, per_token_loss=False) == 1
+    with pytest.raises(ValueError, match="num_microbatches"):
+        scaling.loss_scale(0, 1, 1, per_token_loss=False, version=(0, 16))
+    with pytest.raises(ValueError, match=r"before 0\.10"):
+        scaling.loss_scale(1, 1, 1, per_token_loss=False, version=(0, 9))
+
+
+def test_statistics_reducer_counts_calls_and_bytes():
+    # Hand-computed payload: [groups, 10] float64 = groups x 80 bytes.
+    assert statistics_payload_bytes(128) == 10_240
+    assert statistics_payload_bytes(4096) == 327_680
+    reducer = StatisticsReducer(group=None)
+    table = torch.ones(128, 10, dtype=torch.float64)
+    assert reducer(table) is table  # no group: this process holds the whole batch
+    reducer(torch.ones(4096, 10, dtype=torch.float64))
+    assert reducer.calls == 2
+    assert reducer.history == [10_240, 327_680]
+    assert reducer.bytes_reduced == 337_920
+    with pytest.raises(ValueError, match="float64"):
+        reducer(torch.ones(2, 10))
+
+
+def _batch(n=4, s=8):
+    tokens = torch.arange(n * s).view(n, s)
+    mask = torch.zeros(n, s, dtype=torch.bool)
+    mask[:, 3:6] = True
+    return GRPOBatch(
+        tokens, mask, torch.ones(n), torch.zeros(n, dtype=torch.long), -torch.rand(n, s)
+    )
+
+
+def test_grpo_batch_checks():
+    b = _batch()
+    assert b.checked().lengths.tolist() == [3, 3, 3, 3]
+    bad_mask = b.response_mask.clone()
+    bad_mask[0, 0] = True
+    with pytest.raises(ValueError, match="response_mask: position 0"):
+        replace(b, response_mask=bad_mask).checked()
+    with pytest.raises(ValueError, match="lengths: must be the whole-sequence"):
+        replace(b, lengths=torch.tensor([3, 3, 2, 3])).checked()  # e.g. a CP shard's lengths
+    with pytest.raises(ValueError, match="old_logprobs: must have the shape"):
+        replace(b, old_logprobs=torch.zeros(4, 7)).checked()
+    with pytest.raises(ValueError, match="advantages: must be"):
+        replace(b, advantages=torch.zeros(3)).checked()
+
+
+def test_label_alignment_and_microbatches():
+    x = torch.tensor([[10, 11, 12, 13]])
+    assert label_aligned(x, 0).tolist() == [[11, 12, 13, 0]]
+    assert microbatch_slices(6, 3) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    with pytest.raises(ValueError, match="num_microbatches"):
+        microbatch_slices(6, 4)
+    # CP = 2 on S = 6: padded to 8, rank 1 holds positions 2..5 of the position-aligned arrays.
+    b = _batch(n=2, s=6).checked()
+    data, seq_len, mbs = prepare_microbatches(b, CPView(cp=2, rank=1, mode="loss"), 2)
+    assert (seq_len, mbs, len(data)) == (16, 1, 2)  # loss mode announces S_pad x CP
+    assert data[0]["input_ids"].shape == (1, 8)  # whole (padded) sequences into the model
+    assert data[0]["targets"].tolist() == [[3, 4, 5, 0]]  # tokens 3..5 then padding
+    assert data[0]["mask"].tolist() == [[True, True, True, False]]  # p predicts token p + 1
+    model_mode = prepare_microbatches(b, CPView(cp=2, rank=1, mode="model", causal_mask=False), 1)
+    assert model_mode[0][0]["input_ids"].tolist() == [[2, 3, 4, 5], [8, 9, 10, 11]]
+
+
+def test_qwen2_spec_errors_and_shapes():
+    with pytest.raises(ValueError, match="num_query_groups"):
+        Qwen2Spec(16, 64, 2, 4, 3, 32)
+    with pytest.raises(ValueError, match="hidden_size"):
+        Qwen2Spec(16, 66, 2, 4, 2, 32)
+    spec = tiny_qwen2_spec()
+    with pytest.raises(ValueError, match="num_layers=4 is not a multiple of pp=3"):
+        spec.check_layout(1, 3)
+    shapes = full_parameter_shapes(spec)
+    qkv = (4 + 2 * 2) * 16  # 4 query heads and 2 (k, v) pairs of head_dim 16
+    assert shapes["decoder.layers.3.self_attention.linear_qkv.weight"] == (qkv, 64)
+    assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (2 * 96, 64)
+
+
+def test_megatron_modules_import_lazily_and_shims_are_idempotent(tmp_path):
+    """In a fresh process: importing our modules does not import megatron-core; install() twice
+    patches once; the built model's parameters are exactly full_parameter_shapes()."""
+    pytest.importorskip("megatron.core")
+    code = textwrap.dedent(
+        """
+        import sys, warnings, os
+        warnings.filterwarnings("ignore")
+        import megatron_ba.megatron.grpo_step, megatron_ba.megatron.model
+        import megatron_ba.megatron.layout_check, megatron_ba.megatron.optimizer
+        assert not any(m.startswith("megatron.core") for m in sys.modules), "eager import"
+        import torch
+        from megatron_ba.megatron import cpu_compat
+        first, second = cpu_compat.install(), cpu_compat.install()
+        assert first == ["torch.cuda.current_device", "schedules.torch.zeros"], first
+        assert second == [] and cpu_compat.installed() == first
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        from megatron.core import parallel_state
+        parallel_state.initialize_model_parallel(1, 1)
+        cpu_compat.seed_model_parallel_rng(0)
+        from megatron_ba.megatron import model as mm
+        spec = mm.tiny_qwen2_spec()
+        chunks = mm.build_model_chunks(spec)
+        got = {k: tuple(v.shape) for k, v in mm.gather_full_state_dict(chunks).items()}
+        assert got == mm.full_parameter_shapes(spec), set(got) ^ set(mm.full_parameter_shapes(spec))
+        print("OK")
+        """
+    )
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    out = subprocess.run(
+        [sys.executable, "-c", code, port], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
