@@ -10,8 +10,9 @@
 
 The architecture is Qwen2's: RMSNorm, SwiGLU MLP without biases, RoPE (theta `rope_theta`, not
 interleaved), grouped-query attention with a bias on the fused QKV projection, untied output layer.
-It is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine), so it runs
-on CPU with megatron_ba.megatron.cpu_compat installed.
+By default it is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine),
+so it runs on CPU with megatron_ba.megatron.cpu_compat installed; on GPUs pass a Transformer Engine
+layer spec (`layer_spec=`) for fused kernels and context-parallel attention.
 
 Full-shape state dicts use megatron-core's own names at TP=1 / PP=1 (`embedding.word_embeddings.
 weight`, `decoder.layers.{i}.self_attention.linear_qkv.weight`, ..., `output_layer.weight`), with
@@ -155,10 +156,32 @@ def transformer_config(spec: Qwen2Spec, *, cpu: bool | None = None, **overrides:
     return TransformerConfig(**kwargs)
 
 
-def build_gpt_model(spec: Qwen2Spec, config=None, *, pg_collection=None, vp_stage=None):
-    """This rank's pipeline stage of the model (not wrapped in DDP)."""
-    from megatron.core import parallel_state
+def local_layer_spec():
+    """megatron-core's Transformer-Engine-free layer spec with RMSNorm (runs on CPU).
+
+    `get_gpt_layer_local_spec(normalization=...)` exists from megatron-core 0.11 on; older
+    versions' local spec has no RMSNorm: pass a Transformer Engine spec as `layer_spec` there
+    (e.g. `get_gpt_layer_with_transformer_engine_spec()`, also what GPUs want for CP attention).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    try:
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    except TypeError as e:
+        raise ValueError(
+            "layer_spec: this megatron-core's local layer spec has no RMSNorm; pass a Transformer "
+            "Engine layer spec (get_gpt_layer_with_transformer_engine_spec())"
+        ) from e
+
+
+def build_gpt_model(
+    spec: Qwen2Spec, config=None, *, layer_spec=None, pg_collection=None, vp_stage=None
+):
+    """This rank's pipeline stage of the model (not wrapped in DDP).
+
+    layer_spec: a megatron-core ModuleSpec for the transformer layers; default `local_layer_spec()`.
+    """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = config if config is not None else transformer_config(spec)
@@ -169,7 +192,7 @@ def build_gpt_model(spec: Qwen2Spec, config=None, *, pg_collection=None, vp_stag
         kwargs["vp_stage"] = vp_stage
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec if layer_spec is not None else local_layer_spec(),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -187,6 +210,7 @@ def build_model_chunks(
     *,
     ddp: bool = True,
     config=None,
+    layer_spec=None,
     pg_collection=None,
     ddp_config_overrides: dict[str, Any] | None = None,
 ) -> list[torch.nn.Module]:
@@ -200,7 +224,7 @@ def build_model_chunks(
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     config = config if config is not None else transformer_config(spec)
-    model = build_gpt_model(spec, config, pg_collection=pg_collection)
+    model = build_gpt_model(spec, config, layer_spec=layer_spec, pg_collection=pg_collection)
     if not ddp:
         return [model]
     ddp_kwargs: dict[str, Any] = dict(
