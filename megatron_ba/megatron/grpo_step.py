@@ -244,7 +244,7 @@ def _global_result(store, last: bool, reducer) -> StepResult:
     local = torch.zeros(len(keys), dtype=torch.float64)
     if last:
         for d in store:
-            local += torch.stack([d[k].detach().double().reshape(()) for k in keys])
+            local += torch.stack([d[k].detach().double().reshape(()).cpu() for k in keys])
         local = collectives.all_reduce_sum(
             local, group=ps.get_data_parallel_group(with_context_parallel=True)
         )
@@ -308,7 +308,7 @@ def compute_logprobs(
             whole = collectives.gather_context_parallel(
                 part, dim=1, group=ps.get_context_parallel_group()
             )
-            full = torch.zeros(n, s, dtype=torch.float32)
+            full = torch.zeros(n, s, dtype=torch.float32, device=whole.device)
             full[:, 1:] = whole[:, : s - 1]  # position p predicts token p + 1
         outs.append(
             collectives.broadcast_from_last_stage(
@@ -316,6 +316,6 @@ def compute_logprobs(
                 shape=(n, s),
                 dtype=torch.float32,
                 group=ps.get_pipeline_model_parallel_group(),
-            )
+            ).to(tokens.device)
         )
     return outs[0], (outs[1] if with_entropy else None)

@@ -10,6 +10,8 @@
 - `singleton_group`: a process group of this rank alone (a model that must not see CP).
 
 Process groups are arguments (no parallel_state lookups here), so the module is torch alone.
+Buffers live where the group's backend needs them (`comm_device`: the current CUDA device for
+NCCL, the CPU for gloo); results come back on the caller's device.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_ba.parallel.layout import cp_unshard, tp_unshard
+
+
+def comm_device(group) -> torch.device:
+    """Where tensors must be for collectives over `group`: CUDA for NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass
@@ -48,9 +57,9 @@ class StatisticsReducer:
         self.history.append(payload)
         if self.group is None or dist.get_world_size(self.group) == 1:
             return table
-        out = table.contiguous().clone()
+        out = table.to(comm_device(self.group), copy=True).contiguous()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        return out
+        return out.to(table.device)
 
     def reset(self) -> None:
         self.calls = 0
@@ -96,7 +105,7 @@ def gather_pipeline_stages(local: dict[str, torch.Tensor], *, group) -> dict[str
     metas: list = [None] * size
     dist.all_gather_object(metas, meta_local, group=group)
     me = dist.get_rank(group)
-    device = next(iter(local.values())).device if local else torch.device("cpu")
+    device = comm_device(group)
     out: dict[str, torch.Tensor] = {}
     for stage, meta in enumerate(metas):
         src = dist.get_global_rank(group, stage)
@@ -104,7 +113,7 @@ def gather_pipeline_stages(local: dict[str, torch.Tensor], *, group) -> dict[str
             if name in out:
                 raise ValueError(f"gather_pipeline_stages: {name!r} is held by two stages")
             t = (
-                local[name].contiguous()
+                local[name].to(device).contiguous()
                 if stage == me
                 else torch.empty(shape, dtype=dtype, device=device)
             )
@@ -119,10 +128,11 @@ def broadcast_from_last_stage(tensor: torch.Tensor | None, *, shape, dtype, grou
     if size == 1:
         return tensor
     last = dist.get_global_rank(group, size - 1)
+    device = comm_device(group)
     if dist.get_rank(group) == size - 1:
-        buf = tensor.contiguous()
+        buf = tensor.to(device).contiguous()
     else:
-        buf = torch.empty(shape, dtype=dtype)
+        buf = torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(buf, src=last, group=group)
     return buf
 
@@ -146,10 +156,11 @@ def singleton_group():
 
 def all_reduce_sum(t: torch.Tensor, *, group) -> torch.Tensor:
     """A SUM over `group` of a copy of `t` (metrics of a step)."""
-    out = t.clone()
-    if _world(group) > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    if _world(group) == 1:
+        return t.clone()
+    out = t.to(comm_device(group), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out.to(t.device)
 
 
 def broadcast_object_from_last_stage(obj, *, group):
