@@ -225,7 +225,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         xbuf = torch.empty(c, v_local, dtype=torch.float32, device=logits2d.device)
         pbuf = torch.empty_like(xbuf) if g_h is not None else None
         if g_h is not None:
-            # -p (g_lp + g_h (log p + H)) = p (slope log p + offset): two passes, not four
+            # -p (g_lp + g_h (log p + H)) = p (slope log p + offset): 3 in-place passes, not 5
             slope = -g_h
             offset = -g_h * entropy - (0.0 if g_lp is None else g_lp)
         for a in range(0, n, c):
