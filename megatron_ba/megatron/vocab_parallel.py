@@ -44,8 +44,8 @@ __all__ = ["vocab_parallel_logprobs"]
 
 
 # --- collectives --------------------------------------------------------------------------------
-# The only three collectives of this module, kept together (see the report on moving them to
-# megatron_ba/parallel/collectives.py once that module exists).
+# Every collective of this module, kept together: the standards want collectives in one module
+# (megatron_ba/parallel/collectives.py), which this branch does not have yet; move them there.
 
 
 def _tp_rank_and_size(tp_group) -> tuple[int, int]:
@@ -225,7 +225,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         xbuf = torch.empty(c, v_local, dtype=torch.float32, device=logits2d.device)
         pbuf = torch.empty_like(xbuf) if g_h is not None else None
         if g_h is not None:
-            # -p (g_lp + g_h (log p + H)) = p (slope log p + offset): two passes, not four
+            # -p (g_lp + g_h (log p + H)) = p (slope log p + offset): 3 in-place passes, not 5
             slope = -g_h
             offset = -g_h * entropy - (0.0 if g_lp is None else g_lp)
         for a in range(0, n, c):
@@ -261,7 +261,9 @@ def vocab_parallel_logprobs(
     logits: [..., V/TP], this rank's vocabulary shard, any float dtype (computed in fp32).
     targets: [...], global token ids (the same on every TP rank).
     tp_group: the process group of the TP ranks; None means the logits hold the whole vocabulary.
-    chunk_size: tokens per chunk over the flattened leading dims (None: one pass, no recompute).
+    chunk_size: tokens per chunk over the flattened leading dims (None: one pass, no recompute;
+        64-256 was fastest on CPU at V/TP = 18992, see docs/performance.md). Contiguous logits
+        avoid a copy when the leading dims are flattened.
     Returns fp32 logprobs [...] (and fp32 entropy [...] when with_entropy), differentiable
     w.r.t. logits; every TP rank must call this with the same shapes, targets and options.
     """
