@@ -38,51 +38,15 @@ The caller's logits are never modified. Logits must be finite: the per-token res
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from megatron_ba.parallel.collectives import (
+    all_gather_stacked,
+    all_reduce_max_,
+    group_rank_and_size,
+    sum_over_tensor_parallel,
+)
 
 __all__ = ["vocab_parallel_logprobs"]
-
-
-# --- collectives --------------------------------------------------------------------------------
-# Every collective of this module, kept together: the standards want collectives in one module
-# (megatron_ba/parallel/collectives.py), which this branch does not have yet; move them there.
-
-
-def _tp_rank_and_size(tp_group) -> tuple[int, int]:
-    if tp_group is None:
-        return 0, 1
-    return dist.get_rank(group=tp_group), dist.get_world_size(group=tp_group)
-
-
-def _all_reduce_max_(t: torch.Tensor, tp_group) -> torch.Tensor:
-    """In place on a tensor this module owns; no gradient (a softmax is shift-invariant)."""
-    if tp_group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group)
-    return t
-
-
-class _SumOverTP(torch.autograd.Function):
-    """All-reduce SUM forward, identity backward: the loss downstream is replicated over TP ranks,
-    so d loss / d (this rank's summand) = d loss / d (the sum), which each rank already has."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, tp_group) -> torch.Tensor:
-        out = t.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=tp_group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-def _all_gather_stats(stats: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
-    """[k, T] per rank -> [TP, k, T], rank r's statistics in row r."""
-    if tp_group is None:
-        return stats.unsqueeze(0)
-    parts = [torch.empty_like(stats) for _ in range(tp_size)]
-    dist.all_gather(parts, stats.contiguous(), group=tp_group)
-    return torch.stack(parts)
 
 
 # --- input checks -------------------------------------------------------------------------------
@@ -135,14 +99,14 @@ def _check_finite(lse: torch.Tensor, *results: torch.Tensor) -> None:
 
 def _unchunked(x, local_t, in_shard, temperature, tp_group, with_entropy):
     x = x.float() / temperature  # new fp32 tensor (also when x is fp32): the input stays intact
-    m = _all_reduce_max_(x.detach().amax(dim=-1, keepdim=True), tp_group)
+    m = all_reduce_max_(x.detach().amax(dim=-1, keepdim=True), tp_group)
     xm = x - m
     e = xm.exp()
     z = torch.where(in_shard, xm.gather(-1, local_t.unsqueeze(-1)).squeeze(-1), 0.0)
     parts = [e.sum(-1), z] + ([(e * xm).sum(-1)] if with_entropy else [])
     stacked = torch.stack(parts)
     if tp_group is not None:
-        stacked = _SumOverTP.apply(stacked, tp_group)
+        stacked = sum_over_tensor_parallel(stacked, tp_group)
     s, z = stacked[0], stacked[1]
     log_s = s.log()
     logprobs = z - log_s
@@ -193,8 +157,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 s = x.exp_().sum(dim=1)
             lse_r[a:b] = m + s.log()
 
-        tp_size = _tp_rank_and_size(tp_group)[1]
-        gathered = _all_gather_stats(rank_stats, tp_group, tp_size)  # [TP, 3, n]
+        gathered = all_gather_stacked(rank_stats, tp_group)  # [TP, 3, n]
         lse = torch.logsumexp(gathered[:, 0], dim=0)
         logprobs = gathered[:, 2].sum(0) - lse
         if with_entropy:
@@ -267,7 +230,7 @@ def vocab_parallel_logprobs(
     Returns fp32 logprobs [...] (and fp32 entropy [...] when with_entropy), differentiable
     w.r.t. logits; every TP rank must call this with the same shapes, targets and options.
     """
-    tp_rank, tp_size = _tp_rank_and_size(tp_group)
+    tp_rank, tp_size = group_rank_and_size(tp_group)
     v_local = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else 0
     _check_inputs(logits, targets, temperature, chunk_size, v_local * tp_size)
     temperature = float(temperature)

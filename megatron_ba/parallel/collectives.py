@@ -8,6 +8,8 @@
 - `broadcast_from_last_stage`, `gather_context_parallel`: results of the last pipeline stage
   (log-probs) to every stage, and whole sequences from context-parallel shards.
 - `singleton_group`: a process group of this rank alone (a model that must not see CP).
+- `all_reduce_max_`, `sum_over_tensor_parallel`, `all_gather_stacked`: the vocab-parallel
+  log-softmax's three collectives over the TP group (megatron_ba.megatron.vocab_parallel).
 
 Process groups are arguments (no parallel_state lookups here), so the module is torch alone.
 Buffers live where the group's backend needs them (`comm_device`: the current CUDA device for
@@ -171,3 +173,49 @@ def broadcast_object_from_last_stage(obj, *, group):
     box = [obj]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, size - 1), group=group)
     return box[0]
+
+
+# --- the vocab-parallel log-softmax's collectives (megatron_ba.megatron.vocab_parallel) ---------
+
+
+def group_rank_and_size(group) -> tuple[int, int]:
+    """(rank, size) in `group`; (0, 1) for None (the tensor is not sharded)."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
+    """In-place MAX over `group` (None: unchanged). No gradient: used for a softmax's shift."""
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+class _SumOverTensorParallel(torch.autograd.Function):
+    """All-reduce SUM forward, identity backward: the loss downstream is replicated over the TP
+    ranks, so d loss / d (this rank's summand) = d loss / d (the sum), which each rank has."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        out = t.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over_tensor_parallel(t: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable SUM over the TP `group` (see _SumOverTensorParallel for the backward)."""
+    return _SumOverTensorParallel.apply(t, group)
+
+
+def all_gather_stacked(t: torch.Tensor, group) -> torch.Tensor:
+    """[...] per rank -> [size, ...], rank r's tensor in row r (None: a stack of one)."""
+    if group is None:
+        return t.unsqueeze(0)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group=group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.stack(parts)
