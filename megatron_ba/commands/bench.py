@@ -1,0 +1,37 @@
+"""`megatron-ba bench NAME [args]`: run a benchmark from benchmarks/ (docs/performance.md).
+
+    megatron-ba bench aggregation --help
+
+Benchmarks live in the source checkout's benchmarks/ folder (not in the installed package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+# name -> (module, help); a benchmark module exposes main(argv) -> int.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "aggregation": ("benchmarks.aggregation", "plan + apply balanced vs token-mean"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    listing = ", ".join(f"{k} ({h})" for k, (_, h) in BENCHMARKS.items())
+    p.add_argument("name", choices=sorted(BENCHMARKS), help=f"benchmark: {listing}")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+
+
+def run(args: argparse.Namespace) -> int:
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "benchmarks").is_dir():
+        print(
+            f"bench: no benchmarks/ folder beside {checkout / 'megatron_ba'}; run from a checkout"
+        )
+        return 2
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    module = importlib.import_module(BENCHMARKS[args.name][0])
+    return int(module.main(args.args) or 0)
