@@ -1,0 +1,188 @@
+"""A GRPO batch laid out for megatron-core's schedules: micro-batches, CP shards, label alignment.
+
+The public tensors are token-aligned (`logprobs[i, t]` is about `tokens[i, t]`); a causal LM's
+output at position p predicts token p + 1, so the loss inputs are shifted to be position-aligned
+before they are cut into micro-batches (rows) and context-parallel shards (positions, megatron-
+core's load-balanced layout: megatron_ba.parallel.layout). Sequences are right-padded to a
+multiple of 2 x CP; the padding is masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from megatron_ba.parallel.layout import cp_shard
+
+
+@dataclass(frozen=True)
+class GRPOBatch:
+    """This data-parallel rank's share of a global GRPO batch.
+
+    tokens: [N, S] prompt + response + right padding. response_mask: [N, S], True where the
+    token was generated. old_logprobs / ref_logprobs: [N, S] token-aligned (only masked
+    positions are read). advantages, group_ids (global, in [0, num_groups)): [N].
+    lengths: [N] whole-sequence response lengths; default (and required value): the mask sums.
+    """
+
+    tokens: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
+
+    def checked(self) -> GRPOBatch:
+        """A copy with bool mask and lengths filled in; ValueError naming what is wrong."""
+        n, s = shape2("tokens", self.tokens)
+        for name in ("response_mask", "old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (n, s):
+                raise ValueError(
+                    f"{name}: must have the shape of tokens {(n, s)}, got {tuple(t.shape)}"
+                )
+        if bool(self.response_mask[:, 0].any()):
+            raise ValueError(
+                "response_mask: position 0 cannot be a response token (nothing predicts it)"
+            )
+        counts = self.response_mask.sum(dim=1)
+        lengths = counts if self.lengths is None else self.lengths
+        if tuple(lengths.shape) != (n,) or bool((lengths.to(counts.dtype) != counts).any()):
+            raise ValueError(
+                "lengths: must be the whole-sequence response lengths, one per row and equal to "
+                "response_mask.sum(1) (never a context-parallel shard's)"
+            )
+        for name in ("advantages", "group_ids"):
+            if tuple(getattr(self, name).shape) != (n,):
+                raise ValueError(
+                    f"{name}: must be [N] with N={n}, got {tuple(getattr(self, name).shape)}"
+                )
+        return GRPOBatch(
+            self.tokens,
+            self.response_mask.bool(),
+            self.advantages,
+            self.group_ids,
+            self.old_logprobs,
+            self.ref_logprobs,
+            lengths,
+        )
+
+
+def shape2(name: str, t: torch.Tensor) -> tuple[int, int]:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError(f"{name}: must be a 2-D [N, S] tensor, got {getattr(t, 'shape', type(t))}")
+    return int(t.shape[0]), int(t.shape[1])
+
+
+def label_aligned(x: torch.Tensor, fill) -> torch.Tensor:
+    """Token-aligned [N, S] -> position-aligned: entry p is about token p + 1 (what p predicts)."""
+    out = torch.full_like(x, fill)
+    out[:, :-1] = x[:, 1:]
+    return out
+
+
+def pad_to(x: torch.Tensor, length: int, fill) -> torch.Tensor:
+    if x.shape[1] == length:
+        return x
+    pad = torch.full((x.shape[0], length - x.shape[1]), fill, dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+def microbatch_slices(n: int, m: int) -> list[slice]:
+    """m equal, contiguous row ranges (the pipeline schedules need equal micro-batches)."""
+    if not (isinstance(m, int) and m >= 1) or n % m:
+        raise ValueError(
+            f"num_microbatches: must be an integer >= 1 dividing this rank's {n} sequences (the "
+            f"pipeline schedules need equal micro-batches), got {m!r}"
+        )
+    b = n // m
+    return [slice(i * b, (i + 1) * b) for i in range(m)]
+
+
+@dataclass(frozen=True)
+class CPView:
+    """How this rank sees sequences: CP size and rank, and where CP is applied."""
+
+    cp: int = 1
+    rank: int = 0
+    mode: str = "loss"  # "model": the model gets CP shards; "loss": whole sequences, shard logits
+    causal_mask: bool = True  # pass an explicit causal mask (local attention, whole sequences)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        return cp_shard(x, cp=self.cp, rank=self.rank, dim=1)
+
+    def padded_length(self, s: int) -> int:
+        return -(-s // (2 * self.cp)) * (2 * self.cp) if self.cp > 1 else s
+
+    def logits_for_loss(self, output: torch.Tensor) -> torch.Tensor:
+        # GPTModel returns [b, s, V/TP] when no labels are given; in "loss" mode s is the whole
+        # sequence and this rank keeps its CP positions.
+        return self.shard(output) if self.mode == "loss" else output
+
+
+def model_inputs(tokens: torch.Tensor, view: CPView):
+    """(input_ids, position_ids, attention_mask) for whole [b, S_pad] tokens."""
+    b, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).expand(b, s)
+    if view.mode == "model":
+        tokens, positions = view.shard(tokens), view.shard(positions)
+    attn = None
+    if view.causal_mask:  # True = masked out; whole sequences only (local attention)
+        attn = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), 1)[None, None]
+    return tokens, positions.contiguous(), attn
+
+
+def prepare_microbatches(
+    batch: GRPOBatch, view: CPView, num_microbatches: int
+) -> tuple[list[dict], int, int]:
+    """(micro-batch dicts, seq_length, micro_batch_size) for the schedule.
+
+    Each dict holds the model inputs and this CP rank's position-aligned loss inputs: `targets`,
+    `mask`, `old` (and `ref`), plus `rows` (its slice of the batch, for LossPlan.select).
+    """
+    n, s = batch.tokens.shape
+    s_pad = view.padded_length(s)
+    tokens = pad_to(batch.tokens.long(), s_pad, 0)
+    per_pos = {
+        "targets": label_aligned(tokens, 0),
+        "mask": label_aligned(pad_to(batch.response_mask, s_pad, False), False),
+        "old": label_aligned(pad_to(batch.old_logprobs.float(), s_pad, 0.0), 0.0),
+    }
+    if batch.ref_logprobs is not None:
+        per_pos["ref"] = label_aligned(pad_to(batch.ref_logprobs.float(), s_pad, 0.0), 0.0)
+    per_pos = {k: view.shard(v) for k, v in per_pos.items()}
+    data = []
+    for sl in microbatch_slices(n, num_microbatches):
+        ids, pos, attn = model_inputs(tokens[sl], view)
+        mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn, "rows": sl}
+        mb.update({k: v[sl] for k, v in per_pos.items()})
+        data.append(mb)
+    # The schedule's p2p shape is (seq_length // CP, mbs, hidden) (schedules.get_tensor_shapes):
+    # in "loss" mode the activations are whole sequences, so announce S_pad x CP.
+    seq_len = s_pad * view.cp if view.mode == "loss" else s_pad
+    return data, seq_len, n // num_microbatches
+
+
+def run_schedule(
+    chunks, data: list[dict], seq_len: int, mbs: int, *, forward_only: bool, loss_func
+):
+    """megatron-core's get_forward_backward_func() over `data`; loss_func(mb, output)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"])
+        return out, partial(loss_func, mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(data),
+        model=chunks,
+        num_microbatches=len(data),
+        seq_length=seq_len,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )

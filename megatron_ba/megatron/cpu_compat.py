@@ -1,0 +1,100 @@
+"""CPU/gloo shims for megatron-core: only CPU runs import this module.
+
+megatron-core assumes CUDA in a few places that the CPU test runs (gloo process groups, torch CPU
+build) reach. `install()` patches exactly those places and nothing else; it is idempotent and
+returns the names of the shims it installed the first time (an empty list afterwards):
+
+1. `torch.cuda.current_device()` returns "cpu": megatron-core uses it as the device of buffers
+   (DDP grad buffers, GlobalMemoryBuffer, p2p shape exchange, attention scratch).
+2. `megatron.core.pipeline_parallel.schedules` sees a `torch` whose `zeros(..., device="cuda")`
+   allocates on the CPU: the three forward_backward_* functions create their `total_num_tokens`
+   counter that way (0.16.1, schedules.py, forward_backward_no_pipelining and both pipelined
+   schedules). Only that module's view of torch changes.
+
+Two more CPU needs are not patches, so callers apply them (megatron_ba.megatron.model does):
+
+3. RNG: `seed_model_parallel_rng(seed)` calls megatron-core's
+   `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`, whose tracker never
+   touches CUDA generators (the default tracker calls torch.cuda.manual_seed and
+   torch.cuda.get_rng_state). Call it after `initialize_model_parallel`.
+4. `TransformerConfig(batch_p2p_sync=False)`: the batched p2p path otherwise calls
+   torch.cuda.synchronize(); see `CPU_CONFIG_OVERRIDES`.
+
+The causal attention mask is passed explicitly by megatron_ba.megatron.grpo_step, which avoids
+megatron-core's `get_default_causal_mask` (it allocates on "cuda"); that works on GPUs too.
+Nothing here is needed (or wanted) on a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+# TransformerConfig fields a CPU run must set (merged by megatron_ba.megatron.model on CPU).
+CPU_CONFIG_OVERRIDES: dict[str, Any] = {
+    "batch_p2p_sync": False,
+    "use_cpu_initialization": True,
+    # Fusions are CUDA kernels (or need Apex/TE); their unfused paths are plain torch.
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "persist_layer_norm": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+}
+
+_ORIGINAL_CURRENT_DEVICE = torch.cuda.current_device
+_installed: list[str] = []
+
+
+def _cpu_current_device() -> str:
+    return "cpu"
+
+
+class _TorchWithCpuZeros(types.SimpleNamespace):
+    """torch as seen by megatron-core's schedules module: `zeros(device="cuda")` lands on CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+def install() -> list[str]:
+    """Install the CPU shims (idempotent). Returns the shims installed by this call."""
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "megatron_ba.megatron.cpu_compat: CUDA is available; these shims are for CPU-only "
+            "runs and would route megatron-core's CUDA buffers to the CPU"
+        )
+    done: list[str] = []
+    if torch.cuda.current_device is not _cpu_current_device:
+        torch.cuda.current_device = _cpu_current_device
+        done.append("torch.cuda.current_device")
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _TorchWithCpuZeros):
+        schedules.torch = _TorchWithCpuZeros()
+        done.append("schedules.torch.zeros")
+    _installed.extend(done)
+    return done
+
+
+def installed() -> list[str]:
+    """The shims installed in this process so far."""
+    return list(_installed)
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """megatron-core's model-parallel RNG set-up without CUDA generators (shim 3)."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    torch.manual_seed(seed)

@@ -1,0 +1,321 @@
+"""The GRPO step on megatron-core's schedules: forward/backward and forward-only log-probs.
+
+After torch.distributed and `parallel_state.initialize_model_parallel(tp, pp,
+context_parallel_size=cp)`, with `chunks = model.build_model_chunks(spec)` on every rank:
+
+    old, _ = compute_logprobs(chunks, tokens, num_microbatches=4)       # [N, S] on every rank
+    batch = GRPOBatch(tokens, response_mask, advantages, group_ids, old)  # batching.GRPOBatch
+    cfg = StepConfig(num_groups=prompts_per_global_batch, num_microbatches=4, rule="balanced")
+    result = forward_backward(chunks, batch, cfg)   # finalised gradients in param.main_grad
+    applied, grad_norm = optimizer.step()           # optimizer.ShardedAdamW(chunks, lr=...)
+
+Every TP, PP and CP rank of a data-parallel rank passes the same batch: that DP rank's sequences,
+whole (this module cuts the CP shards). Group ids are global in [0, num_groups); a group may span
+DP ranks. Layout of the tensors: megatron_ba.megatron.batching.
+
+Exactness: the loss plan (per-sequence weights) is built once per global batch from whole-sequence
+statistics summed over the DP group by one all-reduce (collectives.StatisticsReducer), on the ranks
+that compute the loss (the last pipeline stage). Each micro-batch and CP shard then contributes
+its exact share L_part of the global loss, multiplied by `scaling.loss_scale` to cancel the
+schedule's 1/num_microbatches and DDP's 1/(DP x CP) (or finalize_model_grads' 1/num_tokens under
+`calculate_per_token_loss`), so the finalised gradient is d(global loss)/d(theta).
+
+Context parallelism, `StepConfig.cp_mode`:
+  * "model": the model runs CP attention (Transformer Engine, GPUs) on the load-balanced shards.
+  * "loss" (default without CUDA): megatron-core's attention cannot run CP on CPU, so the model
+    sees whole sequences and the logits are sharded the same way before the loss. Parallel state,
+    schedules, DDP and the statistics reduction all run with the real CP size; build the model
+    with `model.model_pg_collection_without_cp()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.megatron import scaling
+from megatron_ba.megatron.batching import (
+    CPView,
+    GRPOBatch,
+    prepare_microbatches,
+    run_schedule,
+    shape2,
+)
+from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
+from megatron_ba.parallel import collectives
+
+__all__ = ["GRPOBatch", "StepConfig", "StepResult", "compute_logprobs", "forward_backward"]
+
+CP_MODES = ("model", "loss")
+NORMALIZATIONS = ("plan", "per_microbatch")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How one GRPO step aggregates and splits its batch."""
+
+    num_groups: int  # global number of prompt groups (group ids lie in [0, num_groups))
+    num_microbatches: int = 1  # per DP rank; must divide the rank's number of sequences
+    rule: str = "balanced"
+    scope: str = "group"
+    reg_rule: str = "token"
+    reg_scope: str = "batch"
+    max_length: int | None = None  # dr_grpo's generation budget
+    neutral_eps: float = 0.0
+    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    temperature: float = 1.0  # the sampler's: logits are divided by it before the softmax
+    logprob_chunk_size: int | None = None  # tokens per chunk of the vocab-parallel log-softmax
+    cp_mode: str | None = None  # "model" | "loss"; default "loss" without CUDA, else "model"
+    explicit_causal_mask: bool | None = None  # default: True without CUDA (local attention)
+    # Testing only. "per_microbatch": each micro-batch's token mean, averaged by megatron-core
+    # (NeMo-Aligner's normalisation), wrong on purpose: the layout check's negative control.
+    normalization: str = "plan"
+    # Testing only: cancel the scaling of this megatron-core version instead of the installed one.
+    assume_megatron_version: tuple[int, int] | None = None
+
+
+@dataclass
+class StepResult:
+    """Global metrics of a step (summed over micro-batches, DP and CP; on every rank)."""
+
+    loss: float
+    metrics: dict[str, float]  # `*_sum` additive totals; `*_frac`, `ratio_mean` global means
+    reducer_calls: int  # statistics all-reduces this rank made (1 on the last stage, else 0)
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def _cp_view(cp_mode: str | None, explicit_causal_mask: bool | None) -> CPView:
+    cuda = torch.cuda.is_available()
+    mode = cp_mode or ("model" if cuda else "loss")
+    if mode not in CP_MODES:
+        raise ValueError(f"cp_mode: unknown value {mode!r}; expected one of {', '.join(CP_MODES)}")
+    mask = (not cuda) if explicit_causal_mask is None else explicit_causal_mask
+    ps = _ps()
+    cp = ps.get_context_parallel_world_size()
+    if mask and mode == "model" and cp > 1:
+        raise ValueError("explicit_causal_mask: a whole-sequence mask cannot go with CP shards")
+    return CPView(cp=cp, rank=ps.get_context_parallel_rank(), mode=mode, causal_mask=mask)
+
+
+def _logprobs(output, mb, view: CPView, *, temperature, chunk_size, with_entropy):
+    ps = _ps()
+    tp_group = ps.get_tensor_model_parallel_group()
+    out = vocab_parallel_logprobs(
+        view.logits_for_loss(output),
+        mb["targets"],
+        tp_group=tp_group if ps.get_tensor_model_parallel_world_size() > 1 else None,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )
+    return out if with_entropy else (out, None)
+
+
+def forward_backward(
+    chunks: list[torch.nn.Module],
+    batch: GRPOBatch,
+    cfg: StepConfig,
+    *,
+    reducer: collectives.StatisticsReducer | None = None,
+) -> StepResult:
+    """One forward/backward of the GRPO loss over this rank's batch; gradients finalised.
+
+    Zeroes the DDP gradient buffers, builds the loss plan (one DP all-reduce, last stage only),
+    runs the schedule (which calls megatron-core's finalize_model_grads: DP/CP all-reduce,
+    TP-replicated and embedding gradients) and returns the global loss and metrics on every rank.
+    `reducer` defaults to a StatisticsReducer over the DP group; pass one to count its calls.
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    if cfg.normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization: unknown value {cfg.normalization!r}")
+    batch = batch.checked()
+    view = _cp_view(cfg.cp_mode, cfg.explicit_causal_mask)
+    ps = _ps()
+    config = get_model_config(chunks[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    if len(chunks) == 1 and hasattr(chunks[0], "no_sync"):
+        config.no_sync_func = chunks[0].no_sync
+    for chunk in chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+        else:
+            chunk.zero_grad(set_to_none=False)
+    last = ps.is_pipeline_last_stage()
+    plan = None
+    if last:  # the loss, hence the plan, exists on the last pipeline stage only
+        if reducer is None:
+            reducer = collectives.StatisticsReducer(ps.get_data_parallel_group())
+        plan = LossPlan.build(
+            cfg.rule,
+            batch.lengths,
+            batch.advantages,
+            batch.group_ids,
+            scope=cfg.scope,
+            reg_rule=cfg.reg_rule,
+            reg_scope=cfg.reg_scope,
+            max_length=cfg.max_length,
+            neutral_eps=cfg.neutral_eps,
+            reduce=reducer,
+            num_groups=cfg.num_groups,
+        )
+    data, seq_len, mbs = prepare_microbatches(batch, view, cfg.num_microbatches)
+    dp, cp = ps.get_data_parallel_world_size(), view.cp
+    factor = scaling.loss_scale(
+        len(data),
+        dp,
+        cp,
+        per_token_loss=bool(config.calculate_per_token_loss),
+        version=cfg.assume_megatron_version,
+    )
+    with_entropy = cfg.loss.entropy_coef > 0
+    one = torch.ones((), dtype=torch.int)
+
+    def loss_func(mb, output):
+        logp, ent = _logprobs(
+            output,
+            mb,
+            view,
+            temperature=cfg.temperature,
+            chunk_size=cfg.logprob_chunk_size,
+            with_entropy=with_entropy,
+        )
+        if cfg.normalization == "per_microbatch":
+            part = _per_microbatch_loss(logp, mb, batch, cfg.loss)
+            return part, one, {"loss_sum": part.detach() / (len(data) * dp)}
+        part, metrics = grpo_loss(
+            logp,
+            mb["old"],
+            mb["mask"],
+            plan.select(mb["rows"]),
+            cfg.loss,
+            ref_logprobs=mb.get("ref"),
+            entropy=ent,
+        )
+        # `part` is this micro-batch's (and CP shard's) exact share of the global loss. The
+        # factor cancels megatron-core's scaling (scaling.py names the lines in schedules.py,
+        # distributed_data_parallel.py and finalize_model_grads.py); num_tokens = 1 per
+        # micro-batch makes every divisor megatron-core applies a count known in advance.
+        return part * factor, one, _additive(part, metrics)
+
+    store = run_schedule(chunks, data, seq_len, mbs, forward_only=False, loss_func=loss_func)
+    return _global_result(store, last, reducer)
+
+
+def _per_microbatch_loss(logp, mb, batch: GRPOBatch, loss: GRPOLossConfig) -> torch.Tensor:
+    """NeMo-Aligner's normalisation: a token mean inside the micro-batch (the negative control)."""
+    valid = mb["mask"]
+    adv = batch.advantages[mb["rows"]].to(logp.dtype)[:, None].expand_as(logp)
+    ratio = torch.where(valid, logp - mb["old"], torch.zeros_like(logp)).exp()
+    clipped = ratio.clamp(1 - loss.clip_low, 1 + loss.clip_high)
+    phi = torch.minimum(ratio * adv, clipped * adv)
+    return -torch.where(valid, phi, torch.zeros_like(phi)).sum() / valid.sum().clamp(min=1)
+
+
+def _additive(part: torch.Tensor, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Metrics that add up over parts: sums, and per-part fractions turned into counts."""
+    out = {"loss_sum": part.detach()}
+    n = metrics["num_tokens_sum"]
+    for k, v in metrics.items():
+        if k.endswith("_sum"):
+            out[k] = v
+        elif k.endswith("_frac") or k == "ratio_mean":
+            out[k + "_sum"] = v * n
+        elif k in ("kl", "entropy", "pg_loss"):
+            out[k + "_sum"] = v
+    return out
+
+
+def _global_result(store, last: bool, reducer) -> StepResult:
+    """Per-micro-batch metrics summed over DP x CP on the last stage, then sent to every stage."""
+    ps = _ps()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    keys = collectives.broadcast_object_from_last_stage(
+        sorted(store[0]) if last and store else [], group=pp_group
+    )
+    local = torch.zeros(len(keys), dtype=torch.float64)
+    if last:
+        for d in store:
+            local += torch.stack([d[k].detach().double().reshape(()) for k in keys])
+        local = collectives.all_reduce_sum(
+            local, group=ps.get_data_parallel_group(with_context_parallel=True)
+        )
+    total = collectives.broadcast_from_last_stage(
+        local, shape=local.shape, dtype=local.dtype, group=pp_group
+    )
+    metrics = {k: float(v) for k, v in zip(keys, total.tolist(), strict=True)}
+    n = metrics.get("num_tokens_sum", 0.0)
+    for k in list(metrics):
+        if (k.endswith("_frac_sum") or k == "ratio_mean_sum") and n > 0:
+            metrics[k[: -len("_sum")]] = metrics[k] / n
+    calls = reducer.calls if (last and reducer is not None) else 0
+    return StepResult(loss=metrics.get("loss_sum", 0.0), metrics=metrics, reducer_calls=calls)
+
+
+@torch.no_grad()
+def compute_logprobs(
+    chunks: list[torch.nn.Module],
+    tokens: torch.Tensor,
+    *,
+    num_microbatches: int = 1,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None = None,
+    cp_mode: str | None = None,
+    explicit_causal_mask: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropy) of `tokens` under the model, through the same schedule.
+
+    Returns token-aligned fp32 [N, S] tensors (position 0 is 0: nothing predicts it) on every
+    TP, PP and CP rank of this DP rank: the old or reference log-probs of a GRPO step.
+    """
+    n, s = shape2("tokens", tokens)
+    view = _cp_view(cp_mode, explicit_causal_mask)
+    ps = _ps()
+    no_response = torch.zeros_like(tokens, dtype=torch.bool)
+    dummy = GRPOBatch(
+        tokens, no_response, torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, s)
+    )
+    data, seq_len, mbs = prepare_microbatches(dummy, view, num_microbatches)
+
+    def loss_func(mb, output):
+        logp, ent = _logprobs(
+            output,
+            mb,
+            view,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
+        res = {"logprobs": logp} if ent is None else {"logprobs": logp, "entropy": ent}
+        return torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.int), res
+
+    store = run_schedule(chunks, data, seq_len, mbs, forward_only=True, loss_func=loss_func)
+    last = ps.is_pipeline_last_stage()
+    outs = []
+    for key in ("logprobs", "entropy") if with_entropy else ("logprobs",):
+        full = None
+        if last:
+            part = torch.cat([d[key].float() for d in store], dim=0)  # [N, S_pad / CP]
+            whole = collectives.gather_context_parallel(
+                part, dim=1, group=ps.get_context_parallel_group()
+            )
+            full = torch.zeros(n, s, dtype=torch.float32)
+            full[:, 1:] = whole[:, : s - 1]  # position p predicts token p + 1
+        outs.append(
+            collectives.broadcast_from_last_stage(
+                full,
+                shape=(n, s),
+                dtype=torch.float32,
+                group=ps.get_pipeline_model_parallel_group(),
+            )
+        )
+    return outs[0], (outs[1] if with_entropy else None)

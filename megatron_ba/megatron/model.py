@@ -1,0 +1,381 @@
+"""A Qwen2-shaped megatron-core GPTModel, and full-shape weights in and out of its shards.
+
+    spec = Qwen2Spec(vocab_size=..., hidden_size=..., num_layers=..., num_attention_heads=...,
+                     num_query_groups=..., ffn_hidden_size=...)
+    # after torch.distributed and parallel_state.initialize_model_parallel(tp, pp, ...)
+    chunks = build_model_chunks(spec)                # [DDP(GPTModel)] for this rank's stage
+    load_full_state_dict(chunks, full_init_state_dict(spec, seed=0))  # same weights, any layout
+    full = gather_full_state_dict(chunks)            # {megatron TP=1/PP=1 name: full tensor}
+    grads = gather_full_state_dict(chunks, grads=True)
+
+The architecture is Qwen2's: RMSNorm, SwiGLU MLP without biases, RoPE (theta `rope_theta`, not
+interleaved), grouped-query attention with a bias on the fused QKV projection, untied output layer.
+It is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine), so it runs
+on CPU with megatron_ba.megatron.cpu_compat installed.
+
+Full-shape state dicts use megatron-core's own names at TP=1 / PP=1 (`embedding.word_embeddings.
+weight`, `decoder.layers.{i}.self_attention.linear_qkv.weight`, ..., `output_layer.weight`), with
+global layer numbers and megatron's fused layouts (QKV rows grouped per query group: for each
+group, its q heads then one k and one v head; `linear_fc1` = [gate; up]). Converting these names
+and layouts to Hugging Face Qwen2 is the caller's business. Every rank may call the gather; every
+rank gets the whole dict (CPU tensors).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_ba.parallel import collectives
+from megatron_ba.parallel.layout import tp_shard
+
+
+@dataclass(frozen=True)
+class Qwen2Spec:
+    """The shape of a Qwen2 model (field names follow megatron-core where they overlap)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    init_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "ffn_hidden_size",
+            "max_position_embeddings",
+        ):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size: {self.hidden_size} must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups: {self.num_query_groups} must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """ValueError naming what does not divide, for a TP x PP layout of this model."""
+        problems = []
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) % tp:
+                problems.append(f"{name}={getattr(self, name)} is not a multiple of tp={tp}")
+        if self.num_layers % pp:
+            problems.append(f"num_layers={self.num_layers} is not a multiple of pp={pp}")
+        if problems:
+            raise ValueError("layout: " + "; ".join(problems))
+
+
+def tiny_qwen2_spec(**changes: Any) -> Qwen2Spec:
+    """A Qwen2-shaped model small enough for multi-process CPU tests (~60k parameters).
+
+    head_dim 16, 4 query heads in 2 groups: TP=2 splits both; 4 layers: PP=2 (or 4) splits them.
+    """
+    base = dict(
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=4,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        max_position_embeddings=256,
+        rope_theta=10_000.0,
+    )
+    base.update(changes)
+    return Qwen2Spec(**base)
+
+
+def transformer_config(spec: Qwen2Spec, *, cpu: bool | None = None, **overrides: Any):
+    """megatron-core TransformerConfig of `spec` for the parallel layout now initialised."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    spec.check_layout(tp, pp)
+    kwargs: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=spec.init_std,
+        params_dtype=spec.params_dtype,
+        pipeline_dtype=spec.params_dtype,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        # The model never runs CP attention itself here: under CP the caller either shards the
+        # inputs for a CP-capable attention (Transformer Engine, GPU) or checks CP at the loss.
+        context_parallel_size=1,
+        sequence_parallel=False,
+    )
+    if cpu:
+        from megatron_ba.megatron import cpu_compat
+
+        cpu_compat.install()
+        kwargs.update(cpu_compat.CPU_CONFIG_OVERRIDES)
+    kwargs.update(spec.config_overrides)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(spec: Qwen2Spec, config=None, *, pg_collection=None, vp_stage=None):
+    """This rank's pipeline stage of the model (not wrapped in DDP)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = config if config is not None else transformer_config(spec)
+    kwargs: dict[str, Any] = {}
+    if pg_collection is not None:  # megatron-core >= 0.14 only
+        kwargs["pg_collection"] = pg_collection
+    if vp_stage is not None:
+        kwargs["vp_stage"] = vp_stage
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,  # logits stay vocab-sharded: log-probs are vocab-parallel
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+        **kwargs,
+    )
+
+
+def build_model_chunks(
+    spec: Qwen2Spec,
+    *,
+    ddp: bool = True,
+    config=None,
+    pg_collection=None,
+    ddp_config_overrides: dict[str, Any] | None = None,
+) -> list[torch.nn.Module]:
+    """[model] for this rank, wrapped in megatron-core's DistributedDataParallel by default.
+
+    A list because megatron-core's schedules take model chunks (one per virtual pipeline stage;
+    this builder makes one). DDP keeps gradients in `param.main_grad` and reduces them over the
+    data(-and-context)-parallel group in `finalize_model_grads`; the schedule sets that up via
+    `config.finalize_model_grads_func` (megatron_ba.megatron.grpo_step does).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    config = config if config is not None else transformer_config(spec)
+    model = build_gpt_model(spec, config, pg_collection=pg_collection)
+    if not ddp:
+        return [model]
+    ddp_kwargs: dict[str, Any] = dict(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+    )
+    ddp_kwargs.update(ddp_config_overrides or {})
+    wrapped = DistributedDataParallel(
+        config=config, ddp_config=DistributedDataParallelConfig(**ddp_kwargs), module=model
+    )
+    return [wrapped]
+
+
+def model_pg_collection_without_cp():
+    """Process groups for a model that sees whole sequences while parallel_state has CP > 1.
+
+    megatron-core's attention cannot run context parallelism on CPU (it needs Transformer
+    Engine), so CPU checks of CP run the model on whole sequences and shard at the loss
+    (grpo_step's cp_mode="loss"). The model must then not slice its rotary embedding by CP rank:
+    it gets megatron-core's default groups with `cp` replaced by a group of this rank alone.
+    Returns None when CP is 1 (use the defaults). Collective: every rank calls it.
+    megatron-core >= 0.14 (models take `pg_collection`).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    pgs.cp = collectives.singleton_group()
+    return pgs
+
+
+# ---------------------------------------------------------------------------------------------
+# Full-shape weights: deterministic initialisation, loading into shards, gathering back.
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def full_parameter_shapes(spec: Qwen2Spec) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the unsharded (TP=1, PP=1) model."""
+    h, f, v = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
+    qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (v, h)}
+    for i in range(spec.num_layers):
+        p = f"decoder.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
+        if spec.qkv_bias:
+            shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
+        shapes[p + "self_attention.linear_proj.weight"] = (
+            h,
+            spec.num_attention_heads * spec.head_dim,
+        )
+        shapes[p + "pre_mlp_layernorm.weight"] = (h,)
+        shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+    shapes["decoder.final_layernorm.weight"] = (h,)
+    shapes["output_layer.weight"] = (v, h)
+    return shapes
+
+
+def full_init_state_dict(spec: Qwen2Spec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic full-shape weights: N(0, init_std) matrices, norms near 1, small biases.
+
+    Norm weights and biases are perturbed (not 1 / 0) so that a gradient check sees every
+    parameter's gradient path, including the ones a constant initialisation would hide.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in full_parameter_shapes(spec).items():
+        if name.endswith("layernorm.weight"):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+        elif name.endswith(".bias"):
+            t = 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
+        else:
+            t = spec.init_std * torch.randn(shape, generator=g, dtype=torch.float64)
+        out[name] = t.to(spec.params_dtype)
+    return out
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def local_to_full_names(chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.nn.Parameter, str]]:
+    """Full (global) name -> (local parameter, local name) for this rank's chunks."""
+    out: dict[str, tuple[torch.nn.Parameter, str]] = {}
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        layers = model.decoder.layers if hasattr(model, "decoder") else []
+        for local_name, param in model.named_parameters():
+            name = local_name
+            m = _LAYER.match(local_name)
+            if m:  # local index -> global layer number (1-based in megatron-core)
+                global_index = layers[int(m.group(1))].layer_number - 1
+                name = f"decoder.layers.{global_index}." + local_name[m.end() :]
+            out[name] = (param, local_name)
+    return out
+
+
+def _tp_layout(param: torch.nn.Parameter) -> tuple[bool, int, int]:
+    sharded = bool(getattr(param, "tensor_model_parallel", False))
+    return (
+        sharded,
+        int(getattr(param, "partition_dim", 0)),
+        int(getattr(param, "partition_stride", 1)),
+    )
+
+
+@torch.no_grad()
+def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Copy a full-shape (TP=1, PP=1 names) state dict into this rank's shards.
+
+    Every parameter this rank holds must be in `full` with the full shape (ValueError
+    otherwise); entries for other pipeline stages are ignored.
+    """
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for name, (param, _) in local_to_full_names(chunks).items():
+        if name not in full:
+            raise ValueError(f"full: missing parameter {name!r}")
+        src = full[name]
+        sharded, dim, stride = _tp_layout(param)
+        piece = tp_shard(src, dim=dim, stride=stride, rank=rank, size=tp) if sharded else src
+        if piece.shape != param.shape:
+            raise ValueError(
+                f"full: {name!r} has shape {tuple(src.shape)}, which does not shard to this "
+                f"rank's {tuple(param.shape)} (tp={tp}, dim={dim}, stride={stride})"
+            )
+        param.copy_(piece.to(param.dtype))
+
+
+def gather_full_state_dict(
+    chunks: list[torch.nn.Module], *, grads: bool = False
+) -> dict[str, torch.Tensor]:
+    """The full-shape (TP=1, PP=1 names) parameters, or their gradients, on every rank.
+
+    A collective over the tensor- and pipeline-parallel groups: every rank of them must call it.
+    Gradients are read from `main_grad` (megatron-core DDP) or `.grad`; call it after the
+    schedule's `finalize_model_grads` to see the data-parallel-reduced gradient. Tensors come
+    back as float32/float64 CPU copies in the parameters' dtype.
+    """
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    local: dict[str, torch.Tensor] = {}
+    for name, (param, _) in local_to_full_names(chunks).items():
+        if grads:
+            t = getattr(param, "main_grad", None)
+            if t is None:
+                t = param.grad
+            if t is None:
+                t = torch.zeros_like(param)
+        else:
+            t = param
+        t = t.detach()
+        sharded, dim, stride = _tp_layout(param)
+        if sharded:
+            t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
+        local[name] = t.to(param.dtype).clone()  # a copy: buffers change at the next step
+    merged = collectives.gather_pipeline_stages(local, group=pp_group)
+    return {k: v.cpu() for k, v in sorted(merged.items(), key=lambda kv: _order(kv[0]))}
+
+
+def _order(name: str) -> tuple[int, int, str]:
+    m = _LAYER.match(name)
+    if name.startswith("embedding."):
+        return (0, 0, name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (2, 0, name)

@@ -1,0 +1,107 @@
+"""The optimiser step of a GRPO step: global-norm clipping and torch AdamW over the shards.
+
+    optimizer = ShardedAdamW(chunks, lr=1e-6, weight_decay=0.0, clip_grad=1.0)    # once
+    result = forward_backward(chunks, batch, cfg)      # megatron_ba.megatron.grpo_step
+    applied, grad_norm = optimizer.step()              # clip by the global norm, AdamW step
+
+`forward_backward` leaves the finalised gradient in each parameter's `main_grad` (megatron-core
+DDP: reduced over DP x CP with our loss scale cancelling DDP's averaging; layer-norm and embedding
+gradients synchronised by megatron-core's `finalize_model_grads`). This step then does what
+megatron-core's FP32Optimizer does, in plain torch so that it runs on CPU (megatron-core 0.16.1's
+optimiser allocates `device='cuda'` tensors in FP32Optimizer.__init__ and in
+optimizer/clip_grads.py, so it cannot):
+
+1. `.grad = main_grad` for every parameter of this rank;
+2. the global gradient norm: squares summed over this rank's parameters, counting a parameter
+   that is replicated across tensor-parallel ranks (norm weights, row-parallel biases) on TP rank
+   0 only (megatron-core's `param_is_not_tensor_parallel_duplicate`), then a SUM over the
+   model-parallel group (TP x PP). DP and CP ranks hold the same reduced gradient;
+3. clipping by `clip_grad / (norm + 1e-6)` when the norm exceeds `clip_grad` (megatron-core's
+   clip_grad_by_total_norm_fp32 factor); a non-finite norm skips the step;
+4. torch.optim.AdamW on the shards (element-wise, so sharding does not change it).
+
+The clip threshold applies to the norm of the global objective's gradient, the same under every
+layout. Parameters must be fp32 (mixed precision keeps fp32 master copies: use megatron-core's
+optimiser on GPUs for that).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_ba.parallel import collectives
+
+
+class ShardedAdamW:
+    """AdamW on this rank's parameter shards with megatron-style global-norm clipping."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        clip_grad: float = 1.0,
+    ) -> None:
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"lr: must be a finite number > 0, got {lr!r}")
+        if not (clip_grad >= 0):
+            raise ValueError(f"clip_grad: must be >= 0 (0 disables clipping), got {clip_grad!r}")
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        bad = [p.dtype for p in self.params if p.dtype != torch.float32]
+        if bad:
+            raise ValueError(f"chunks: ShardedAdamW needs fp32 parameters, got {bad[0]}")
+        self.clip_grad = float(clip_grad)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+
+    def grad_norm(self) -> float:
+        """The L2 norm of the whole model's gradient (a collective over TP x PP)."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+                sq += p.grad.detach().double().pow(2).sum().cpu()
+        group = parallel_state.get_model_parallel_group()
+        return math.sqrt(float(collectives.all_reduce_sum(sq, group=group)))
+
+    def step(self) -> tuple[bool, float]:
+        """Clip and step; returns (applied, norm of the gradient before clipping)."""
+        for p in self.params:
+            main = getattr(p, "main_grad", None)
+            if main is not None:
+                p.grad = main.to(p.dtype)
+        norm = self.grad_norm()
+        if not math.isfinite(norm):
+            self.zero_grad()
+            return False, norm
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            factor = self.clip_grad / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        self.optimizer.step()
+        self.zero_grad()
+        return True, norm
+
+    def zero_grad(self) -> None:
+        # main_grad buffers are zeroed by forward_backward (DDP.zero_grad_buffer); `.grad` is a
+        # view of them or a copy, dropped here.
+        for p in self.params:
+            p.grad = None
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
