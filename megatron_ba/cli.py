@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.plan",
         "show the per-sequence weights of every aggregation rule for a small GRPO batch",
     ),
+    "train": (
+        "megatron_ba.commands.train",
+        "run GRPO from a recipe (the CPU main job: recipes/tiny-cpu.yaml)",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",

@@ -148,7 +148,11 @@ class BuiltinSampler:
             if bool(done.all()):
                 break
         samples = [
-            Sample(ids, self.decode([t for t in ids if t != self.eos]), bool(ids and ids[-1] == self.eos))
+            Sample(
+                ids,
+                self.decode([t for t in ids if t != self.eos]),
+                bool(ids and ids[-1] == self.eos),
+            )
             for ids in out
         ]
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]

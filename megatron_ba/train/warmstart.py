@@ -4,8 +4,9 @@ GRPO needs a policy that is right some of the time. The warm start trains a fres
 model (transformers, plain torch: it is a preparation step, the GRPO policy itself runs on
 megatron-core) on the task's mixture of correct and sloppy solutions, then saves it as a Hugging
 Face model directory that both vLLM and the megatron policy load. The result is cached under
-`<cache>/warmstart-<hash>/` so that runs of one recipe (the rules of `megatron-ba compare`, a resumed
-run) share it; the hash covers the task, tokenizer, model shape, warm-start settings and seed.
+`<cache>/warmstart-<hash>/` so that runs of one recipe (the rules of `megatron-ba compare`, a
+resumed run) share it; the hash covers the task, tokenizer, model shape, warm-start settings
+and seed.
 """
 
 from __future__ import annotations
@@ -107,15 +108,19 @@ def run_warmstart(recipe: Recipe, cache_dir: str | Path, log=print) -> Path:
     torch.manual_seed(recipe.seed)
     model = _hf_model(recipe, len(tokenizer), tokenizer.eos_token_id)
     ws = recipe.warmstart
-    examples = task.warmstart_examples(max(ws.steps * ws.batch_size // 4, 1024), ws.correct_fraction)
+    examples = task.warmstart_examples(
+        max(ws.steps * ws.batch_size // 4, 1024), ws.correct_fraction
+    )
     rng = torch.Generator().manual_seed(recipe.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, ws.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
-        lambda s: min(1.0, (s + 1) / warmup)
-        * 0.5
-        * (1 + math.cos(math.pi * min(s, ws.steps) / max(ws.steps, 1))),
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, ws.steps) / max(ws.steps, 1)))
+        ),
     )
     batches = _batches(examples, tokenizer, ws.batch_size, rng)
     t0 = time.perf_counter()
