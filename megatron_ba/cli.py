@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.plan",
         "show the per-sequence weights of every aggregation rule for a small GRPO batch",
     ),
+    "eval": (
+        "megatron_ba.commands.eval",
+        "Acc@k / Best@k of a Hugging Face model folder on the paper's six benchmarks (vLLM)",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",
