@@ -99,6 +99,8 @@ def load_math_benchmark(name: str, source: str | Path | None = None) -> LoadedSe
         pid = str(row[icol]) if icol is not None else str(i)
         problems.append(Problem(pid, question, answer, source=name))
     report.kept = len(problems)
+    if not problems:
+        raise SchemaError(f"{title}: no usable rows ({report.summary()})")
     return LoadedSet(problems, report)
 
 
