@@ -1,7 +1,7 @@
 """Math reward throughput: (response, answer) pairs per second through MathRewardPool.
 
     megatron-ba bench rewards --pairs 10000 --workers 2 --timeout 5
-    python benchmarks/reward_throughput.py --pairs 2000          # same, without the CLI
+    python -m benchmarks.reward_throughput --pairs 2000          # same, without the CLI
 
 Synthetic but realistic pairs (seeded): a few hundred characters of reasoning, then the final
 answer as an "Answer:" line or a \\boxed{}, in forms that need math-verify (fractions vs
@@ -77,18 +77,22 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-ba bench rewards", description=__doc__)
     p.add_argument("--pairs", type=int, default=10_000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=5.0, help="hard seconds per answer")
     p.add_argument("--adversarial-share", type=float, default=0.005)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the figures to this file")
+    return p
 
 
-def run(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
     from megatron_ba.rewards.math_pool import MathRewardPool
 
+    args = _parser().parse_args(argv)
+    load_before = os.getloadavg()[0]
     pairs = make_pairs(args.pairs, args.seed, args.adversarial_share)
     with MathRewardPool(workers=args.workers, timeout_s=args.timeout) as pool:
         pool.score(["Answer: 1"] * args.workers, ["1"] * args.workers)  # start the workers
@@ -116,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         "label_agreement": sum(s == lab for s, lab in labelled) / max(1, len(labelled)),
         # workers replaced after a timeout are not counted, so this is a lower bound
         "worker_cpu_utilisation": round(cpu / (wall * args.workers), 3),
+        # other work on the machine competes for the same cores: record how much there was
+        "loadavg_1min_before": round(load_before, 2),
+        "loadavg_1min_after": round(os.getloadavg()[0], 2),
     }
     for key, value in figures.items():
         print(f"{key:>24}: {value}")
@@ -126,6 +133,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    sys.exit(main())
