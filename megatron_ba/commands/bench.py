@@ -15,6 +15,7 @@ from pathlib import Path
 # name -> (module, help); a benchmark module exposes main(argv) -> int.
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "aggregation": ("benchmarks.aggregation", "plan + apply balanced vs token-mean"),
+    "rewards": ("benchmarks.reward_throughput", "math reward pairs/s through the worker pool"),
 }
 
 
