@@ -106,6 +106,7 @@ class ParallelSection:
 @dataclass
 class RolloutSection:
     engine: str = "vllm"  # vllm | builtin (slower, only when asked for)
+    in_process: bool = False  # vLLM in the trainer's process (single-process runs only)
     kv_cache_gb: float = 1.0
     threads: int | None = None  # torch threads; default: all cores
 

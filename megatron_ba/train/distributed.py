@@ -106,5 +106,5 @@ def teardown() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized():  # an in-process vLLM engine may have destroyed it already
         dist.destroy_process_group()

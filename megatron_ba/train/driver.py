@@ -134,8 +134,15 @@ class Trainer:
         if r.rollout.engine == "vllm":
             from megatron_ba.train.rollout import VLLMEngine
 
+            if r.rollout.in_process and self.ctx.world > 1:
+                raise ValueError(
+                    "rollout.in_process: vLLM can share the trainer's process only when the "
+                    "world is one process (it would join the trainer's process groups)"
+                )
             self.engine = VLLMEngine(
                 str(self.hf_dir),
+                sync_dir=str(self.run_dir / ".weights"),
+                in_process=r.rollout.in_process,
                 max_model_len=max_len,
                 seed=r.seed,
                 kv_cache_gb=r.rollout.kv_cache_gb,
@@ -405,6 +412,8 @@ class Trainer:
 
         if self.rewards is not None:
             self.rewards.close()
+        if hasattr(self.engine, "close"):
+            self.engine.close()  # before teardown: an in-process engine tears down its groups
         teardown()
 
 

