@@ -8,8 +8,9 @@ answer as an "Answer:" line or a \\boxed{}, in forms that need math-verify (frac
 decimals, \\dfrac, intervals, sets, units) or the normalisation fallback; a share of wrong and
 missing answers; and a small share of adversarial answers (towers of powers, huge factorials)
 that make sympy slow or hang. Prints pairs/s, the share of hard timeouts, the agreement of the
-scores with the labels of the non-adversarial pairs, and how busy the worker processes kept the
-cores (their CPU seconds / (wall seconds x workers)).
+scores with the labels of the non-adversarial pairs, how busy the pool kept its workers (time
+with an answer assigned / (wall x workers)) and the CPU they got (their CPU seconds / (wall x
+workers); below the busy share when other work shares the cores: the 1-min load is recorded).
 """
 
 from __future__ import annotations
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         "adversarial_pairs": sum(p[2] is None for p in pairs),
         "errors": sum(e is not None for e in out.errors),
         "label_agreement": sum(s == lab for s, lab in labelled) / max(1, len(labelled)),
-        # workers replaced after a timeout are not counted, so this is a lower bound
+        # share of the wall time the pool kept an answer in each worker (its own idleness)
+        "worker_busy_share": round(out.metrics["math_reward/worker_busy_share"], 3),
+        # CPU the workers actually got (lower under foreign load; replaced workers not counted)
         "worker_cpu_utilisation": round(cpu / (wall * args.workers), 3),
         # other work on the machine competes for the same cores: record how much there was
         "loadavg_1min_before": round(load_before, 2),

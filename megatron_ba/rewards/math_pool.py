@@ -64,6 +64,7 @@ class _Worker:
         child.close()
         self.task: int | None = None
         self.deadline = 0.0
+        self.sent = 0.0
 
     def kill(self) -> None:
         self.proc.kill()
@@ -124,6 +125,7 @@ class MathRewardPool:
         errors: list[str | None] = [None] * n
         started = time.monotonic()
         restarts = 0
+        busy_time = 0.0  # seconds some worker held an answer: the pool's own idleness shows here
         if n:
             self._ensure_workers()
         pending = iter(range(n))
@@ -144,7 +146,8 @@ class MathRewardPool:
                     idle.append(self._replace(w))
                     restarts += 1
                     continue
-                w.task, w.deadline = idx, time.monotonic() + self.timeout_s
+                w.sent = time.monotonic()
+                w.task, w.deadline = idx, w.sent + self.timeout_s
                 busy[w.conn] = w
             if not busy:
                 continue
@@ -152,6 +155,7 @@ class MathRewardPool:
             nearest = min(w.deadline for w in busy.values())
             for conn in wait(list(busy), timeout=max(0.0, nearest - now)):
                 w = busy.pop(conn)
+                busy_time += time.monotonic() - w.sent
                 try:
                     idx, score, err = conn.recv()
                 except (EOFError, OSError):  # the worker died (e.g. killed by the OOM killer)
@@ -165,6 +169,7 @@ class MathRewardPool:
             for conn, w in list(busy.items()):
                 if now >= w.deadline:  # hard limit: kill, score 0, count, replace
                     busy.pop(conn)
+                    busy_time += now - w.sent
                     timed_out[w.task] = True
                     scores[w.task] = 0.0
                     remaining -= 1
@@ -183,6 +188,9 @@ class MathRewardPool:
             "math_reward/errors": n_err,
             "math_reward/seconds": elapsed,
             "math_reward/pairs_per_s": n / elapsed if elapsed > 0 else 0.0,
+            "math_reward/worker_busy_share": (
+                busy_time / (elapsed * self.n_workers) if elapsed > 0 else 0.0
+            ),
         }
         return MathScores(scores, timed_out, errors, metrics)
 
