@@ -72,12 +72,6 @@ def make_pairs(n: int, seed: int, adversarial_share: float) -> list[tuple[str, s
     return pairs
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ba bench rewards", description=__doc__)
     p.add_argument("--pairs", type=int, default=10_000)
@@ -97,15 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     pairs = make_pairs(args.pairs, args.seed, args.adversarial_share)
     with MathRewardPool(workers=args.workers, timeout_s=args.timeout) as pool:
         pool.score(["Answer: 1"] * args.workers, ["1"] * args.workers)  # start the workers
-        cpu0 = {w.proc.pid: _cpu_seconds(w.proc.pid) for w in pool._workers}
+        cpu0 = pool.worker_cpu_seconds()
         started = time.monotonic()
         out = pool.score([p[0] for p in pairs], [p[1] for p in pairs])
         wall = time.monotonic() - started
-        cpu = sum(
-            _cpu_seconds(w.proc.pid) - cpu0.get(w.proc.pid, 0.0)
-            for w in pool._workers
-            if w.proc.is_alive()
-        )
+        cpu = pool.worker_cpu_seconds() - cpu0
     labelled = [(s, p[2]) for s, p in zip(out.scores, pairs, strict=True) if p[2] is not None]
     figures = {
         "pairs": args.pairs,
@@ -121,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "label_agreement": sum(s == lab for s, lab in labelled) / max(1, len(labelled)),
         # share of the wall time the pool kept an answer in each worker (its own idleness)
         "worker_busy_share": round(out.metrics["math_reward/worker_busy_share"], 3),
-        # CPU the workers actually got (lower under foreign load; replaced workers not counted)
+        # CPU the workers actually got (below the busy share when other work shares the cores)
         "worker_cpu_utilisation": round(cpu / (wall * args.workers), 3),
         # other work on the machine competes for the same cores: record how much there was
         "loadavg_1min_before": round(load_before, 2),

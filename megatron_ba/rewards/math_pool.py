@@ -26,6 +26,16 @@ from multiprocessing.connection import wait
 _PRELOAD = ["megatron_ba.rewards.math_answer", "math_verify", "sympy"]
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc; 0.0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _worker_main(conn, soft_timeout_s: int | None) -> None:
     import logging
 
@@ -65,8 +75,10 @@ class _Worker:
         self.task: int | None = None
         self.deadline = 0.0
         self.sent = 0.0
+        self.cpu_at_exit = 0.0
 
     def kill(self) -> None:
+        self.cpu_at_exit = process_cpu_seconds(self.proc.pid)
         self.proc.kill()
         self.proc.join()
         self.conn.close()
@@ -100,6 +112,7 @@ class MathRewardPool:
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self.totals = {"pairs": 0, "timeouts": 0, "errors": 0, "restarts": 0, "seconds": 0.0}
+        self._killed_cpu = 0.0
 
     def _ensure_workers(self) -> None:
         while len(self._workers) < self.n_workers:
@@ -194,8 +207,14 @@ class MathRewardPool:
         }
         return MathScores(scores, timed_out, errors, metrics)
 
+    def worker_cpu_seconds(self) -> float:
+        """CPU seconds used by all workers so far, the replaced ones included (Linux)."""
+        live = sum(process_cpu_seconds(w.proc.pid) for w in self._workers if w.proc.is_alive())
+        return self._killed_cpu + live
+
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
+        self._killed_cpu += w.cpu_at_exit
         fresh = _Worker(self._ctx, self._soft)
         self._workers[self._workers.index(w)] = fresh
         return fresh
