@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         "worker_busy_share": round(out.metrics["math_reward/worker_busy_share"], 3),
         # CPU the workers actually got (below the busy share when other work shares the cores)
         "worker_cpu_utilisation": round(cpu / (wall * args.workers), 3),
+        # load-independent cost: worker CPU per pair (what idle cores would divide)
+        "worker_cpu_ms_per_pair": round(1000 * cpu / args.pairs, 2),
         # other work on the machine competes for the same cores: record how much there was
         "loadavg_1min_before": round(load_before, 2),
         "loadavg_1min_after": round(os.getloadavg()[0], 2),

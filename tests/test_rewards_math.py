@@ -96,6 +96,7 @@ def test_extraction_rules():
         "\\boxed{3} and then\nAnswer: $4$": "4",  # the later one wins
         "Answer: 3\nactually \\boxed{\\frac{1}{2}}": "\\frac{1}{2}",
         "\\boxed 7": "7",
+        "\\boxed $": None,
         "\\fbox{x^{2}}": "x^{2}",
         "\\boxed{\\{1, \\{2\\}\\}}": "\\{1, \\{2\\}\\}",  # nested braces
         "answer: -2.": "-2",
