@@ -8,8 +8,9 @@ answer as an "Answer:" line or a \\boxed{}, in forms that need math-verify (frac
 decimals, \\dfrac, intervals, sets, units) or the normalisation fallback; a share of wrong and
 missing answers; and a small share of adversarial answers (towers of powers, huge factorials)
 that make sympy slow or hang. Prints pairs/s, the share of hard timeouts, the agreement of the
-scores with the labels of the non-adversarial pairs, and how busy the worker processes kept the
-cores (their CPU seconds / (wall seconds x workers)).
+scores with the labels of the non-adversarial pairs, how busy the pool kept its workers (time
+with an answer assigned / (wall x workers)) and the CPU they got (their CPU seconds / (wall x
+workers); below the busy share when other work shares the cores: the 1-min load is recorded).
 """
 
 from __future__ import annotations
@@ -71,12 +72,6 @@ def make_pairs(n: int, seed: int, adversarial_share: float) -> list[tuple[str, s
     return pairs
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-ba bench rewards", description=__doc__)
     p.add_argument("--pairs", type=int, default=10_000)
@@ -96,15 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     pairs = make_pairs(args.pairs, args.seed, args.adversarial_share)
     with MathRewardPool(workers=args.workers, timeout_s=args.timeout) as pool:
         pool.score(["Answer: 1"] * args.workers, ["1"] * args.workers)  # start the workers
-        cpu0 = {w.proc.pid: _cpu_seconds(w.proc.pid) for w in pool._workers}
+        cpu0 = pool.worker_cpu_seconds()
         started = time.monotonic()
         out = pool.score([p[0] for p in pairs], [p[1] for p in pairs])
         wall = time.monotonic() - started
-        cpu = sum(
-            _cpu_seconds(w.proc.pid) - cpu0.get(w.proc.pid, 0.0)
-            for w in pool._workers
-            if w.proc.is_alive()
-        )
+        cpu = pool.worker_cpu_seconds() - cpu0
     labelled = [(s, p[2]) for s, p in zip(out.scores, pairs, strict=True) if p[2] is not None]
     figures = {
         "pairs": args.pairs,
@@ -118,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         "adversarial_pairs": sum(p[2] is None for p in pairs),
         "errors": sum(e is not None for e in out.errors),
         "label_agreement": sum(s == lab for s, lab in labelled) / max(1, len(labelled)),
-        # workers replaced after a timeout are not counted, so this is a lower bound
+        # share of the wall time the pool kept an answer in each worker (its own idleness)
+        "worker_busy_share": round(out.metrics["math_reward/worker_busy_share"], 3),
+        # CPU the workers actually got (below the busy share when other work shares the cores)
         "worker_cpu_utilisation": round(cpu / (wall * args.workers), 3),
+        # load-independent cost: worker CPU per pair (what idle cores would divide)
+        "worker_cpu_ms_per_pair": round(1000 * cpu / args.pairs, 2),
         # other work on the machine competes for the same cores: record how much there was
         "loadavg_1min_before": round(load_before, 2),
         "loadavg_1min_after": round(os.getloadavg()[0], 2),

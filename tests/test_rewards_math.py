@@ -96,6 +96,7 @@ def test_extraction_rules():
         "\\boxed{3} and then\nAnswer: $4$": "4",  # the later one wins
         "Answer: 3\nactually \\boxed{\\frac{1}{2}}": "\\frac{1}{2}",
         "\\boxed 7": "7",
+        "\\boxed $": None,
         "\\fbox{x^{2}}": "x^{2}",
         "\\boxed{\\{1, \\{2\\}\\}}": "\\{1, \\{2\\}\\}",  # nested braces
         "answer: -2.": "-2",
@@ -140,6 +141,7 @@ def test_a_hanging_answer_is_killed_counted_and_scored_wrong():
         assert out.timed_out == [True, False, True, False, False]
         assert out.metrics["math_reward/timeouts"] == 2
         assert out.metrics["math_reward/timeout_share"] == pytest.approx(2 / 5)
+        assert 0.0 < out.metrics["math_reward/worker_busy_share"] <= 1.0
         assert elapsed < 30  # it returned: nothing waited on the hung worker
         again = p.score(["Answer: 7"], ["7"])  # the replaced workers keep scoring
         assert again.scores == [1.0] and again.metrics["math_reward/timeouts"] == 0

@@ -200,3 +200,38 @@ def test_killing_its_parents_fails(tmp_path):
     # this process (and the machinery) survived: the next sandbox works as before
     assert code_score(fenced("print(6 * 7)"), stdin_test("42")) == 1.0
     assert sandbox_processes() == []
+
+
+def test_fallbacks_without_namespaces_still_contain(tmp_path):
+    """Where the kernel gives no namespaces: sockets are refused by an audit hook, the work dir
+    is a private folder, and the uid, rlimits and cgroups still bound a fork bomb."""
+    run = run_program("import os\nprint(os.getcwd())", [""], namespaces=False)
+    assert run.outputs[0].status == "ok" and run.outputs[0].stdout.startswith("/tmp/mba-sbx-work-")
+    assert not run.isolation["net_isolated"] and not run.isolation["fs_isolated"]
+    assert run.isolation["block_sockets"]
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    attack = (
+        "import socket\ns = socket.create_connection(('127.0.0.1', int(input())), timeout=2)\n"
+        "print('connected')"
+    )
+    try:
+        port = server.getsockname()[1]
+        run = run_program(attack, [f"{port}\n"], namespaces=False)
+        assert run.outputs[0].status == "error"
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+    target = tmp_path / "pwned.txt"
+    write = "open(input().strip(), 'w').write('x')\nprint('written')"
+    assert run_program(write, [f"{target}\n"], namespaces=False).outputs[0].status == "error"
+    assert not target.exists()
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
+    limits = SandboxLimits(timeout_s=1.0, processes=8)
+    assert run_program(bomb, [""], limits=limits, namespaces=False).outputs[0].status == "timeout"
+    assert sandbox_processes() == []

@@ -156,6 +156,8 @@ def _run(cfg: dict) -> int:
             f.write(str(os.getpid()))
     status["cgroups"] = len(cfg.get("cgroup_procs", []))
     try:
+        if not cfg["namespaces"]:
+            raise OSError("namespaces disabled by the caller")
         _call(_libc.unshare, CLONE_NEWNET)
         status["net_isolated"] = True
     except OSError as exc:
@@ -168,6 +170,8 @@ def _run(cfg: dict) -> int:
     python = cfg["python_fallback"]
     workdir = cfg["fallback_workdir"]
     try:
+        if not cfg["namespaces"]:
+            raise OSError("namespaces disabled by the caller")
         if not cfg["python_rel"]:
             raise OSError("interpreter is not under its base prefix: cannot bind it")
         python = _isolate_filesystem(cfg)

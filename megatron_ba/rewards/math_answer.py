@@ -48,7 +48,8 @@ def last_boxed(text: str) -> tuple[str, int] | None:
                         best = (got[0], pos)
                     break
             elif rest.startswith(" "):
-                token = rest.strip().split("$")[0].split()[0] if rest.strip() else ""
+                words = rest.strip().split("$")[0].split()
+                token = words[0] if words else ""
                 if token:
                     if best is None or pos > best[1]:
                         best = (token, pos)

@@ -26,6 +26,16 @@ from multiprocessing.connection import wait
 _PRELOAD = ["megatron_ba.rewards.math_answer", "math_verify", "sympy"]
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc; 0.0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _worker_main(conn, soft_timeout_s: int | None) -> None:
     import logging
 
@@ -64,8 +74,11 @@ class _Worker:
         child.close()
         self.task: int | None = None
         self.deadline = 0.0
+        self.sent = 0.0
+        self.cpu_at_exit = 0.0
 
     def kill(self) -> None:
+        self.cpu_at_exit = process_cpu_seconds(self.proc.pid)
         self.proc.kill()
         self.proc.join()
         self.conn.close()
@@ -99,6 +112,7 @@ class MathRewardPool:
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self.totals = {"pairs": 0, "timeouts": 0, "errors": 0, "restarts": 0, "seconds": 0.0}
+        self._killed_cpu = 0.0
 
     def _ensure_workers(self) -> None:
         while len(self._workers) < self.n_workers:
@@ -124,6 +138,7 @@ class MathRewardPool:
         errors: list[str | None] = [None] * n
         started = time.monotonic()
         restarts = 0
+        busy_time = 0.0  # seconds some worker held an answer: the pool's own idleness shows here
         if n:
             self._ensure_workers()
         pending = iter(range(n))
@@ -144,7 +159,8 @@ class MathRewardPool:
                     idle.append(self._replace(w))
                     restarts += 1
                     continue
-                w.task, w.deadline = idx, time.monotonic() + self.timeout_s
+                w.sent = time.monotonic()
+                w.task, w.deadline = idx, w.sent + self.timeout_s
                 busy[w.conn] = w
             if not busy:
                 continue
@@ -152,6 +168,7 @@ class MathRewardPool:
             nearest = min(w.deadline for w in busy.values())
             for conn in wait(list(busy), timeout=max(0.0, nearest - now)):
                 w = busy.pop(conn)
+                busy_time += time.monotonic() - w.sent
                 try:
                     idx, score, err = conn.recv()
                 except (EOFError, OSError):  # the worker died (e.g. killed by the OOM killer)
@@ -165,6 +182,7 @@ class MathRewardPool:
             for conn, w in list(busy.items()):
                 if now >= w.deadline:  # hard limit: kill, score 0, count, replace
                     busy.pop(conn)
+                    busy_time += now - w.sent
                     timed_out[w.task] = True
                     scores[w.task] = 0.0
                     remaining -= 1
@@ -183,11 +201,20 @@ class MathRewardPool:
             "math_reward/errors": n_err,
             "math_reward/seconds": elapsed,
             "math_reward/pairs_per_s": n / elapsed if elapsed > 0 else 0.0,
+            "math_reward/worker_busy_share": (
+                busy_time / (elapsed * self.n_workers) if elapsed > 0 else 0.0
+            ),
         }
         return MathScores(scores, timed_out, errors, metrics)
 
+    def worker_cpu_seconds(self) -> float:
+        """CPU seconds used by all workers so far, the replaced ones included (Linux)."""
+        live = sum(process_cpu_seconds(w.proc.pid) for w in self._workers if w.proc.is_alive())
+        return self._killed_cpu + live
+
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
+        self._killed_cpu += w.cpu_at_exit
         fresh = _Worker(self._ctx, self._soft)
         self._workers[self._workers.index(w)] = fresh
         return fresh

@@ -180,6 +180,7 @@ def run_program(
     func_name: str | None = None,
     limits: SandboxLimits | None = None,
     wall_s: float | None = None,
+    namespaces: bool = True,
 ) -> SandboxRun:
     """Run `program` on each of `inputs` in a fresh sandbox; return the raw outputs.
 
@@ -187,6 +188,8 @@ def run_program(
     mode "call": the program is loaded once and `func_name` (a function, or a method of class
     `Solution`) is called with the JSON values on each input's lines as arguments.
     Tests after the first one that errors or times out are reported as "not_run".
+    namespaces=False skips the network and mount namespaces (the fallbacks a kernel without
+    them gets: sockets refused by an audit hook, a private work folder under /tmp).
     """
     if mode not in ("stdio", "call"):
         raise ValueError(f"mode must be 'stdio' or 'call', got {mode!r}")
@@ -215,6 +218,7 @@ def run_program(
         base_python = _base_interpreter()
         config = {
             "uid": uid,
+            "namespaces": bool(namespaces),
             "cgroup_procs": cgroups.procs_files if cgroups else [],
             "wall_s": wall_s,
             "limits": {
