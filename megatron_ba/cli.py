@@ -24,6 +24,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.train",
         "run GRPO from a recipe (the CPU main job: recipes/tiny-cpu.yaml)",
     ),
+    "compare": (
+        "megatron_ba.commands.compare",
+        "train token / sequence / balanced on one recipe and write report.md with figures",
+    ),
     "eval": (
         "megatron_ba.commands.eval",
         "Acc@k / Best@k of a Hugging Face model folder on the paper's six benchmarks (vLLM)",

@@ -89,10 +89,22 @@ class VLLMEngine:
         max_tokens: int,
         seed: int,
     ) -> list[list[Sample]]:
-        """n samples per prompt, in prompt order."""
+        """n samples per prompt, in prompt order.
+
+        Each prompt gets its own seed (derived from `seed` and its index): one seed for all
+        requests would give every prompt the same random stream, correlating their samples.
+        """
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                seed=(seed * 1_000_003 + i) % 2**31,
+            )
+            for i in range(len(prompt_ids))
+        ]
         outs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
         )
