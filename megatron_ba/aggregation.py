@@ -294,9 +294,31 @@ def apply_weights(
 
 
 def apply_weights_packed(
-    token_values: torch.Tensor, sequence_index: torch.Tensor, weights: torch.Tensor
+    token_values: torch.Tensor,
+    sequence_index: torch.Tensor | None,
+    weights: torch.Tensor,
+    *,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Packed `apply_weights`: token j belongs to sequence sequence_index[j] (-1: padding)."""
+    """Packed `apply_weights`: token j belongs to sequence sequence_index[j] (-1: padding).
+
+    `counts` (optional, [N] token counts) declares the pack contiguous: sequence 0's tokens first,
+    then sequence 1's, ..., then padding; `sequence_index` may then be None. The per-sequence sums
+    are one segmented pass (as cheap as a plain masked sum) instead of a per-token weight gather.
+    """
+    w = weights.to(token_values.dtype)
+    if counts is not None:
+        if token_values.dim() != 1:
+            raise ValueError(f"token_values: packed form is 1-D, got {tuple(token_values.shape)}")
+        bad = counts.shape != weights.shape or bool((counts < 0).any())
+        if bad or int(counts.sum()) > token_values.numel():
+            raise ValueError(
+                f"counts: must be [N] token counts >= 0 ({weights.numel()} entries) summing to "
+                f"at most {token_values.numel()} tokens, got shape {tuple(counts.shape)}"
+            )
+        return _ContiguousWeightedSum.apply(token_values, counts.to(torch.long), w)
+    if sequence_index is None:
+        raise ValueError("sequence_index: required unless counts declares a contiguous pack")
     if token_values.dim() != 1 or sequence_index.shape != token_values.shape:
         raise ValueError(
             f"sequence_index: packed token_values {tuple(token_values.shape)} need a sequence "
@@ -310,6 +332,35 @@ def apply_weights_packed(
             f"{weights.numel()} entries"
         )
     valid = sequence_index >= 0
-    token_weight = weights.to(token_values.dtype)[sequence_index.clamp(min=0)]
+    token_weight = w[sequence_index.clamp(min=0)]
     zero = torch.zeros((), dtype=token_values.dtype, device=token_values.device)
     return torch.where(valid, token_values * token_weight, zero).sum()
+
+
+class _ContiguousWeightedSum(torch.autograd.Function):
+    """sum_i w_i * (sum of sequence i's tokens) for a contiguous pack, one memory pass each way.
+
+    Per-sequence sums over views of the pack are as fast as one plain sum; the backward fills
+    each sequence's gradient slice with its weight. (Autograd through slicing and segment_reduce
+    instead zero-fills and copies the gradient, and repeat_interleave is several times slower.)
+    """
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        sizes = counts.tolist()
+        padding = values.numel() - sum(sizes)
+        pieces = torch.split(values, [*sizes, padding])[: len(sizes)]
+        sums = torch.stack([p.sum() for p in pieces]) if pieces else values.new_zeros(0)
+        ctx.save_for_backward(w)
+        ctx.sizes, ctx.padding = sizes, padding
+        return (sums * w).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (w,) = ctx.saved_tensors
+        grad = torch.empty(sum(ctx.sizes) + ctx.padding, dtype=w.dtype, device=w.device)
+        pieces = torch.split(grad, [*ctx.sizes, ctx.padding])
+        for piece, value in zip(pieces, (w * grad_out).tolist(), strict=False):
+            piece.fill_(value)
+        pieces[-1].zero_()  # trailing padding
+        return grad, None, None

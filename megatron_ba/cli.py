@@ -24,6 +24,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.check_layout",
         "check a TP x PP x CP x DP layout's loss and gradients against a single process (gloo)",
     ),
+    "train": (
+        "megatron_ba.commands.train",
+        "run GRPO from a recipe (the CPU main job: recipes/tiny-cpu.yaml)",
+    ),
+    "compare": (
+        "megatron_ba.commands.compare",
+        "train token / sequence / balanced on one recipe and write report.md with figures",
+    ),
+    "eval": (
+        "megatron_ba.commands.eval",
+        "Acc@k / Best@k of a Hugging Face model folder on the paper's six benchmarks (vLLM)",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",

@@ -1,12 +1,8 @@
-"""`megatron-ba bench NAME [options]`: run one benchmark of benchmarks/ and print its figures.
+"""`megatron-ba bench NAME [args]`: run a benchmark from benchmarks/ (docs/performance.md).
 
-    megatron-ba bench --help                       # list the benchmarks
-    megatron-ba bench vocab-parallel --help        # options of one benchmark
-    megatron-ba bench vocab-parallel --tokens 2048
+    megatron-ba bench aggregation --help
 
-Benchmarks live in the repository's benchmarks/ folder (not in the installed package), each a
-module with `main(argv) -> int`; this command puts the repository root on sys.path and calls it.
-Results worth keeping go to docs/performance.md with the exact command that produced them.
+Benchmarks live in the source checkout's benchmarks/ folder (not in the installed package).
 """
 
 from __future__ import annotations
@@ -16,8 +12,10 @@ import importlib
 import sys
 from pathlib import Path
 
-# name -> (module under the repository root, one-line help). New benchmarks register here.
+# name -> (module, help); a benchmark module exposes main(argv) -> int.
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "aggregation": ("benchmarks.aggregation", "plan + apply balanced vs token-mean"),
+    "rewards": ("benchmarks.reward_throughput", "math reward pairs/s through the worker pool"),
     "vocab-parallel": (
         "benchmarks.vocab_parallel",
         "chunked vocab-parallel log-prob + entropy vs the naive fp32 path: peak memory, time",
@@ -28,21 +26,21 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
 }
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    listing = "; ".join(f"{n}: {h}" for n, (_, h) in BENCHMARKS.items())
-    p.add_argument("name", choices=sorted(BENCHMARKS), help=f"the benchmark ({listing})")
-    p.add_argument("options", nargs=argparse.REMAINDER, help="passed on to the benchmark")
+    listing = ", ".join(f"{k} ({h})" for k, (_, h) in BENCHMARKS.items())
+    p.add_argument("name", choices=sorted(BENCHMARKS), help=f"benchmark: {listing}")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (REPO_ROOT / "benchmarks").is_dir():
-        raise SystemExit(
-            f"bench: no benchmarks/ folder under {REPO_ROOT} (needs a source checkout)"
+    checkout = Path(__file__).resolve().parents[2]
+    if not (checkout / "benchmarks").is_dir():
+        print(
+            f"bench: no benchmarks/ folder beside {checkout / 'megatron_ba'}; run from a checkout"
         )
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+        return 2
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
     module = importlib.import_module(BENCHMARKS[args.name][0])
-    return int(module.main(list(args.options)) or 0)
+    return int(module.main(args.args) or 0)

@@ -1,0 +1,1 @@
+"""Benchmarks (`megatron-ba bench NAME`); results are recorded in docs/performance.md."""

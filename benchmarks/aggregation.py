@@ -1,0 +1,142 @@
+"""Benchmark: planning + applying balanced aggregation vs token-mean (forward and backward).
+
+    megatron-ba bench aggregation                       # 2,048 sequences of up to 16,384 tokens
+    megatron-ba bench aggregation --sequences 256 --max-length 2048 --repeats 5
+    python -m benchmarks.aggregation --threads 2
+
+Both layouts the loss supports are measured: padded [N, T] with a mask and packed (concatenated
+tokens). "token-mean" is the conventional masked mean (verl `token-mean`, DAPO): sum(x * mask) /
+sum(mask); for packed batches also the unmasked mean of a pack holding loss tokens only.
+"balanced" is the project's path: `sequence_weights` (the plan, from lengths, advantages
+and group ids) then `apply_weights`. Each variant runs forward + backward of the scalar w.r.t. the
+token values; medians over repeats, variants interleaved so that load drifts hit all alike.
+Planning alone is timed separately (goal: O(N), < 1 ms for N = 2,048).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from megatron_ba.aggregation import apply_weights, apply_weights_packed, sequence_weights
+
+
+def _batch(n: int, max_length: int, group_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_length + 1, (n,), generator=g)
+    rewards = (torch.rand(n, generator=g) < 0.5).float()
+    adv = rewards - 0.5
+    ids = torch.arange(n // group_size).repeat_interleave(group_size)[:n]
+    return lengths, adv, ids
+
+
+def _time(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def run_benchmark(n, max_length, group_size, repeats, seed=0) -> dict:
+    lengths, adv, ids = _batch(n, max_length, group_size, seed)
+    T = int(lengths.max())
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    padded = torch.randn(n, T, generator=torch.Generator().manual_seed(seed + 1))
+    padded.requires_grad_()
+    num_tokens = int(lengths.sum())
+    packed = torch.randn(num_tokens, generator=torch.Generator().manual_seed(seed + 2))
+    packed.requires_grad_()
+    packed_mask = torch.ones(num_tokens)  # the loss mask a packed batch carries
+
+    def token_mean_padded():
+        m = mask.to(padded.dtype)
+        ((padded * m).sum() / m.sum()).backward()
+
+    def balanced_padded():
+        w = sequence_weights("balanced", lengths, adv, ids)
+        apply_weights(padded, mask, w).backward()
+
+    def token_mean_packed():
+        ((packed * packed_mask).sum() / packed_mask.sum()).backward()
+
+    def token_mean_packed_unmasked():  # a pack holding loss tokens only: no mask to apply
+        (packed.sum() / num_tokens).backward()
+
+    def balanced_packed():
+        w = sequence_weights("balanced", lengths, adv, ids)
+        apply_weights_packed(packed, None, w, counts=lengths).backward()
+
+    variants = {
+        "padded/token-mean": token_mean_padded,
+        "padded/balanced": balanced_padded,
+        "packed/token-mean": token_mean_packed,
+        "packed/token-mean-unmasked": token_mean_packed_unmasked,
+        "packed/balanced": balanced_packed,
+    }
+    for fn in variants.values():  # warm-up
+        fn()
+    samples = {k: [] for k in variants}
+    for _ in range(repeats):
+        for k, fn in variants.items():
+            padded.grad = packed.grad = None  # as after zero_grad(set_to_none=True)
+            samples[k] += _time(fn, 1)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+
+    plan_ms = (
+        statistics.median(_time(lambda: sequence_weights("balanced", lengths, adv, ids), 200)) * 1e3
+    )
+    return {
+        "sequences": n,
+        "max_length": max_length,
+        "tokens": num_tokens,
+        "padded_shape": [n, T],
+        "threads": torch.get_num_threads(),
+        "median_ms": {k: round(v, 2) for k, v in med.items()},
+        "ratio_padded": round(med["padded/balanced"] / med["padded/token-mean"], 3),
+        "ratio_packed": round(med["packed/balanced"] / med["packed/token-mean"], 3),
+        "ratio_packed_unmasked": round(
+            med["packed/balanced"] / med["packed/token-mean-unmasked"], 3
+        ),
+        "plan_ms": round(plan_ms, 3),
+        "load_avg_1min": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-ba bench aggregation", description=__doc__)
+    p.add_argument("--sequences", type=int, default=2048)
+    p.add_argument("--max-length", type=int, default=16384)
+    p.add_argument("--group-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print one JSON line only")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    r = run_benchmark(args.sequences, args.max_length, args.group_size, args.repeats)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(
+        f"{r['sequences']} sequences, {r['tokens']:,} tokens (padded {r['padded_shape']}), "
+        f"{r['threads']} threads, load {r['load_avg_1min']:.2f}"
+    )
+    for k, v in r["median_ms"].items():
+        print(f"  {k:<28} {v:10.2f} ms  (forward + backward, median)")
+    print(
+        f"  balanced / token-mean: padded {r['ratio_padded']:.3f}x, packed {r['ratio_packed']:.3f}x"
+        f" (vs the unmasked packed mean {r['ratio_packed_unmasked']:.3f}x)"
+    )
+    print(f"  planning alone (N={r['sequences']}): {r['plan_ms']:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""`megatron-ba train RECIPE [key=value ...]`: a GRPO run with the recipe's backend.
+
+    megatron-ba train recipes/tiny-cpu.yaml                       # the CPU main job (~10 min)
+    megatron-ba train recipes/tiny-cpu.yaml loss.rule=token grpo.steps=20 --run-dir runs/tok
+    megatron-ba train recipes/tiny-cpu.yaml --resume runs/tiny-cpu-balanced
+    torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
+
+The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
+summary.json, plots/*.png and checkpoints/ (with a Hugging Face export for `megatron-ba eval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from megatron_ba.recipe import RecipeError, load_recipe
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="YAML recipe (recipes/*.yaml); its schema: docs/recipes.md")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides (YAML values)")
+    p.add_argument("--run-dir", help="run folder (default runs/<name>-<rule>)")
+    p.add_argument(
+        "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint"
+    )
+    p.add_argument(
+        "--cache-dir", default="runs/.cache", help="warm-start cache (default runs/.cache)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.resume:
+            run_dir = Path(args.resume)
+            saved = run_dir / "recipe.yaml"
+            if not saved.is_file():
+                print(f"train: --resume {run_dir}: no recipe.yaml there", file=sys.stderr)
+                return 2
+            recipe = load_recipe(saved, args.overrides)
+        else:
+            recipe = load_recipe(args.recipe, args.overrides)
+            run_dir = Path(args.run_dir or f"runs/{recipe.name}-{recipe.loss.rule}")
+    except RecipeError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    if recipe.backend != "local":
+        print(
+            f"train: backend {recipe.backend!r} is launched by its own launcher (see docs/)",
+            file=sys.stderr,
+        )
+        return 2
+    from megatron_ba.train.driver import Trainer
+
+    trainer = Trainer(recipe, run_dir, resume=bool(args.resume), cache_dir=Path(args.cache_dir))
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.close()
+    if summary:
+        print(json.dumps(summary, indent=2))
+        print(f"run folder: {run_dir}")
+    return 0

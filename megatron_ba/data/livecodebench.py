@@ -1,0 +1,143 @@
+"""LiveCodeBench `code_generation_lite`, read from its JSONL files (its loading script no longer
+runs under current `datasets`).
+
+    from megatron_ba.data.livecodebench import load_livecodebench
+    lcb = load_livecodebench("lcb/", version="release_v5", since="2024-08-01")
+
+Rows: question_title, question_content, platform, question_id, contest_id, contest_date,
+starter_code, difficulty, public_test_cases (JSON text), private_test_cases (JSON text, or
+base64 of zlib of a pickle of that JSON text), metadata (JSON text; "func_name" for functional
+problems). Versions are cumulative files: release_vN = test.jsonl, test2.jsonl .. testN.jsonl.
+Private tests are decoded with an unpickler that refuses every global: a pickle can only yield
+plain str/bytes/numbers/lists/dicts, never call anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import pickle
+import zlib
+from pathlib import Path
+
+from megatron_ba.data.records import LoadedSet, LoadReport, Problem, SchemaError
+
+HUB_ID = "livecodebench/code_generation_lite"
+REQUIRED = ("question_content", "public_test_cases", "private_test_cases", "question_id")
+MAX_DECOMPRESSED = 512 << 20  # a zlib bomb stops here
+
+
+def version_files(version: str) -> list[str]:
+    """release_vN -> the N cumulative JSONL files."""
+    try:
+        n = int(version.removeprefix("release_v"))
+        if not version.startswith("release_v") or n < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"version must look like 'release_v5', got {version!r}") from None
+    return ["test.jsonl"] + [f"test{k}.jsonl" for k in range(2, n + 1)]
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refusing to load global {module}.{name} from test data")
+
+
+def decode_test_cases(text: str) -> list[dict]:
+    """LiveCodeBench test cases from JSON text or base64(zlib(pickle(JSON text)))."""
+    if not isinstance(text, str):
+        raise ValueError(f"test cases must be text, got {type(text).__name__}")
+    stripped = text.strip()
+    if not stripped:
+        return []
+    if stripped.startswith("["):
+        value = json.loads(stripped)
+    else:
+        try:
+            packed = base64.b64decode(stripped, validate=False)
+            inflater = zlib.decompressobj()
+            raw = inflater.decompress(packed, MAX_DECOMPRESSED)
+            if inflater.unconsumed_tail:
+                raise ValueError(f"decompressed test cases exceed {MAX_DECOMPRESSED} bytes")
+            value = _PlainUnpickler(io.BytesIO(raw)).load()
+        except (zlib.error, pickle.UnpicklingError, EOFError, ValueError) as exc:
+            raise ValueError(f"private test cases could not be decoded: {exc}") from exc
+        if isinstance(value, bytes):
+            value = value.decode()
+        if isinstance(value, str):
+            value = json.loads(value)
+    if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+        raise ValueError("test cases must decode to a list of {input, output, testtype} dicts")
+    return value
+
+
+def _files(source: str | Path | None, version: str) -> list[Path]:
+    wanted = version_files(version)
+    if source is None:
+        from huggingface_hub import hf_hub_download
+
+        return [Path(hf_hub_download(HUB_ID, f, repo_type="dataset")) for f in wanted]
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = [path / f for f in wanted if (path / f).is_file()]
+        if not found:
+            found = sorted(path.glob("*.jsonl"))
+        if found:
+            return found
+        raise ValueError(f"LiveCodeBench folder {path} holds none of {wanted} and no .jsonl")
+    raise ValueError(f"LiveCodeBench source {source!r} does not exist")
+
+
+def load_livecodebench(
+    source: str | Path | None = None,
+    *,
+    version: str = "release_v5",
+    since: str | None = None,
+    until: str | None = None,
+) -> LoadedSet:
+    """Code Problems with public + private tests; `since`/`until` filter contest_date (ISO,
+    inclusive, compared as text: "2024-08-01" <= "2024-08-01T00:00:00")."""
+    report = LoadReport("LiveCodeBench", str(source or HUB_ID))
+    problems = []
+    for path in _files(source, version):
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"LiveCodeBench {path.name}:{line_no}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SchemaError(f"{where}: not a JSON object ({exc})") from exc
+                missing = [c for c in REQUIRED if c not in row]
+                if missing:
+                    raise SchemaError(f"{where}: missing column {missing[0]!r}")
+                report.rows_read += 1
+                date = str(row.get("contest_date") or "")
+                if (since and date[: len(since)] < since) or (until and date[: len(until)] > until):
+                    report.drop("contest date out of range")
+                    continue
+                try:
+                    tests = decode_test_cases(row["public_test_cases"]) + decode_test_cases(
+                        row["private_test_cases"]
+                    )
+                except ValueError as exc:
+                    raise SchemaError(f"{where}: {exc}") from exc
+                meta = json.loads(row.get("metadata") or "{}")
+                problems.append(
+                    Problem(
+                        str(row["question_id"]),
+                        row["question_content"],
+                        kind="code",
+                        tests=tuple(tests),
+                        func_name=meta.get("func_name"),
+                        starter_code=row.get("starter_code") or "",
+                        source="livecodebench",
+                        meta={"contest_date": date, "difficulty": row.get("difficulty")},
+                    )
+                )
+    report.kept = len(problems)
+    return LoadedSet(problems, report)

@@ -1,0 +1,1 @@
+"""Helpers for tests and demos that must run offline: tiny locally built models."""

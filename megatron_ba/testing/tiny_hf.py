@@ -1,0 +1,110 @@
+"""A tiny random Qwen2 model in Hugging Face format, built offline (for tests and CPU demos).
+
+    from megatron_ba.testing.tiny_hf import build_tiny_qwen2
+    model_dir = build_tiny_qwen2("/tmp/tiny")     # config.json, model.safetensors, tokenizer
+    # vllm: LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=1024)
+
+The tokenizer is a byte-level BPE trained here with `tokenizers` on a small built-in corpus
+(math, code and prompt-template words) and wrapped as PreTrainedTokenizerFast with a ChatML
+chat template, so every string can be encoded and chat templating works as with a real model.
+Sizes: hidden 128 with 4 heads (head_dim 32, the smallest the vLLM CPU attention backend takes).
+Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.",
+    'Remember to put your answer on its own line after "Answer:".',
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+    "What is the sum of the roots? Find the remainder when divided by 1000. Compute the value.",
+    "\\frac{1}{2} \\sqrt{3} x^2 + y^2 = 1 \\pi \\infty [0, 1) \\{1, 2, 3\\} \\cdot \\le \\ge",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 24 25 28 42 51 60 100 1024",
+    "### Question: ### Format: ### Answer: Read the inputs from stdin solve the problem",
+    "```python\nimport sys\na, b = map(int, input().split())\nprint(a + b)\n```",
+    "class Solution:\n    def solve(self, nums: List[int]) -> int:\n        return sum(nums)\n",
+    "You are an expert Python programmer. The assistant thinks, then answers the user.",
+    "Therefore the answer is. So we get. Hence. Let us compute. First, second, finally.",
+]
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on the built-in corpus, as PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_qwen2(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 4096,
+    seed: int = 0,
+) -> Path:
+    """Write a random Qwen2ForCausalLM and its tokenizer to `out_dir`; return the path."""
+    if hidden_size % num_heads or (hidden_size // num_heads) < 32:
+        raise ValueError(
+            f"hidden_size / num_heads must be an integer >= 32 (vLLM CPU attention), "
+            f"got {hidden_size} / {num_heads}"
+        )
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.save_pretrained(out)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+    return out

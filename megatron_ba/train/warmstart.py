@@ -1,0 +1,148 @@
+"""Supervised warm start of the tiny CPU policy, cached by the hash of everything it depends on.
+
+GRPO needs a policy that is right some of the time. The warm start trains a fresh Qwen2-shaped
+model (transformers, plain torch: it is a preparation step, the GRPO policy itself runs on
+megatron-core) on the task's mixture of correct and sloppy solutions, then saves it as a Hugging
+Face model directory that both vLLM and the megatron policy load. The result is cached under
+`<cache>/warmstart-<hash>/` so that runs of one recipe (the rules of `megatron-ba compare`, a
+resumed run) share it; the hash covers the task, tokenizer, model shape, warm-start settings
+and seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_ba.recipe import Recipe
+from megatron_ba.tasks.arithmetic import ArithmeticTask
+from megatron_ba.train.tokenizer import EOS, load_tokenizer, train_tokenizer
+
+WARMSTART_VERSION = 1  # bump when the procedure changes, to invalidate caches
+
+
+def task_of(recipe: Recipe) -> ArithmeticTask:
+    d = recipe.data
+    if d.task != "arithmetic":
+        raise ValueError(f"data.task: the local CPU backend supports 'arithmetic', got {d.task!r}")
+    return ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, seed=d.seed)
+
+
+def cache_key(recipe: Recipe) -> str:
+    parts = {
+        "version": WARMSTART_VERSION,
+        "seed": recipe.seed,
+        "model": recipe.model.__dict__,
+        "tokenizer": recipe.tokenizer.__dict__,
+        "data": {k: v for k, v in recipe.data.__dict__.items() if k != "eval_prompts"},
+        "warmstart": recipe.warmstart.__dict__,
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _hf_model(recipe: Recipe, vocab_size: int, eos_id: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    m = recipe.model
+    cfg = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups,
+        max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.norm_eps,
+        initializer_range=m.init_std,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def _batches(examples, tokenizer, batch_size: int, rng: torch.Generator):
+    """Endless shuffled batches: input ids, labels (-100 on prompt and padding)."""
+    encoded = []
+    for prompt, response in examples:
+        p = tokenizer(prompt)["input_ids"]
+        r = tokenizer(response)["input_ids"] + [tokenizer.eos_token_id]
+        encoded.append((p, r))
+    while True:
+        for idx in torch.randperm(len(encoded), generator=rng).split(batch_size):
+            rows = [encoded[i] for i in idx.tolist()]
+            width = max(len(p) + len(r) for p, r in rows)
+            ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+            labels = torch.full((len(rows), width), -100, dtype=torch.long)
+            attn = torch.zeros((len(rows), width), dtype=torch.long)
+            for i, (p, r) in enumerate(rows):
+                seq = torch.tensor(p + r)
+                ids[i, : len(seq)] = seq
+                labels[i, len(p) : len(seq)] = torch.tensor(r)
+                attn[i, : len(seq)] = 1
+            yield ids, labels, attn
+
+
+def run_warmstart(recipe: Recipe, cache_dir: str | Path, log=print) -> Path:
+    """The warm-started HF model directory for `recipe` (trained now, or found in the cache)."""
+    cache_dir = Path(cache_dir)
+    out = cache_dir / f"warmstart-{cache_key(recipe)}"
+    if (out / "DONE").is_file():
+        log(f"[warmstart] cached: {out}")
+        return out
+    task = task_of(recipe)
+    tmp = cache_dir / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = train_tokenizer(task.corpus(), recipe.tokenizer.vocab_size, tmp)
+    tokenizer = load_tokenizer(tmp)
+    torch.manual_seed(recipe.seed)
+    model = _hf_model(recipe, len(tokenizer), tokenizer.eos_token_id)
+    ws = recipe.warmstart
+    examples = task.warmstart_examples(
+        max(ws.steps * ws.batch_size // 4, 1024), ws.correct_fraction
+    )
+    rng = torch.Generator().manual_seed(recipe.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, ws.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, ws.steps) / max(ws.steps, 1)))
+        ),
+    )
+    batches = _batches(examples, tokenizer, ws.batch_size, rng)
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(ws.steps):
+        ids, labels, attn = next(batches)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % max(1, ws.steps // 10) == 0 or step == ws.steps - 1:
+            log(f"[warmstart] step {step + 1}/{ws.steps} loss {loss.item():.4f}")
+    model.eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    gen = {"eos_token_id": tokenizer.eos_token_id, "do_sample": True, "temperature": 1.0}
+    (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    info = {"seconds": time.perf_counter() - t0, "examples": len(examples), "eos": EOS}
+    (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)  # atomic: a cache entry is whole or absent
+    log(f"[warmstart] trained in {info['seconds']:.0f} s -> {out}")
+    return out
