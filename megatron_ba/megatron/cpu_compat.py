@@ -11,7 +11,8 @@ returns the names of the shims it installed the first time (an empty list afterw
    counter that way (0.16.1, schedules.py, forward_backward_no_pipelining and both pipelined
    schedules). Only that module's view of torch changes.
 
-Two more CPU needs are not patches, so callers apply them (megatron_ba.megatron.model does):
+Two more CPU needs are not patches; callers apply them (3 after initialize_model_parallel, 4 is
+merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
 
 3. RNG: `seed_model_parallel_rng(seed)` calls megatron-core's
    `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`, whose tracker never
