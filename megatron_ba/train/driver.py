@@ -255,6 +255,7 @@ class Trainer:
             t = time.perf_counter()
             rewards = self._score(prompts, samples)
             timings["time/reward"] = time.perf_counter() - t
+            self._log_samples(step + 1, prompts, samples, rewards)
             exp = build_experience(
                 ids,
                 samples,
@@ -343,6 +344,22 @@ class Trainer:
             "rollout_tokens": int(exp.lengths.sum()),
         }
         return record
+
+    def _log_samples(self, step: int, prompts, samples, rewards, per_step: int = 2) -> None:
+        """A few rollouts per step in samples.jsonl: what the policy writes, and its reward."""
+        G = len(samples[0])
+        with (self.run_dir / "samples.jsonl").open("a") as f:
+            for i in range(min(per_step, len(prompts))):
+                for j in (0, 1):
+                    s = samples[i][j]
+                    rec = {
+                        "step": step,
+                        "prompt": prompts[i],
+                        "response": s.text,
+                        "tokens": len(s.token_ids),
+                        "reward": rewards[i * G + j],
+                    }
+                    f.write(json.dumps(rec) + "\n")
 
     def _set_lr(self, step: int) -> None:
         o = self.recipe.optimizer

@@ -157,11 +157,13 @@ class VLLMEngine:
 
 
 class BuiltinSampler:
-    """Plain autoregressive sampling with a forward function, no KV cache (slow; explicit only).
+    """Plain autoregressive sampling through the policy itself, no KV cache (slow; explicit only).
 
-    `forward(tokens [B, S]) -> logits [B, S, V]` on the full vocabulary. Used when vLLM is not
-    installed and the recipe asks for `rollout.engine: builtin`; its throughput against vLLM is
-    recorded in docs/performance.md.
+    `forward(tokens, position_ids, attention_mask) -> logits [B, S, V]` on the full vocabulary,
+    with megatron-core's mask convention (True = masked out). Prompts are left-padded so that
+    every row's next token sits in the last column; padding is masked from attention and skipped
+    by the position ids. Used when vLLM is not installed and the recipe asks for
+    `rollout.engine: builtin`; its throughput against vLLM is in docs/performance.md.
     """
 
     def __init__(self, forward, *, eos_token_id: int, pad_token_id: int, decode) -> None:
@@ -183,28 +185,30 @@ class BuiltinSampler:
         g = torch.Generator().manual_seed(seed)
         rows = [p for p in prompt_ids for _ in range(n)]
         width = max(len(p) for p in rows)
-        # left-pad so every row's next position is the same column
         tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        valid = torch.zeros((len(rows), width), dtype=torch.bool)
         for i, p in enumerate(rows):
             tokens[i, width - len(p) :] = torch.tensor(p)
+            valid[i, width - len(p) :] = True
         done = torch.zeros(len(rows), dtype=torch.bool)
-        out = [[] for _ in rows]
+        out: list[list[int]] = [[] for _ in rows]
         for _ in range(max_tokens):
-            logits = self.forward(tokens)[:, -1].float() / temperature
+            s = tokens.shape[1]
+            positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+            causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
+            mask = causal[None, None] | ~valid[:, None, None, :]
+            logits = self.forward(tokens, positions, mask)[:, -1].double() / temperature
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
-            nxt = torch.where(done, torch.full_like(nxt, self.pad), nxt)
             for i in (~done).nonzero().flatten().tolist():
                 out[i].append(int(nxt[i]))
             done |= nxt == self.eos
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            valid = torch.cat([valid, torch.ones(len(rows), 1, dtype=torch.bool)], dim=1)
             if bool(done.all()):
                 break
-        samples = [
-            Sample(
-                ids,
-                self.decode([t for t in ids if t != self.eos]),
-                bool(ids and ids[-1] == self.eos),
-            )
-            for ids in out
-        ]
+        samples = []
+        for ids in out:
+            finished = bool(ids) and ids[-1] == self.eos
+            text_ids = ids[:-1] if finished else ids
+            samples.append(Sample(ids, self.decode(text_ids), finished))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]

@@ -1,0 +1,155 @@
+"""Checks of the local backend that need megatron-core state and a vLLM engine (one process each).
+
+    python tests/train_checks.py sync RECIPE CACHE_DIR           # HF <-> megatron <-> vLLM
+    python tests/train_checks.py resume RECIPE RUN_DIR CACHE_DIR # restored state == saved state
+
+Run by tests/test_train_*.py in subprocesses (megatron-core's parallel state is process-global);
+each prints one JSON line of results that the tests assert on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _max_abs(a, b) -> float:
+    return float(
+        (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64))
+        .abs()
+        .max()
+    )
+
+
+def check_sync(recipe_path: str, cache: str) -> dict:
+    import tempfile
+
+    from transformers import Qwen2ForCausalLM
+
+    from megatron_ba.megatron.grpo_step import compute_logprobs
+    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.recipe import load_recipe
+    from megatron_ba.train.driver import Trainer
+    from megatron_ba.train.hf_convert import hf_to_megatron, megatron_to_hf
+
+    out: dict = {}
+    recipe = load_recipe(recipe_path)
+    run_dir = Path(tempfile.mkdtemp(prefix="sync-"))
+    trainer = Trainer(recipe, run_dir, resume=False, cache_dir=Path(cache))
+    try:
+        m = recipe.model
+        heads, groups = m.num_attention_heads, m.num_query_groups
+        # 1. HF -> megatron -> HF is the identity on the warm-start weights.
+        hf = Qwen2ForCausalLM.from_pretrained(trainer.hf_dir, torch_dtype=torch.float32).eval()
+        hf_sd = {k: v for k, v in hf.state_dict().items() if "rotary" not in k}
+        back = dict(
+            megatron_to_hf(
+                hf_to_megatron(hf_sd, num_attention_heads=heads, num_query_groups=groups),
+                num_attention_heads=heads,
+                num_query_groups=groups,
+            )
+        )
+        out["roundtrip_max_abs"] = max(_max_abs(back[k], hf_sd[k]) for k in hf_sd)
+        out["roundtrip_same_keys"] = set(back) == set(hf_sd)
+        # 2. The megatron policy's log-probs equal transformers' on the same weights.
+        tok = trainer.tokenizer
+        prompt = trainer.task.prompts("eval", 1)[0]
+        from megatron_ba.tasks.arithmetic import correct_solution
+
+        ids = tok(prompt + correct_solution(prompt))["input_ids"] + [tok.eos_token_id]
+        tokens = torch.tensor([ids])
+        mega, _ = compute_logprobs(trainer.chunks, tokens)
+        with torch.no_grad():
+            logits = hf(tokens).logits.double()
+        ref = torch.log_softmax(logits, -1)[0, :-1].gather(1, tokens[0, 1:, None])[:, 0]
+        out["megatron_vs_hf_max_abs"] = _max_abs(mega[0, 1:], ref)
+        # 3. Move the policy away from the engine's weights (a deterministic perturbation).
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(7)
+            for p in trainer.chunks[0].parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        moved, _ = compute_logprobs(trainer.chunks, tokens)
+        stale = trainer.engine.prompt_logprobs(ids)
+        out["stale_vllm_vs_megatron_max_abs"] = _max_abs(stale, moved[0, 1:])  # negative control
+        trainer._sync_weights()
+        synced = trainer.engine.prompt_logprobs(ids)
+        out["synced_vllm_vs_megatron_max_abs"] = _max_abs(synced, moved[0, 1:])
+        out["num_tokens"] = len(ids) - 1
+        # 4. The built-in sampler's left padding is invisible: the next-token logits of a padded
+        #    row equal those of the row alone.
+        from megatron_ba.train.rollout import BuiltinSampler
+
+        short, long_ = ids[:5], ids[:9]
+        pad = tok.pad_token_id
+        rows = torch.tensor([[pad] * 4 + short, long_])
+        valid = torch.tensor([[False] * 4 + [True] * 5, [True] * 9])
+        positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.triu(torch.ones(9, 9, dtype=torch.bool), 1)
+        mask = causal[None, None] | ~valid[:, None, None, :]
+        both = trainer._full_vocab_forward(rows, positions, mask)[:, -1]
+        alone = trainer._full_vocab_forward(
+            torch.tensor([short]), torch.arange(5)[None], causal[None, None, :5, :5]
+        )[:, -1]
+        out["builtin_padding_max_abs"] = _max_abs(both[0], alone[0])
+        unmasked = trainer._full_vocab_forward(
+            rows, torch.arange(9).expand(2, 9), causal[None, None]
+        )
+        out["builtin_unmasked_padding_max_abs"] = _max_abs(unmasked[0, -1], alone[0])  # control
+        sampler = BuiltinSampler(
+            trainer._full_vocab_forward,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=pad,
+            decode=lambda t: tok.decode(t, skip_special_tokens=True),
+        )
+        got = sampler.generate([short, long_], n=2, temperature=1.0, max_tokens=6, seed=0)
+        out["builtin_shapes"] = [len(g) for g in got]
+        out["builtin_max_len"] = max(len(x.token_ids) for g in got for x in g)
+        full = gather_full_state_dict(trainer.chunks)
+        out["num_parameters"] = sum(t.numel() for t in full.values())
+    finally:
+        trainer.close()
+    return out
+
+
+def check_resume(recipe_path: str, run_dir: str, cache: str) -> dict:
+    from megatron_ba.recipe import load_recipe
+    from megatron_ba.train import checkpoint
+    from megatron_ba.train.driver import Trainer
+    from megatron_ba.train.run_log import MetricsLog
+
+    run = Path(run_dir)
+    ckpt = checkpoint.latest_dir(run)
+    saved = torch.load(ckpt / "rank-00000.pt", weights_only=False)
+    recipe = load_recipe(run / "recipe.yaml")
+    trainer = Trainer(recipe, run, resume=True, cache_dir=Path(cache))
+    out: dict = {"checkpoint_step": saved["step"], "start_step": trainer.start_step}
+    try:
+        restored = checkpoint.model_state(trainer.chunks)
+        out["weights_equal"] = set(restored) == set(saved["model"]) and all(
+            torch.equal(restored[k], saved["model"][k]) for k in restored
+        )
+        opt = trainer.optimizer.optimizer.state_dict()
+        out["optimizer_steps"] = sorted({int(s["step"]) for s in opt["state"].values()})
+        out["optimizer_equal"] = all(
+            torch.equal(opt["state"][i][k], saved["optimizer"]["state"][i][k])
+            for i in saved["optimizer"]["state"]
+            for k in ("exp_avg", "exp_avg_sq", "step")
+        )
+        out["torch_rng_equal"] = torch.equal(torch.get_rng_state(), saved["rng"]["torch"])
+        out["steps_logged_before"] = [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()]
+        trainer.run()
+    finally:
+        trainer.close()
+    out["steps_logged_after"] = [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()]
+    out["summary"] = (run / "summary.json").is_file()
+    out["plots"] = sorted(p.name for p in (run / "plots").glob("*.png"))
+    return out
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    result = check_sync(*sys.argv[2:4]) if what == "sync" else check_resume(*sys.argv[2:5])
+    print("RESULT " + json.dumps(result))
