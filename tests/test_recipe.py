@@ -62,3 +62,27 @@ def test_apply_overrides_creates_sections():
 def test_missing_file():
     with pytest.raises(RecipeError, match="no such file"):
         load_recipe(ROOT / "recipes/nope.yaml")
+
+
+def _undocumented(text: str) -> list[str]:
+    import dataclasses
+
+    missing = []
+    for f in dataclasses.fields(Recipe):
+        section = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if section is not None and dataclasses.is_dataclass(section):
+            missing += [
+                f"{f.name}.{g.name}"
+                for g in dataclasses.fields(section)
+                if f"`{f.name}.{g.name}`" not in text
+            ]
+        elif f"`{f.name}`" not in text:
+            missing.append(f.name)
+    return missing
+
+
+def test_docs_name_every_key():
+    text = (ROOT / "docs/recipes.md").read_text()
+    assert _undocumented(text) == []
+    # negative control: a page without the loss.rule row is caught
+    assert _undocumented(text.replace("`loss.rule`", "")) == ["loss.rule"]

@@ -97,12 +97,12 @@ def run(args: argparse.Namespace) -> int:
     if args.samples < 1:
         raise SystemExit("eval: --samples must be >= 1")
     problems = load_problems(args)
-    llm = build_engine(str(args.model_dir), max_model_len=args.max_model_len, seed=args.seed)
-    tokenizer = llm.get_tokenizer()
+    engine = build_engine(str(args.model_dir), max_model_len=args.max_model_len, seed=args.seed)
+    tokenizer = engine.get_tokenizer()
     use_chat = not args.no_chat and getattr(tokenizer, "chat_template", None)
     fmt = (lambda messages: chat_prompt(tokenizer, messages)) if use_chat else plain_chat
     report = evaluate(
-        vllm_generate(llm, top_p=args.top_p),
+        vllm_generate(engine, top_p=args.top_p),
         problems,
         samples=args.samples,
         temperature=args.temperature,
@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         code_timeout_s=args.code_timeout,
         label=args.label or Path(args.model_dir).resolve().name,
     )
+    engine.close()
     report.settings.update(
         {"model_dir": str(args.model_dir), "seed": args.seed, "chat_template": bool(use_chat)}
     )

@@ -39,28 +39,19 @@ _CORPUS = [
 
 
 def build_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on the built-in corpus, as PreTrainedTokenizerFast."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """A byte-level BPE tokenizer trained on the built-in corpus, with a ChatML template."""
+    from megatron_ba.train.tokenizer import train_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+    return train_bpe(
+        _CORPUS * 4,
+        vocab_size,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        split_digits=False,
+        use_regex=True,
+        chat_template=CHAT_TEMPLATE,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-    )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
 
 
 def build_tiny_qwen2(

@@ -386,7 +386,7 @@ class Trainer:
         for step in range(self.start_step, steps):
             record = self.train_step(step)
             done = step + 1
-            if r.eval.every and (done % r.eval.every == 0 or done == steps):
+            if done == steps or (r.eval.every and done % r.eval.every == 0):
                 last_eval = self.evaluate(done)
                 record.update(last_eval)
             if ctx.is_main:

@@ -41,8 +41,8 @@ class VLLMEngine:
         self,
         model_dir: str,
         *,
-        sync_dir: str,
-        max_model_len: int,
+        sync_dir: str | None = None,
+        max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_gb: float = 1.0,
         threads: int | None = None,
@@ -64,9 +64,14 @@ class VLLMEngine:
                 "(scripts/setup_env.sh does it) or `pip install vllm` on GPUs; or set "
                 "rollout.engine=builtin for the slower built-in sampler"
             ) from e
-        self.sync_dir = Path(sync_dir)
-        self.sync_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(Path(model_dir) / "config.json", self.sync_dir / "config.json")
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(
+                f"model_dir: {model_dir!r} is not a Hugging Face model folder (no config.json)"
+            )
+        self.sync_dir = Path(sync_dir) if sync_dir is not None else None
+        if self.sync_dir is not None:
+            self.sync_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(Path(model_dir) / "config.json", self.sync_dir / "config.json")
         t = time.perf_counter()
         self.llm = LLM(
             model=model_dir,
@@ -116,6 +121,35 @@ class VLLMEngine:
             for o in outs
         ]
 
+    def generate_text(
+        self,
+        prompts: list[str],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[str]]:
+        """n completions (text) per text prompt, in prompt order (used by evaluation).
+
+        seed=None draws from the engine's seeded generator; otherwise one seed per prompt as
+        in `generate`.
+        """
+        from vllm import SamplingParams
+
+        def params(i: int):
+            s = None if seed is None else (seed * 1_000_003 + i) % 2**31
+            return SamplingParams(
+                n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=s
+            )
+
+        outs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False)
+        return [[c.text for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+    def get_tokenizer(self):
+        return self.llm.get_tokenizer()
+
     def prompt_logprobs(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
         """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights."""
         from vllm import SamplingParams
@@ -133,6 +167,8 @@ class VLLMEngine:
         """
         from safetensors.torch import save_file
 
+        if self.sync_dir is None:
+            raise ValueError("sync_dir: this engine was created without a weight-sync folder")
         tmp = self.sync_dir / "model.safetensors.tmp"
         tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in named_tensors}
         save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -1,57 +1,83 @@
-"""A byte-level BPE tokenizer trained locally on the task's corpus, saved in Hugging Face format.
+"""Byte-level BPE tokenizers trained locally with `tokenizers`, saved in Hugging Face format.
 
-Nothing is downloaded: the tokenizer is trained with `tokenizers` on text the task generates and
-wrapped as a `PreTrainedTokenizerFast`, so vLLM and transformers load it from the run folder.
+Nothing is downloaded: a tokenizer is trained on text the task generates (or any corpus) and
+wrapped as a `PreTrainedTokenizerFast`, so vLLM and transformers load it from a model folder.
+`train_tokenizer` is the training run's; `megatron_ba.testing.tiny_hf` builds its test tokenizer
+with `train_bpe` too.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS]
 
 
-def train_tokenizer(
-    corpus: list[str], vocab_size: int, out_dir: str | Path, *, multiple_of: int = 64
+def train_bpe(
+    corpus: Sequence[str],
+    vocab_size: int,
+    *,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    eos: str = EOS,
+    pad: str = EOS,
+    split_digits: bool = True,
+    use_regex: bool = False,
+    multiple_of: int = 1,
+    chat_template: str | None = None,
 ):
-    """Train, save to `out_dir` and return the PreTrainedTokenizerFast.
+    """A byte-level BPE trained on `corpus`, as PreTrainedTokenizerFast.
 
-    The vocabulary is padded with unused special tokens to a multiple of `multiple_of`, so the
-    embedding splits evenly across tensor-parallel ranks and every id the model can emit decodes.
+    split_digits: every digit is its own token (numbers read the same wherever they appear).
+    use_regex: GPT-2's word pre-split; without it merges may cross spaces and punctuation, so
+    frequent pieces (". Answer: ") become single tokens. The vocabulary is padded with unused
+    special tokens to a multiple of `multiple_of`, so an embedding splits evenly across
+    tensor-parallel ranks and every id a model can emit decodes.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    if vocab_size < len(alphabet) + len(SPECIAL_TOKENS):
+    if vocab_size < len(alphabet) + len(special_tokens):
         raise ValueError(
-            f"tokenizer.vocab_size: must be >= {len(alphabet) + len(SPECIAL_TOKENS)} (the byte "
-            f"alphabet plus special tokens), got {vocab_size}"
+            f"vocab_size: must be >= {len(alphabet) + len(special_tokens)} (the byte alphabet "
+            f"plus special tokens), got {vocab_size}"
         )
     tok = Tokenizer(models.BPE())
-    # Digits are always single tokens (numbers read the same wherever they appear); other
-    # merges may cross spaces and punctuation so frequent pieces (". Answer: ") become one token.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens),
         initial_alphabet=alphabet,
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad)
     padding = -len(fast) % multiple_of
     if padding:
         fast.add_special_tokens(
             {"additional_special_tokens": [f"<|unused_{i}|>" for i in range(padding)]}
         )
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    return fast
+
+
+def train_tokenizer(
+    corpus: Sequence[str], vocab_size: int, out_dir: str | Path, *, multiple_of: int = 64
+):
+    """The training run's tokenizer: digits split, vocabulary padded to `multiple_of`; saved."""
+    try:
+        fast = train_bpe(corpus, vocab_size, multiple_of=multiple_of)
+    except ValueError as e:
+        raise ValueError(f"tokenizer.{e}") from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
