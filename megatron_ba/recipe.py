@@ -74,6 +74,7 @@ class GRPOSection:
     group_size: int = 8
     max_new_tokens: int = 64
     temperature: float = 1.0
+    mini_batches: int = 1  # optimiser steps per rollout batch (whole groups each)
     normalize_std: bool = True
     std: str = "population"
     drop_zero_variance: bool = False
@@ -266,6 +267,12 @@ def validate(recipe: Recipe) -> Recipe:
     need(recipe.grpo.group_size >= 2, "grpo.group_size", "must be >= 2 (advantages are relative)")
     need(recipe.grpo.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
     need(recipe.grpo.temperature > 0, "grpo.temperature", "must be > 0")
+    need(
+        recipe.grpo.mini_batches >= 1
+        and recipe.grpo.prompts_per_step % recipe.grpo.mini_batches == 0,
+        "grpo.mini_batches",
+        "must be >= 1 and divide grpo.prompts_per_step",
+    )
     need(recipe.grpo.std in ("population", "sample"), "grpo.std", "population or sample")
     need(recipe.rollout.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
     m = recipe.model

@@ -91,7 +91,7 @@ def test_killed_run_resumes_with_the_saved_state(cache_dir, tmp_path):
     r = _run_check("resume", str(RECIPE), str(run_dir), str(cache_dir))
     assert r["start_step"] == r["checkpoint_step"] == step
     assert r["weights_equal"] and r["optimizer_equal"] and r["torch_rng_equal"]
-    assert r["optimizer_steps"] == [step]  # AdamW's step count is the run's
+    assert r["optimizer_steps"] == [2 * step]  # AdamW's count: grpo.mini_batches = 2 per step
     assert max(r["steps_logged_before"]) == step  # metrics cut back to the checkpoint
     after = r["steps_logged_after"]
     train_steps = [s for s in after if s > 0]

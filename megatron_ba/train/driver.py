@@ -93,12 +93,17 @@ class Trainer:
         )
         self.chunks = build_model_chunks(self.spec)
         hf = load_file(str(self.hf_dir / "model.safetensors"))
-        load_full_state_dict(
-            self.chunks,
-            hf_to_megatron(
-                hf, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups
-            ),
+        start = hf_to_megatron(
+            hf, num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups
         )
+        load_full_state_dict(self.chunks, start)
+        # The reference policy of the KL term: the starting (warm-start) weights, frozen.
+        self.ref_chunks = None
+        if r.loss.kl_coef > 0:
+            self.ref_chunks = build_model_chunks(self.spec, ddp=False)
+            load_full_state_dict(self.ref_chunks, start)
+            for c in self.ref_chunks:
+                c.requires_grad_(False)
         o = r.optimizer
         self.optimizer = ShardedAdamW(
             self.chunks,
@@ -232,13 +237,6 @@ class Trainer:
         }
 
     def train_step(self, step: int) -> dict:
-        from megatron_ba.megatron.grpo_step import (
-            GRPOBatch,
-            StepConfig,
-            compute_logprobs,
-            forward_backward,
-        )
-
         r, ctx = self.recipe, self.ctx
         g = r.grpo
         timings: dict[str, float] = {}
@@ -268,26 +266,37 @@ class Trainer:
             )
         exp = ctx.broadcast(exp)
         t = time.perf_counter()
-        rows = exp.rows(ctx.dp, ctx.dp_rank)
-        n_local = rows.stop - rows.start
-        mbs = min(r.parallel.micro_batch_size, n_local)
-        if n_local % mbs:
-            raise ValueError(
-                f"parallel.micro_batch_size: {mbs} must divide the {n_local} sequences of each "
-                f"data-parallel rank"
-            )
-        tokens = exp.tokens[rows]
-        old, entropy = compute_logprobs(
-            self.chunks,
-            tokens,
-            num_microbatches=n_local // mbs,
-            temperature=g.temperature,
-            with_entropy=True,
+        updates = self._update(exp, step)
+        timings["time/train"] = time.perf_counter() - t
+        timings["time/sync"] = self._sync_weights()
+        if not ctx.is_main:
+            return {}
+        diag = batch_diagnostics(
+            exp.lengths, exp.advantages.double(), exp.group_ids, scope=r.loss.scope
         )
-        L = r.loss
-        cfg = StepConfig(
-            num_groups=exp.num_groups,
-            num_microbatches=n_local // mbs,
+        record = {
+            "step": step + 1,
+            "reward_mean": float(exp.rewards.mean()),
+            "accuracy": float((exp.rewards > 0.5).float().mean()),
+            **updates,
+            "lr": self.optimizer.optimizer.param_groups[0]["lr"],
+            "truncated_fraction": float((~exp.finished).float().mean()),
+            **{k: v for k, v in diag.items() if not k.startswith("num_")},
+            "num_pos": diag["num_pos"],
+            "num_neg": diag["num_neg"],
+            **exp.report,
+            **timings,
+            "rollout_tokens": int(exp.lengths.sum()),
+        }
+        return record
+
+    def _step_config(self, num_groups: int, num_microbatches: int):
+        from megatron_ba.megatron.grpo_step import StepConfig
+
+        L, g = self.recipe.loss, self.recipe.grpo
+        return StepConfig(
+            num_groups=num_groups,
+            num_microbatches=num_microbatches,
             rule=L.rule,
             scope=L.scope,
             reg_rule=L.reg_rule,
@@ -303,47 +312,70 @@ class Trainer:
             ),
             temperature=g.temperature,
         )
-        batch = GRPOBatch(
-            tokens=tokens,
-            response_mask=exp.response_mask[rows],
-            advantages=exp.advantages[rows],
-            group_ids=exp.group_ids[rows],
-            old_logprobs=old,
-            lengths=exp.lengths[rows],
-        )
-        self._set_lr(step)
-        result = forward_backward(self.chunks, batch, cfg)
-        applied, grad_norm = self.optimizer.step()
-        timings["time/train"] = time.perf_counter() - t
-        timings["time/sync"] = self._sync_weights()
-        if not ctx.is_main:
-            return {}
-        mask = exp.response_mask[rows]
-        ent = float(entropy[mask].mean()) if bool(mask.any()) else float("nan")
-        diag = batch_diagnostics(exp.lengths, exp.advantages.double(), exp.group_ids, scope=L.scope)
-        met = result.metrics
-        record = {
-            "step": step + 1,
-            "reward_mean": float(exp.rewards.mean()),
-            "accuracy": float((exp.rewards > 0.5).float().mean()),
-            "pg_loss": met.get("pg_loss_sum", float("nan")),
-            "loss": result.loss,
-            "clip_low_frac": met.get("clip_low_frac", 0.0),
-            "clip_high_frac": met.get("clip_high_frac", 0.0),
-            "entropy": ent,
-            "kl": met.get("kl_sum", 0.0),
-            "grad_norm": grad_norm,
-            "update_applied": bool(applied),
-            "lr": self.optimizer.optimizer.param_groups[0]["lr"],
-            "truncated_fraction": float((~exp.finished).float().mean()),
-            **{k: v for k, v in diag.items() if not k.startswith("num_")},
-            "num_pos": diag["num_pos"],
-            "num_neg": diag["num_neg"],
-            **exp.report,
-            **timings,
-            "rollout_tokens": int(exp.lengths.sum()),
+
+    def _update(self, exp, step: int) -> dict:
+        """`grpo.mini_batches` optimiser steps on the batch; metrics averaged over them.
+
+        Mini-batch j holds whole prompt groups [j P/m, (j+1) P/m) and is a global batch of its
+        own: its plan is built from its groups only (one statistics all-reduce each). The old
+        (and reference) log-probs of every mini-batch are computed before the first update, so
+        from the second mini-batch on the ratio moves away from 1 and the clip acts.
+        """
+        from megatron_ba.megatron.grpo_step import GRPOBatch, compute_logprobs, forward_backward
+
+        r, ctx = self.recipe, self.ctx
+        m = r.grpo.mini_batches
+        groups_per = exp.num_groups // m
+        parts = []
+        for j in range(m):
+            rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
+            n_local = len(rows)
+            mbs = min(r.parallel.micro_batch_size, n_local)
+            if n_local % mbs:
+                raise ValueError(
+                    f"parallel.micro_batch_size: {mbs} must divide the {n_local} sequences of "
+                    f"each data-parallel rank's mini-batch"
+                )
+            kw = dict(num_microbatches=n_local // mbs, temperature=r.grpo.temperature)
+            old, entropy = compute_logprobs(self.chunks, exp.tokens[rows], with_entropy=True, **kw)
+            ref = None
+            if self.ref_chunks is not None:
+                ref, _ = compute_logprobs(self.ref_chunks, exp.tokens[rows], **kw)
+            parts.append((rows, kw["num_microbatches"], old, ref, entropy))
+        totals: dict[str, float] = {}
+        grad_norms, applied = [], []
+        token_entropy, n_tokens = 0.0, 0
+        for j, (rows, micro, old, ref, entropy) in enumerate(parts):
+            batch = GRPOBatch(
+                tokens=exp.tokens[rows],
+                response_mask=exp.response_mask[rows],
+                advantages=exp.advantages[rows],
+                group_ids=exp.group_ids[rows] - j * groups_per,
+                old_logprobs=old,
+                ref_logprobs=ref,
+                lengths=exp.lengths[rows],
+            )
+            self._set_lr(step)
+            result = forward_backward(self.chunks, batch, self._step_config(groups_per, micro))
+            ok, norm = self.optimizer.step()
+            applied.append(bool(ok))
+            grad_norms.append(norm)
+            for k, v in result.metrics.items():
+                totals[k] = totals.get(k, 0.0) + v / m
+            mask = batch.response_mask
+            token_entropy += float(entropy[mask].sum())
+            n_tokens += int(mask.sum())
+        return {
+            "pg_loss": totals.get("pg_loss_sum", float("nan")),
+            "loss": totals.get("loss_sum", float("nan")),
+            "clip_low_frac": totals.get("clip_low_frac", 0.0),
+            "clip_high_frac": totals.get("clip_high_frac", 0.0),
+            "ratio_mean": totals.get("ratio_mean", 1.0),
+            "kl": totals.get("kl_sum") if self.ref_chunks is not None else None,
+            "entropy": token_entropy / n_tokens if n_tokens else float("nan"),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "updates_applied": sum(applied),
         }
-        return record
 
     def _log_samples(self, step: int, prompts, samples, rewards, per_step: int = 2) -> None:
         """A few rollouts per step in samples.jsonl: what the policy writes, and its reward."""

@@ -32,12 +32,23 @@ class Experience:
     num_groups: int
     report: dict[str, float]
 
-    def rows(self, dp: int, dp_rank: int) -> slice:
+    def rows(self, dp: int, dp_rank: int, *, mini_batches: int = 1, index: int = 0) -> torch.Tensor:
+        """Row indices of mini-batch `index` (whole groups) on data-parallel rank `dp_rank`."""
         n = self.tokens.shape[0]
-        if n % dp:
-            raise ValueError(f"grpo: {n} sequences do not split over {dp} data-parallel ranks")
-        per = n // dp
-        return slice(dp_rank * per, (dp_rank + 1) * per)
+        if self.num_groups % mini_batches:
+            raise ValueError(
+                f"grpo.mini_batches: {mini_batches} must divide the {self.num_groups} prompt "
+                f"groups of a step"
+            )
+        per_mini = n // mini_batches
+        if per_mini % dp:
+            raise ValueError(
+                f"grpo: {per_mini} sequences per mini-batch do not split over {dp} "
+                f"data-parallel ranks"
+            )
+        per_rank = per_mini // dp
+        start = index * per_mini + dp_rank * per_rank
+        return torch.arange(start, start + per_rank)
 
 
 def build_experience(
