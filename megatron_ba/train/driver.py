@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 
 from megatron_ba.diagnostics import batch_diagnostics
-from megatron_ba.loss import GRPOLossConfig
 from megatron_ba.recipe import Recipe
 from megatron_ba.tasks.arithmetic import answer_of
 from megatron_ba.train import checkpoint
 from megatron_ba.train.experience import build_experience
 from megatron_ba.train.run_log import MetricsLog
+from megatron_ba.train.update import grpo_update
 
 
 def _seed_for(seed: int, step: int, purpose: str) -> int:
@@ -266,7 +266,8 @@ class Trainer:
             )
         exp = ctx.broadcast(exp)
         t = time.perf_counter()
-        updates = self._update(exp, step)
+        self._set_lr(step)
+        updates = grpo_update(self.chunks, self.ref_chunks, self.optimizer, r, ctx, exp)
         timings["time/train"] = time.perf_counter() - t
         timings["time/sync"] = self._sync_weights()
         if not ctx.is_main:
@@ -289,93 +290,6 @@ class Trainer:
             "rollout_tokens": int(exp.lengths.sum()),
         }
         return record
-
-    def _step_config(self, num_groups: int, num_microbatches: int):
-        from megatron_ba.megatron.grpo_step import StepConfig
-
-        L, g = self.recipe.loss, self.recipe.grpo
-        return StepConfig(
-            num_groups=num_groups,
-            num_microbatches=num_microbatches,
-            rule=L.rule,
-            scope=L.scope,
-            reg_rule=L.reg_rule,
-            reg_scope=L.reg_scope,
-            max_length=L.max_length or g.max_new_tokens,
-            neutral_eps=L.neutral_eps,
-            loss=GRPOLossConfig(
-                clip_low=L.clip_low,
-                clip_high=L.clip_high,
-                dual_clip=L.dual_clip,
-                kl_coef=L.kl_coef,
-                entropy_coef=L.entropy_coef,
-            ),
-            temperature=g.temperature,
-        )
-
-    def _update(self, exp, step: int) -> dict:
-        """`grpo.mini_batches` optimiser steps on the batch; metrics averaged over them.
-
-        Mini-batch j holds whole prompt groups [j P/m, (j+1) P/m) and is a global batch of its
-        own: its plan is built from its groups only (one statistics all-reduce each). The old
-        (and reference) log-probs of every mini-batch are computed before the first update, so
-        from the second mini-batch on the ratio moves away from 1 and the clip acts.
-        """
-        from megatron_ba.megatron.grpo_step import GRPOBatch, compute_logprobs, forward_backward
-
-        r, ctx = self.recipe, self.ctx
-        m = r.grpo.mini_batches
-        groups_per = exp.num_groups // m
-        parts = []
-        for j in range(m):
-            rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
-            n_local = len(rows)
-            mbs = min(r.parallel.micro_batch_size, n_local)
-            if n_local % mbs:
-                raise ValueError(
-                    f"parallel.micro_batch_size: {mbs} must divide the {n_local} sequences of "
-                    f"each data-parallel rank's mini-batch"
-                )
-            kw = dict(num_microbatches=n_local // mbs, temperature=r.grpo.temperature)
-            old, entropy = compute_logprobs(self.chunks, exp.tokens[rows], with_entropy=True, **kw)
-            ref = None
-            if self.ref_chunks is not None:
-                ref, _ = compute_logprobs(self.ref_chunks, exp.tokens[rows], **kw)
-            parts.append((rows, kw["num_microbatches"], old, ref, entropy))
-        totals: dict[str, float] = {}
-        grad_norms, applied = [], []
-        token_entropy, n_tokens = 0.0, 0
-        for j, (rows, micro, old, ref, entropy) in enumerate(parts):
-            batch = GRPOBatch(
-                tokens=exp.tokens[rows],
-                response_mask=exp.response_mask[rows],
-                advantages=exp.advantages[rows],
-                group_ids=exp.group_ids[rows] - j * groups_per,
-                old_logprobs=old,
-                ref_logprobs=ref,
-                lengths=exp.lengths[rows],
-            )
-            self._set_lr(step)
-            result = forward_backward(self.chunks, batch, self._step_config(groups_per, micro))
-            ok, norm = self.optimizer.step()
-            applied.append(bool(ok))
-            grad_norms.append(norm)
-            for k, v in result.metrics.items():
-                totals[k] = totals.get(k, 0.0) + v / m
-            mask = batch.response_mask
-            token_entropy += float(entropy[mask].sum())
-            n_tokens += int(mask.sum())
-        return {
-            "pg_loss": totals.get("pg_loss_sum", float("nan")),
-            "loss": totals.get("loss_sum", float("nan")),
-            "clip_low_frac": totals.get("clip_low_frac", 0.0),
-            "clip_high_frac": totals.get("clip_high_frac", 0.0),
-            "ratio_mean": totals.get("ratio_mean", 1.0),
-            "kl": totals.get("kl_sum") if self.ref_chunks is not None else None,
-            "entropy": token_entropy / n_tokens if n_tokens else float("nan"),
-            "grad_norm": sum(grad_norms) / len(grad_norms),
-            "updates_applied": sum(applied),
-        }
 
     def _log_samples(self, step: int, prompts, samples, rewards, per_step: int = 2) -> None:
         """A few rollouts per step in samples.jsonl: what the policy writes, and its reward."""

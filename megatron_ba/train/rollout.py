@@ -34,6 +34,24 @@ class Sample:
     finished: bool  # stopped at EOS (False: cut at max_tokens)
 
 
+def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0):
+    """One SamplingParams per prompt, each with its own seed derived from `seed` (None: the
+    engine's generator). One seed for all requests would give every prompt the same random
+    stream, correlating their samples."""
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=None if seed is None else (seed * 1_000_003 + i) % 2**31,
+        )
+        for i in range(count)
+    ]
+
+
 class VLLMEngine:
     """vLLM over a Hugging Face model directory, in its own process (default) or in this one."""
 
@@ -94,22 +112,8 @@ class VLLMEngine:
         max_tokens: int,
         seed: int,
     ) -> list[list[Sample]]:
-        """n samples per prompt, in prompt order.
-
-        Each prompt gets its own seed (derived from `seed` and its index): one seed for all
-        requests would give every prompt the same random stream, correlating their samples.
-        """
-        from vllm import SamplingParams
-
-        params = [
-            SamplingParams(
-                n=n,
-                temperature=temperature,
-                max_tokens=max_tokens,
-                seed=(seed * 1_000_003 + i) % 2**31,
-            )
-            for i in range(len(prompt_ids))
-        ]
+        """n samples per prompt, in prompt order (per-prompt seeds derived from `seed`)."""
+        params = _sampling_params(len(prompt_ids), n, temperature, max_tokens, seed)
         outs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
         )
@@ -136,15 +140,8 @@ class VLLMEngine:
         seed=None draws from the engine's seeded generator; otherwise one seed per prompt as
         in `generate`.
         """
-        from vllm import SamplingParams
-
-        def params(i: int):
-            s = None if seed is None else (seed * 1_000_003 + i) % 2**31
-            return SamplingParams(
-                n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=s
-            )
-
-        outs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False)
+        params = _sampling_params(len(prompts), n, temperature, max_tokens, seed, top_p)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[c.text for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
     def get_tokenizer(self):

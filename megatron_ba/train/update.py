@@ -1,0 +1,106 @@
+"""One GRPO update on megatron-core: old/reference log-probs, then the loss plan's optimiser steps.
+
+    metrics = grpo_update(chunks, ref_chunks, optimizer, recipe, ctx, experience)
+
+`grpo.mini_batches` splits the step's prompt groups into that many global batches, each with its
+own plan (one statistics all-reduce over data-parallel ranks) and optimiser step; the old (and
+reference) log-probs of all of them are computed first, through the same schedule, so from the
+second mini-batch on the ratio moves away from 1 and the clip acts.
+"""
+
+from __future__ import annotations
+
+from megatron_ba.loss import GRPOLossConfig
+from megatron_ba.megatron.grpo_step import (
+    GRPOBatch,
+    StepConfig,
+    compute_logprobs,
+    forward_backward,
+)
+from megatron_ba.recipe import Recipe
+from megatron_ba.train.experience import Experience
+
+
+def step_config(recipe: Recipe, num_groups: int, num_microbatches: int) -> StepConfig:
+    """The megatron GRPO step's settings from the recipe's loss and grpo sections."""
+    L, g = recipe.loss, recipe.grpo
+    return StepConfig(
+        num_groups=num_groups,
+        num_microbatches=num_microbatches,
+        rule=L.rule,
+        scope=L.scope,
+        reg_rule=L.reg_rule,
+        reg_scope=L.reg_scope,
+        max_length=L.max_length or g.max_new_tokens,
+        neutral_eps=L.neutral_eps,
+        loss=GRPOLossConfig(
+            clip_low=L.clip_low,
+            clip_high=L.clip_high,
+            dual_clip=L.dual_clip,
+            kl_coef=L.kl_coef,
+            entropy_coef=L.entropy_coef,
+        ),
+        temperature=g.temperature,
+    )
+
+
+def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experience) -> dict:
+    """`grpo.mini_batches` optimiser steps on the batch; metrics averaged over them.
+
+    Mini-batch j holds whole prompt groups [j P/m, (j+1) P/m) and is a global batch of its
+    own: its plan is built from its groups only (one statistics all-reduce each). The old
+    (and reference) log-probs of every mini-batch are computed before the first update, so
+    from the second mini-batch on the ratio moves away from 1 and the clip acts.
+    """
+    r = recipe
+    m = r.grpo.mini_batches
+    groups_per = exp.num_groups // m
+    parts = []
+    for j in range(m):
+        rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
+        n_local = len(rows)
+        mbs = min(r.parallel.micro_batch_size, n_local)
+        if n_local % mbs:
+            raise ValueError(
+                f"parallel.micro_batch_size: {mbs} must divide the {n_local} sequences of "
+                f"each data-parallel rank's mini-batch"
+            )
+        kw = dict(num_microbatches=n_local // mbs, temperature=r.grpo.temperature)
+        old, entropy = compute_logprobs(chunks, exp.tokens[rows], with_entropy=True, **kw)
+        ref = None
+        if ref_chunks is not None:
+            ref, _ = compute_logprobs(ref_chunks, exp.tokens[rows], **kw)
+        parts.append((rows, kw["num_microbatches"], old, ref, entropy))
+    totals: dict[str, float] = {}
+    grad_norms, applied = [], []
+    token_entropy, n_tokens = 0.0, 0
+    for j, (rows, micro, old, ref, entropy) in enumerate(parts):
+        batch = GRPOBatch(
+            tokens=exp.tokens[rows],
+            response_mask=exp.response_mask[rows],
+            advantages=exp.advantages[rows],
+            group_ids=exp.group_ids[rows] - j * groups_per,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            lengths=exp.lengths[rows],
+        )
+        result = forward_backward(chunks, batch, step_config(r, groups_per, micro))
+        ok, norm = optimizer.step()
+        applied.append(bool(ok))
+        grad_norms.append(norm)
+        for k, v in result.metrics.items():
+            totals[k] = totals.get(k, 0.0) + v / m
+        mask = batch.response_mask
+        token_entropy += float(entropy[mask].sum())
+        n_tokens += int(mask.sum())
+    return {
+        "pg_loss": totals.get("pg_loss_sum", float("nan")),
+        "loss": totals.get("loss_sum", float("nan")),
+        "clip_low_frac": totals.get("clip_low_frac", 0.0),
+        "clip_high_frac": totals.get("clip_high_frac", 0.0),
+        "ratio_mean": totals.get("ratio_mean", 1.0),
+        "kl": totals.get("kl_sum") if ref_chunks is not None else None,
+        "entropy": token_entropy / n_tokens if n_tokens else float("nan"),
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "updates_applied": sum(applied),
+    }
