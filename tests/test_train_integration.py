@@ -97,3 +97,35 @@ def test_killed_run_resumes_with_the_saved_state(cache_dir, tmp_path):
     train_steps = [s for s in after if s > 0]
     assert train_steps == list(range(1, 7))  # every step exactly once, none lost or repeated
     assert r["summary"] and "eval_accuracy.png" in r["plots"]
+
+
+def test_compare_writes_the_report(cache_dir, tmp_path):
+    out = tmp_path / "compare"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_ba.cli",
+        "compare",
+        str(RECIPE),
+        "grpo.steps=2",
+        "grpo.mini_batches=1",
+        "eval.every=0",
+        "--rules",
+        "token,balanced",
+        "--out",
+        str(out),
+    ]
+    out.mkdir()
+    os.symlink(cache_dir, out / ".cache")  # compare's warm-start cache: the module's
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = (out / "report.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith(("| token", "| balanced"))]
+    assert len(rows) == 2
+    for name in ("pg_loss.png", "eval_accuracy.png", "length_var.png", "length_gap.png"):
+        assert (out / "figures" / name).stat().st_size > 1000
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"token", "balanced"}
+    # a second call keeps the finished runs instead of training again
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("finished earlier, kept") == 2
