@@ -43,12 +43,12 @@ def test_hand_computed_token_terms_and_gradients():
         loss, _ = grpo_loss(
             logp[i : i + 1], old[i : i + 1], mask[i : i + 1], plan.select(slice(i, i + 1))
         )
-        assert abs(float(loss.detach()) + phi[i]) < 1e-12, CASES[i]
+        assert abs(loss.item() + phi[i]) < 1e-12, CASES[i]
         (g,) = torch.autograd.grad(loss, logp)
         # d(-phi)/d logp = -A rho on the unclipped branch, 0 when clipped
         assert abs(float(g[i, 0]) + dphi[i]) < 1e-12, CASES[i]
     loss, metrics = grpo_loss(logp, old, mask, plan)
-    assert abs(float(loss.detach()) + sum(phi)) < 1e-12
+    assert abs(loss.item() + sum(phi)) < 1e-12
     assert float(metrics["clip_high_frac"]) == pytest.approx(1 / 5)
     assert float(metrics["clip_low_frac"]) == pytest.approx(1 / 5)
 
@@ -56,9 +56,9 @@ def test_hand_computed_token_terms_and_gradients():
 def test_asymmetric_clip_bounds_are_used():
     logp, old, mask, plan = _single_token_batch([1.25, 1.3], [1.0, 1.0])
     loss, _ = grpo_loss(logp, old, mask, plan, GRPOLossConfig(clip_low=0.2, clip_high=0.28))
-    assert abs(float(loss) + (1.25 + 1.28)) < 1e-12
+    assert abs(loss.item() + (1.25 + 1.28)) < 1e-12
     loss, _ = grpo_loss(logp, old, mask, plan, GRPOLossConfig(clip_low=0.2, clip_high=0.2))
-    assert abs(float(loss) + (1.2 + 1.2)) < 1e-12  # negative control: symmetric clip differs
+    assert abs(loss.item() + (1.2 + 1.2)) < 1e-12  # negative control: symmetric clip differs
 
 
 def test_dual_clip_bounds_negative_advantages_only():
@@ -66,12 +66,12 @@ def test_dual_clip_bounds_negative_advantages_only():
     cfg = GRPOLossConfig(dual_clip=3.0)
     loss, metrics = grpo_loss(logp, old, mask, plan, cfg)
     # A < 0: min(-4, -1.28) = -4, floored at 3 * A = -3; A > 0: min(4, 1.28) = 1.28
-    assert abs(float(loss) - (3.0 - 1.28)) < 1e-12
+    assert abs(loss.item() - (3.0 - 1.28)) < 1e-12
     assert float(metrics["dual_clip_frac"]) == 0.5
     (g,) = torch.autograd.grad(loss, logp)
     assert float(g.abs().sum()) == 0.0  # both branches are constant in rho here
     loss_plain, _ = grpo_loss(logp, old, mask, plan)
-    assert abs(float(loss_plain) - (4.0 - 1.28)) < 1e-12
+    assert abs(loss_plain.item() - (4.0 - 1.28)) < 1e-12
 
 
 def test_kl_k3_and_entropy_use_the_regulariser_plan():
@@ -90,7 +90,7 @@ def test_kl_k3_and_entropy_use_the_regulariser_plan():
     h = sum(float(reg_w[i] * ent[i][mask[i]].sum()) for i in range(3))
     assert abs(float(metrics["kl"]) - kl) < 1e-13 and kl > 0
     assert abs(float(metrics["entropy"]) - h) < 1e-13
-    assert abs(float(loss) - (0.5 * kl - 0.01 * h)) < 1e-13
+    assert abs(loss.item() - (0.5 * kl - 0.01 * h)) < 1e-13
     (g_ent,) = torch.autograd.grad(loss, ent)
     torch.testing.assert_close(g_ent, -0.01 * reg_w[:, None] * mask)
 
