@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's main job (README): sets up .venv with pinned dependencies, then runs a real GRPO
-# training run with Balanced Aggregation on this CPU machine (recipes/tiny-cpu.yaml, ~5 minutes
-# on 2 cores): megatron-core policy, vLLM rollouts, verifiable rewards.
+# training run with Balanced Aggregation on this CPU machine (recipes/tiny-cpu.yaml): megatron-core
+# policy, vLLM rollouts, verifiable rewards. Measured on 2 cores: 3 min 49 s from a fresh clone,
+# set-up included (docs/performance.md).
 #
 #   bash scripts/run_main.sh [key=value overrides ...]
 #

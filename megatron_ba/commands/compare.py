@@ -1,6 +1,6 @@
 """`megatron-ba compare RECIPE --rules token,sequence,balanced [--seeds N]`: the paper's comparison.
 
-    megatron-ba compare recipes/tiny-cpu.yaml                        # 3 rules x 1 seed, ~25 min
+    megatron-ba compare recipes/tiny-cpu.yaml                        # 3 rules x 1 seed, ~10 min
     megatron-ba compare recipes/tiny-cpu.yaml --seeds 2 --out runs/compare grpo.steps=60
 
 Each (rule, seed) trains in OUT/<rule>-seed<k>/; OUT/report.md holds the table (peak -> last) and

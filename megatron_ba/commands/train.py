@@ -1,6 +1,6 @@
 """`megatron-ba train RECIPE [key=value ...]`: a GRPO run with the recipe's backend.
 
-    megatron-ba train recipes/tiny-cpu.yaml                       # the CPU main job (~10 min)
+    megatron-ba train recipes/tiny-cpu.yaml                       # the CPU main job (~2.5 min)
     megatron-ba train recipes/tiny-cpu.yaml loss.rule=token grpo.steps=20 --run-dir runs/tok
     megatron-ba train recipes/tiny-cpu.yaml --resume runs/tiny-cpu-balanced
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
