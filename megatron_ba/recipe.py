@@ -37,6 +37,24 @@ class ModelSection:
     init_std: float = 0.02
     pretrained: str | None = None  # HF model dir or checkpoint (cluster recipes)
 
+    def qwen2_spec(self, vocab_size: int):
+        """The megatron_ba Qwen2Spec of this shape: the one source of both the megatron-core
+        policy and its Hugging Face twin (warm start, vLLM, exports)."""
+        from megatron_ba.megatron.model import Qwen2Spec
+
+        return Qwen2Spec(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups,
+            ffn_hidden_size=self.ffn_hidden_size,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            init_std=self.init_std,
+        )
+
 
 @dataclass
 class TokenizerSection:

@@ -65,7 +65,7 @@ class Trainer:
     def _build(self, resume: bool, cache_dir: Path) -> None:
         from safetensors.torch import load_file
 
-        from megatron_ba.megatron.model import Qwen2Spec, build_model_chunks, load_full_state_dict
+        from megatron_ba.megatron.model import build_model_chunks, load_full_state_dict
         from megatron_ba.megatron.optimizer import ShardedAdamW
         from megatron_ba.train.hf_convert import hf_to_megatron
         from megatron_ba.train.tokenizer import load_tokenizer
@@ -79,18 +79,7 @@ class Trainer:
         self.task = task_of(r)
         self.tokenizer = load_tokenizer(self.hf_dir)
         m = r.model
-        self.spec = Qwen2Spec(
-            vocab_size=len(self.tokenizer),
-            hidden_size=m.hidden_size,
-            num_layers=m.num_layers,
-            num_attention_heads=m.num_attention_heads,
-            num_query_groups=m.num_query_groups,
-            ffn_hidden_size=m.ffn_hidden_size,
-            max_position_embeddings=m.max_position_embeddings,
-            rope_theta=m.rope_theta,
-            norm_eps=m.norm_eps,
-            init_std=m.init_std,
-        )
+        self.spec = m.qwen2_spec(len(self.tokenizer))
         self.chunks = build_model_chunks(self.spec)
         hf = load_file(str(self.hf_dir / "model.safetensors"))
         start = hf_to_megatron(

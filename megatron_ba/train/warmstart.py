@@ -49,25 +49,13 @@ def cache_key(recipe: Recipe) -> str:
 
 
 def _hf_model(recipe: Recipe, vocab_size: int, eos_id: int):
+    """A fresh transformers Qwen2 with the policy's exact shape (one config source)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    m = recipe.model
-    cfg = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_query_groups,
-        max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta,
-        rms_norm_eps=m.norm_eps,
-        initializer_range=m.init_std,
-        tie_word_embeddings=False,
-        eos_token_id=eos_id,
-        bos_token_id=eos_id,
-    )
-    return Qwen2ForCausalLM(cfg)
+    from megatron_ba.train.hf_convert import qwen2_config
+
+    spec = recipe.model.qwen2_spec(vocab_size)
+    return Qwen2ForCausalLM(Qwen2Config(**qwen2_config(spec, eos_token_id=eos_id)))
 
 
 def _batches(examples, tokenizer, batch_size: int, rng: torch.Generator):
