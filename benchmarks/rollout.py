@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
+    from megatron_ba.generation.builtin_sampler import BuiltinSampler
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train.driver import Trainer
-    from megatron_ba.train.rollout import BuiltinSampler
 
     recipe = load_recipe(args.recipe, [*args.overrides, "logging.progress=false"])
     run_dir = Path(tempfile.mkdtemp(prefix="bench-rollout-"))
@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts = trainer.task.prompts("train", g.prompts_per_step)
         ids = [trainer.tokenizer(x)["input_ids"] for x in prompts]
         builtin = BuiltinSampler(
-            trainer._full_vocab_forward,
+            trainer.policy.full_vocab_forward,
             eos_token_id=trainer.tokenizer.eos_token_id,
             pad_token_id=trainer.tokenizer.pad_token_id,
             decode=lambda t: trainer.tokenizer.decode(t, skip_special_tokens=True),
         )
         results = {}
-        for name, engine in (("vllm", trainer.engine), ("builtin", builtin)):
+        for name, engine in (("vllm", trainer.rollouts.engine), ("builtin", builtin)):
             rates = []
             for r in range(args.repeats):
                 t = time.perf_counter()

@@ -56,9 +56,8 @@ def test_weights_agree_across_hf_megatron_and_vllm(cache_dir):
     assert r["builtin_shapes"] == [2, 2] and 1 <= r["builtin_max_len"] <= 6
 
 
-def test_killed_run_resumes_with_the_saved_state(cache_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = [
+def _train_cmd(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "megatron_ba.cli",
@@ -69,9 +68,20 @@ def test_killed_run_resumes_with_the_saved_state(cache_dir, tmp_path):
         str(run_dir),
         "--cache-dir",
         str(cache_dir),
+        *extra,
     ]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(cache_dir, tmp_path_factory):
+    """A 6-step run SIGKILLed after its checkpoint of step >= 2, then resumed to the end."""
+    run_dir = tmp_path_factory.mktemp("killed") / "run"
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        _train_cmd(run_dir, cache_dir),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.time() + 600
@@ -87,8 +97,11 @@ def test_killed_run_resumes_with_the_saved_state(cache_dir, tmp_path):
     step = int(latest.read_text().strip().split("-")[1])
     assert 2 <= step < 6
     assert (run_dir / "checkpoints" / latest.read_text().strip() / "meta.json").is_file()
+    return run_dir, step, _run_check("resume", str(RECIPE), str(run_dir), str(cache_dir))
 
-    r = _run_check("resume", str(RECIPE), str(run_dir), str(cache_dir))
+
+def test_killed_run_resumes_with_the_saved_state(resumed_run):
+    _, step, r = resumed_run
     assert r["start_step"] == r["checkpoint_step"] == step
     assert r["weights_equal"] and r["optimizer_equal"] and r["torch_rng_equal"]
     assert r["optimizer_steps"] == [2 * step]  # AdamW's count: grpo.mini_batches = 2 per step
@@ -97,6 +110,46 @@ def test_killed_run_resumes_with_the_saved_state(cache_dir, tmp_path):
     train_steps = [s for s in after if s > 0]
     assert train_steps == list(range(1, 7))  # every step exactly once, none lost or repeated
     assert r["summary"] and "eval_accuracy.png" in r["plots"]
+
+
+def _trajectory(run_dir: Path) -> list[dict]:
+    """Every metrics line without its wall-clock timings (the only thing allowed to differ)."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")} for x in lines]
+
+
+def trajectory_mismatches(a: list[dict], b: list[dict]) -> list[str]:
+    """The first differences between two runs' metrics, bit for bit ([] when identical)."""
+    if [r["step"] for r in a] != [r["step"] for r in b]:
+        return [f"steps {[r['step'] for r in a]} != {[r['step'] for r in b]}"]
+    out = []
+    for ra, rb in zip(a, b, strict=True):
+        for k in sorted(set(ra) | set(rb)):
+            if ra.get(k, "absent") != rb.get(k, "absent"):
+                out.append(f"step {ra['step']} {k}: {ra.get(k, 'absent')} != {rb.get(k, 'absent')}")
+    return out
+
+
+def test_resumed_run_follows_the_uninterrupted_trajectory(resumed_run, cache_dir, tmp_path):
+    killed_dir, step, _ = resumed_run
+    straight = tmp_path / "straight"
+    proc = subprocess.run(
+        _train_cmd(straight, cache_dir), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # The terminal holds our lines only; vLLM's and the other libraries' go to logs/.
+    terminal = (proc.stdout + proc.stderr).splitlines()
+    assert not [x for x in terminal if "INFO" in x or "WARNING" in x or "warn" in x.lower()]
+    assert "INFO" in (straight / "logs" / "rank-0.log").read_text()
+    a, b = _trajectory(straight), _trajectory(killed_dir)
+    assert trajectory_mismatches(a, b) == [], f"resumed from step {step}"
+    samples = [json.loads(x)["step"] for x in (killed_dir / "samples.jsonl").open()]
+    assert samples == sorted(samples) and len(samples) == len(set(samples)) * 4  # none twice
+    # The comparison is bit for bit: one changed digit of one metric is caught.
+    b[-1] = {**b[-1], "pg_loss": b[-1]["pg_loss"] + 1e-12}
+    assert trajectory_mismatches(a, b) == [
+        f"step 6 pg_loss: {a[-1]['pg_loss']} != {b[-1]['pg_loss']}"
+    ]
 
 
 def test_compare_writes_the_report(cache_dir, tmp_path):

@@ -61,7 +61,7 @@ def check_sync(recipe_path: str, cache: str) -> dict:
 
         ids = tok(prompt + correct_solution(prompt))["input_ids"] + [tok.eos_token_id]
         tokens = torch.tensor([ids])
-        mega, _ = compute_logprobs(trainer.chunks, tokens)
+        mega, _ = compute_logprobs(trainer.policy.chunks, tokens)
         with torch.no_grad():
             logits = hf(tokens).logits.double()
         ref = torch.log_softmax(logits, -1)[0, :-1].gather(1, tokens[0, 1:, None])[:, 0]
@@ -69,18 +69,18 @@ def check_sync(recipe_path: str, cache: str) -> dict:
         # 3. Move the policy away from the engine's weights (a deterministic perturbation).
         with torch.no_grad():
             g = torch.Generator().manual_seed(7)
-            for p in trainer.chunks[0].parameters():
+            for p in trainer.policy.chunks[0].parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
-        moved, _ = compute_logprobs(trainer.chunks, tokens)
-        stale = trainer.engine.prompt_logprobs(ids)
+        moved, _ = compute_logprobs(trainer.policy.chunks, tokens)
+        stale = trainer.rollouts.engine.prompt_logprobs(ids)
         out["stale_vllm_vs_megatron_max_abs"] = _max_abs(stale, moved[0, 1:])  # negative control
-        trainer._sync_weights()
-        synced = trainer.engine.prompt_logprobs(ids)
+        trainer.rollouts.sync(trainer.policy)
+        synced = trainer.rollouts.engine.prompt_logprobs(ids)
         out["synced_vllm_vs_megatron_max_abs"] = _max_abs(synced, moved[0, 1:])
         out["num_tokens"] = len(ids) - 1
         # 4. The built-in sampler's left padding is invisible: the next-token logits of a padded
         #    row equal those of the row alone.
-        from megatron_ba.train.rollout import BuiltinSampler
+        from megatron_ba.generation.builtin_sampler import BuiltinSampler
 
         short, long_ = ids[:5], ids[:9]
         pad = tok.pad_token_id
@@ -89,17 +89,17 @@ def check_sync(recipe_path: str, cache: str) -> dict:
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         causal = torch.triu(torch.ones(9, 9, dtype=torch.bool), 1)
         mask = causal[None, None] | ~valid[:, None, None, :]
-        both = trainer._full_vocab_forward(rows, positions, mask)[:, -1]
-        alone = trainer._full_vocab_forward(
+        both = trainer.policy.full_vocab_forward(rows, positions, mask)[:, -1]
+        alone = trainer.policy.full_vocab_forward(
             torch.tensor([short]), torch.arange(5)[None], causal[None, None, :5, :5]
         )[:, -1]
         out["builtin_padding_max_abs"] = _max_abs(both[0], alone[0])
-        unmasked = trainer._full_vocab_forward(
+        unmasked = trainer.policy.full_vocab_forward(
             rows, torch.arange(9).expand(2, 9), causal[None, None]
         )
         out["builtin_unmasked_padding_max_abs"] = _max_abs(unmasked[0, -1], alone[0])  # control
         sampler = BuiltinSampler(
-            trainer._full_vocab_forward,
+            trainer.policy.full_vocab_forward,
             eos_token_id=tok.eos_token_id,
             pad_token_id=pad,
             decode=lambda t: tok.decode(t, skip_special_tokens=True),
@@ -107,7 +107,7 @@ def check_sync(recipe_path: str, cache: str) -> dict:
         got = sampler.generate([short, long_], n=2, temperature=1.0, max_tokens=6, seed=0)
         out["builtin_shapes"] = [len(g) for g in got]
         out["builtin_max_len"] = max(len(x.token_ids) for g in got for x in g)
-        full = gather_full_state_dict(trainer.chunks)
+        full = gather_full_state_dict(trainer.policy.chunks)
         out["num_parameters"] = sum(t.numel() for t in full.values())
     finally:
         trainer.close()
@@ -127,11 +127,11 @@ def check_resume(recipe_path: str, run_dir: str, cache: str) -> dict:
     trainer = Trainer(recipe, run, resume=True, cache_dir=Path(cache))
     out: dict = {"checkpoint_step": saved["step"], "start_step": trainer.start_step}
     try:
-        restored = checkpoint.model_state(trainer.chunks)
+        restored = checkpoint.model_state(trainer.policy.chunks)
         out["weights_equal"] = set(restored) == set(saved["model"]) and all(
             torch.equal(restored[k], saved["model"][k]) for k in restored
         )
-        opt = trainer.optimizer.optimizer.state_dict()
+        opt = trainer.policy.optimizer.optimizer.state_dict()
         out["optimizer_steps"] = sorted({int(s["step"]) for s in opt["state"].values()})
         out["optimizer_equal"] = all(
             torch.equal(opt["state"][i][k], saved["optimizer"]["state"][i][k])

@@ -7,12 +7,16 @@
 
 The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
 summary.json, plots/*.png and checkpoints/ (with a Hugging Face export for `megatron-ba eval`).
+The terminal shows the progress bar, evaluation lines and the summary; what vLLM, megatron-core
+and the other libraries print goes to logs/rank-<r>.log in the run folder (`--verbose`: all of it
+on the terminal).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--cache-dir", default="runs/.cache", help="warm-start cache (default runs/.cache)"
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every library's output on the terminal (default: RUN_DIR/logs/rank-<r>.log)",
     )
 
 
@@ -52,13 +61,21 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from megatron_ba.train.driver import Trainer
+    from megatron_ba.train.console import Console
 
-    trainer = Trainer(recipe, run_dir, resume=bool(args.resume), cache_dir=Path(args.cache_dir))
-    try:
-        summary = trainer.run()
-    finally:
-        trainer.close()
+    rank = int(os.environ.get("RANK", "0"))
+    console = Console(run_dir / "logs", rank=rank, verbose=args.verbose)
+    with console:  # before the heavy imports: their warnings go to the log file too
+        from megatron_ba.train.driver import Trainer
+
+        log = console.log if rank == 0 else (lambda _msg: None)
+        trainer = Trainer(
+            recipe, run_dir, resume=bool(args.resume), cache_dir=Path(args.cache_dir), log=log
+        )
+        try:
+            summary = trainer.run(progress_stream=console.stream)
+        finally:
+            trainer.close()
     if summary:
         print(json.dumps(summary, indent=2))
         print(f"run folder: {run_dir}")

@@ -66,6 +66,7 @@ def evaluate(
     max_tokens: int = 4096,
     template: str = "dapo",
     format_prompt: Callable[[list[dict]], str] = plain_chat,
+    prompt_of: Callable[[Problem], str] | None = None,
     math_pool=None,
     math_timeout_s: float = 5.0,
     code_workers: int = 2,
@@ -76,8 +77,9 @@ def evaluate(
 
     format_prompt turns a problem's chat messages into the prompt string (e.g. the tokenizer's
     chat template); math problems use `template` ("dapo" or "boxed"), code problems
-    LiveCodeBench's format. `math_pool` (a MathRewardPool) is borrowed if given, else one is
-    made for this call.
+    LiveCodeBench's format. `prompt_of(problem) -> str` replaces both (a training task whose
+    prompts are already complete, e.g. the synthetic arithmetic task). `math_pool` (a
+    MathRewardPool) is borrowed if given, else one is made for this call.
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
@@ -99,7 +101,10 @@ def evaluate(
     try:
         for name, problems in benchmarks.items():
             started = time.monotonic()
-            prompts = [format_prompt(problem_messages(p, template)) for p in problems]
+            prompts = [
+                prompt_of(p) if prompt_of else format_prompt(problem_messages(p, template))
+                for p in problems
+            ]
             out = generate(prompts, samples, temperature, max_tokens)
             responses = _check_generated(out, prompts, samples, name)
             timeouts = 0

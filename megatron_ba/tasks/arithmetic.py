@@ -124,6 +124,10 @@ class ArithmeticTask:
             out.append(p)
         return out
 
+    def answer(self, prompt: str) -> str:
+        """The ground truth the math reward compares a response's final answer with."""
+        return str(answer_of(prompt))
+
     def warmstart_examples(self, count: int, correct_fraction: float) -> list[tuple[str, str]]:
         """(prompt, response) pairs: `correct_fraction` correct, the rest sloppy (and wrong)."""
         rng = random.Random(f"{self.seed}:warmstart")

@@ -40,7 +40,7 @@ _CORPUS = [
 
 def build_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on the built-in corpus, with a ChatML template."""
-    from megatron_ba.train.tokenizer import train_bpe
+    from megatron_ba.tokenization import train_bpe
 
     return train_bpe(
         _CORPUS * 4,

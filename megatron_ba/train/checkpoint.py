@@ -9,7 +9,8 @@ A checkpoint is written into a hidden temporary folder and renamed into place on
 rank's file and the metadata are on disk, so a crash leaves either the previous checkpoint or the
 new one, never half of one. `latest` is replaced atomically too. Resuming restores weights,
 optimiser moments, the data position and the RNG states, so a resumed run continues with exactly
-the state that was saved (tests/test_train_resume.py checks it).
+the state that was saved and logs the same metrics as an uninterrupted run, step for step
+(tests/test_train_integration.py checks both).
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ def _rng_state() -> dict:
         "python": random.getstate(),
         "numpy": np.random.get_state(),  # noqa: NPY002 - the global state libraries use
     }
-    try:
-        from megatron.core import tensor_parallel
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    # megatron-core's model-parallel RNG tracker (dropout and init streams per TP rank). Not
+    # guarded: a failed save here would make the resume silently inexact.
+    from megatron.core import tensor_parallel
 
-        state["megatron"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    except Exception:  # no tracker state on this build: nothing to restore either
-        pass
+    state["megatron"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
 
 
@@ -48,10 +50,13 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])  # noqa: NPY002
-    if "megatron" in state:
-        from megatron.core import tensor_parallel
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "megatron" not in state:
+        raise ValueError("resume: the checkpoint has no megatron RNG tracker state")
+    from megatron.core import tensor_parallel
 
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
 def model_state(chunks) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ba.advantages import AdvantageReport, group_advantages
-from megatron_ba.train.rollout import Sample
+from megatron_ba.generation.samples import Sample
 
 
 @dataclass

@@ -1,8 +1,14 @@
-"""The run folder's metrics.jsonl: one JSON object per optimiser step, appended and flushed.
+"""What a run writes to its folder: metrics.jsonl, samples.jsonl, recipe.yaml, summary.json, plots.
 
-Evaluation lines share the step number of the training step they follow (step 0: the warm-start
-policy, before any GRPO update) and carry `eval_accuracy`. On resume the file is cut back to the
-checkpoint's step, so that the steps redone after it are not logged twice.
+    folder = RunFolder(run_dir)
+    folder.prepare(recipe, resume=False)       # rank 0: refuses to overwrite a finished run
+    folder.metrics.append({"step": 1, ...})    # one JSON object per optimiser step, fsynced
+    folder.log_samples(step, prompts, samples, rewards)
+    folder.finish(plots=True)                  # summary.json (+ plots/*.png); returns the summary
+
+metrics.jsonl: evaluation lines share the step number of the training step they follow
+(step 0: the warm-start policy, before any GRPO update) and carry `eval_accuracy`. On resume the
+file is cut back to the checkpoint's step, so that the steps redone after it are not logged twice.
 """
 
 from __future__ import annotations
@@ -44,3 +50,83 @@ class MetricsLog:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         os.replace(tmp, self.path)
+
+
+class RunFolder:
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir)
+        self.metrics = MetricsLog(self.path / "metrics.jsonl")
+
+    def prepare(self, recipe, *, resume: bool) -> None:
+        """Create the folder and write the resolved recipe (rank 0)."""
+        if not resume and self.metrics.path.is_file():
+            raise FileExistsError(
+                f"--run-dir: {self.path} already holds a run; pass --resume {self.path} "
+                f"to continue it, or choose another --run-dir"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        recipe.dump(self.path / "recipe.yaml")
+
+    def truncate_after(self, step: int) -> None:
+        """Forget what steps after `step` wrote (a resume redoes them): metrics and samples."""
+        self.metrics.truncate_after(step)
+        samples = self.path / "samples.jsonl"
+        if samples.is_file():
+            keep = [
+                line
+                for line in samples.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= step
+            ]
+            tmp = samples.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in keep))
+            os.replace(tmp, samples)
+
+    def log_samples(self, step: int, prompts, samples, rewards, per_step: int = 2) -> None:
+        """A few rollouts per step in samples.jsonl: what the policy writes, and its reward."""
+        G = len(samples[0])
+        with (self.path / "samples.jsonl").open("a") as f:
+            for i in range(min(per_step, len(prompts))):
+                for j in range(min(2, G)):
+                    s = samples[i][j]
+                    rec = {
+                        "step": step,
+                        "prompt": prompts[i],
+                        "response": s.text,
+                        "tokens": len(s.token_ids),
+                        "reward": rewards[i * G + j],
+                    }
+                    f.write(json.dumps(rec) + "\n")
+
+    def finish(self, *, plots: bool) -> dict:
+        """summary.json from metrics.jsonl (and the plots); returns the summary."""
+        summary = summarize(self.metrics.read())
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
+        if plots:
+            from megatron_ba.train.plots import plot_run
+
+            plot_run(self.path)
+        return summary
+
+
+def summarize(records: list[dict]) -> dict:
+    """Peak and last held-out accuracy, the step-0 baseline, and the time spent."""
+    evals = [(r["step"], r["eval_accuracy"]) for r in records if r.get("eval_accuracy") is not None]
+    out: dict = {"steps": max((r["step"] for r in records), default=0)}
+    if evals:
+        peak = max(evals, key=lambda e: e[1])
+        out.update(
+            eval_accuracy_start=evals[0][1],
+            eval_accuracy_peak=peak[1],
+            eval_accuracy_peak_step=peak[0],
+            eval_accuracy_last=evals[-1][1],
+            eval_gain_last=evals[-1][1] - evals[0][1],
+        )
+    times: dict[str, float] = {}
+    for r in records:
+        for k, v in r.items():
+            if k.startswith("time/") and isinstance(v, int | float):
+                times[k] = times.get(k, 0.0) + v
+    out["seconds"] = {k: round(v, 2) for k, v in times.items()}
+    pg = [r["pg_loss"] for r in records if isinstance(r.get("pg_loss"), int | float)]
+    out["pg_loss_mean_abs"] = sum(abs(x) for x in pg) / len(pg) if pg else math.nan
+    return out

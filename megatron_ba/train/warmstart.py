@@ -23,7 +23,7 @@ import torch
 
 from megatron_ba.recipe import Recipe
 from megatron_ba.tasks.arithmetic import ArithmeticTask
-from megatron_ba.train.tokenizer import EOS, load_tokenizer, train_tokenizer
+from megatron_ba.tokenization import EOS, load_tokenizer, train_tokenizer
 
 WARMSTART_VERSION = 1  # bump when the procedure changes, to invalidate caches
 

