@@ -1,8 +1,8 @@
 """megatron-ba: Balanced Aggregation (BA) for GRPO, exact under megatron-core parallelism.
 
 The core (this package's top level) is pure torch: aggregation plans, the GRPO loss, group
-advantages and diagnostics. Integrations (megatron-core, vLLM, NeMo-Aligner) live in subpackages
-and import their frameworks only when used.
+advantages and diagnostics. The megatron-core adapters (megatron_ba.megatron) and the vLLM engine
+(megatron_ba.generation) live in subpackages and import their frameworks only when used.
 """
 
 from megatron_ba.advantages import AdvantageReport, group_advantages

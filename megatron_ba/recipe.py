@@ -19,7 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("local", "nemo_aligner")
+BACKENDS = ("local",)
+
+# Keys a user may expect that no code reads yet: setting one is an error that says so, rather
+# than a setting that is silently ignored. Each is added to the schema with the code that reads it.
+NOT_IMPLEMENTED = {
+    "model.pretrained": "starting from a Hugging Face checkpoint",
+    "tokenizer.kind": "choosing the tokenizer, only the task-trained BPE exists",
+    "tokenizer.path": "loading a tokenizer from a folder",
+    "data.path": "training on a data set file, only the synthetic arithmetic task exists",
+    "data.train_prompts": "limiting a real data set's prompt pool",
+    "warmstart.enabled": "turning the warm start off, which needs model.pretrained",
+    "parallel.sequence_parallel": "sequence parallelism",
+}
 
 
 @dataclass
@@ -35,7 +47,6 @@ class ModelSection:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    pretrained: str | None = None  # HF model dir or checkpoint (cluster recipes)
 
     def qwen2_spec(self, vocab_size: int):
         """The megatron_ba Qwen2Spec of this shape: the one source of both the megatron-core
@@ -58,16 +69,14 @@ class ModelSection:
 
 @dataclass
 class TokenizerSection:
-    kind: str = "trained-bpe"  # trained-bpe: trained on the task's corpus; hf: `path`
+    """A byte-level BPE trained on the task's corpus (nothing downloaded)."""
+
     vocab_size: int = 320
-    path: str | None = None
 
 
 @dataclass
 class DataSection:
-    task: str = "arithmetic"  # arithmetic (synthetic, CPU) | dapo-math-17k | polaris | ...
-    path: str | None = None  # dataset path or hub id for real tasks
-    train_prompts: int = 4096
+    task: str = "arithmetic"  # arithmetic: the synthetic verifiable task of the CPU run
     eval_prompts: int = 128
     min_terms: int = 2
     max_terms: int = 4
@@ -78,7 +87,6 @@ class DataSection:
 class WarmstartSection:
     """Supervised warm start on a correct/sloppy mixture, cached by its inputs' hash."""
 
-    enabled: bool = True
     steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
@@ -119,7 +127,6 @@ class ParallelSection:
     pp: int = 1
     cp: int = 1
     micro_batch_size: int = 64  # sequences per micro-batch on each data-parallel rank
-    sequence_parallel: bool = False
 
 
 @dataclass
@@ -234,6 +241,8 @@ def _build(cls: type, data: Any, path: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
+        if key not in fields and where in NOT_IMPLEMENTED:
+            raise RecipeError(f"{where}: not implemented yet: {NOT_IMPLEMENTED[where]}; remove it")
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -277,7 +286,11 @@ def validate(recipe: Recipe) -> Recipe:
         if not cond:
             raise RecipeError(f"{key}: {msg}")
 
-    need(recipe.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}")
+    need(
+        recipe.backend in BACKENDS,
+        "backend",
+        f"must be one of {', '.join(BACKENDS)} (no other backend is implemented yet)",
+    )
     need(recipe.loss.rule in RULES, "loss.rule", f"must be one of {', '.join(RULES)}")
     need(recipe.loss.reg_rule in RULES, "loss.reg_rule", f"must be one of {', '.join(RULES)}")
     need(recipe.loss.scope in SCOPES, "loss.scope", f"must be one of {', '.join(SCOPES)}")

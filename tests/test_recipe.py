@@ -86,3 +86,47 @@ def test_docs_name_every_key():
     assert _undocumented(text) == []
     # negative control: a page without the loss.rule row is caught
     assert _undocumented(text.replace("`loss.rule`", "")) == ["loss.rule"]
+
+
+def test_every_key_is_read_by_the_code():
+    from recipe_keys import keys_read, recipe_keys
+
+    keys = recipe_keys(Recipe)
+    assert sorted(set(keys) - keys_read(ROOT / "megatron_ba", keys)) == []
+
+
+def test_the_key_reader_catches_an_unread_key():
+    """Negative controls: a key no code reads, and a key read only by validate(), are caught."""
+    from recipe_keys import keys_read, recipe_keys
+
+    keys = {**recipe_keys(Recipe), "grpo.unused_knob": "GRPOSection"}
+    sources = {p: p.read_text() for p in sorted((ROOT / "megatron_ba").rglob("*.py"))}
+    assert "grpo.unused_knob" not in keys_read(ROOT / "megatron_ba", keys, sources)
+    recipe_py = ROOT / "megatron_ba" / "recipe.py"
+    sources[recipe_py] += "\n\ndef validate_more(recipe):\n    return recipe.grpo.unused_knob\n"
+    assert "grpo.unused_knob" not in keys_read(ROOT / "megatron_ba", keys, sources)
+    sources[ROOT / "megatron_ba" / "x.py"] = "def f(r):\n    g = r.grpo\n    return g.unused_knob\n"
+    assert "grpo.unused_knob" in keys_read(ROOT / "megatron_ba", keys, sources)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "model.pretrained=/models/qwen",
+        "tokenizer.kind=hf",
+        "tokenizer.path=/tok",
+        "data.path=dapo.parquet",
+        "data.train_prompts=100",
+        "warmstart.enabled=false",
+        "parallel.sequence_parallel=true",
+    ],
+)
+def test_unimplemented_keys_are_refused_by_name(override):
+    key = override.split("=")[0]
+    with pytest.raises(RecipeError, match=rf"^{key}: not implemented yet: .+; remove it$"):
+        load_recipe(ROOT / "recipes/tiny-cpu.yaml", [override])
+
+
+def test_only_implemented_backends_load():
+    with pytest.raises(RecipeError, match=r"^backend: must be one of local \(no other"):
+        load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["backend=nemo_aligner"])

@@ -149,13 +149,6 @@ class Trainer:
         """Train from `start_step` to `grpo.steps`; the summary (rank 0; {} elsewhere)."""
         r, ctx = self.recipe, self.ctx
         steps = r.grpo.steps
-        progress = None
-        if ctx.is_main and r.logging.progress:
-            from tqdm import tqdm
-
-            progress = tqdm(
-                total=steps, initial=self.start_step, desc="grpo", unit="step", file=progress_stream
-            )
         last_eval = {}
         if self.start_step == 0:
             last_eval = self.evaluate(0)
@@ -163,6 +156,13 @@ class Trainer:
                 self.folder.metrics.append({"step": 0, **last_eval})
                 acc = last_eval["eval_accuracy"]
                 self.log(f"[eval] step 0 (warm start): Acc@{r.eval.samples} {acc:.3f}")
+        progress = None
+        if ctx.is_main and r.logging.progress:
+            from tqdm import tqdm
+
+            progress = tqdm(
+                total=steps, initial=self.start_step, desc="grpo", unit="step", file=progress_stream
+            )
         for step in range(self.start_step, steps):
             record = self.train_step(step)
             done = step + 1
