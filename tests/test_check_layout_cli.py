@@ -1,10 +1,10 @@
-"""`megatron-ba check-layout` as a user runs it: passes, fails for the negative control, refuses
-impossible layouts.
+"""`megatron-ba check-layout` as a user runs it: passes, the negative control passes where it
+must and fails where it must, impossible layouts are refused.
 
     python -m pytest tests/test_check_layout_cli.py
 
-The passing and failing runs launch real gloo processes (2 each, plus the single-process
-reference): ~15 s each on 2 cores. The impossible layouts are refused before any launch.
+The runs launch real gloo processes (1 or 2, plus the single-process reference): ~15-40 s each
+on 2 shared cores. The impossible layouts are refused before any launch.
 """
 
 from __future__ import annotations
@@ -43,14 +43,35 @@ def test_passes_on_dp2_with_micro_batches():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_negative_control_fails():
+def test_negative_control_passes_where_a_micro_batch_is_the_batch():
+    """One DP rank, one micro-batch: per-micro-batch and global normalisation are the same
+    thing, so the control (the same loss: clip, dual clip, KL, entropy) must agree exactly."""
     rc, out = _check_layout(
-        "--dp", "2", "--micro-batches", "3", "--rule", "token", "--negative-control"
-    )
+        "--dp", "1", "--micro-batches", "1", "--rule", "token", "--scope", "batch",
+        "--negative-control",
+    )  # fmt: skip
+    m = FINAL.match(out.strip().splitlines()[-1])
+    assert m, out
+    assert rc == 0, out
+    assert float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5
+    assert "statistics all-reduces per rank: [0]" in out  # its own statistics: no all-reduce
+    assert "PER-MICROBATCH-NORMALISED" in out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_negative_control_fails():
+    """The same command on DP2 x 3 micro-batches: now the normalisation differs."""
+    rc, out = _check_layout(
+        "--dp", "2", "--micro-batches", "3", "--rule", "token", "--scope", "batch",
+        "--negative-control",
+    )  # fmt: skip
     m = FINAL.match(out.strip().splitlines()[-1])
     assert m, out
     assert rc == 1, out
     assert float(m.group(1)) > 1e-2  # fails clearly, not by rounding
+    assert "statistics all-reduces per rank: [0, 0]" in out
+    assert "FAIL: statistics" not in out  # it fails on the gradients alone
 
 
 @pytest.mark.parametrize(
