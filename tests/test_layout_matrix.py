@@ -94,6 +94,11 @@ def test_layout_matches_single_process(name, reference):
     assert report.update_rel_err <= 1e-3  # AdamW's g / (|g| + eps) amplifies rounding by ~lr/eps
     failures = []
     for r in report.cases:
+        # The figures docs/parallelism.md quotes (seen with `pytest -s`).
+        print(
+            f"{layout} {r.case}: max_rel_grad_err={r.max_rel_grad_err:.3e} "
+            f"loss_err={r.loss_err:.3e}"
+        )
         assert r.reducer_calls == expected_reducer_calls(layout, r.case), (
             str(r.case),
             r.reducer_calls,
