@@ -20,19 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_ba.aggregation import NUM_COLUMNS, plan_statistics
 from megatron_ba.loss import LossPlan
+from megatron_ba.parallel import collectives
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
+from megatron_ba.parallel.launch import free_port, spawn
 
 
 def _batch(num_groups: int, group_size: int, seed: int = 0):
@@ -46,9 +45,9 @@ def _batch(num_groups: int, group_size: int, seed: int = 0):
 
 
 def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    collectives.init_process_group("gloo", rank=rank, world_size=world, port=port)
+    world_group = collectives.world_group()
     rows_of_rank = slice(rank, None, world)  # every world-th response: groups span the ranks
     results = []
     for num_groups in args.groups:
@@ -56,12 +55,12 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         mine = (lengths[rows_of_rank], adv[rows_of_rank], ids[rows_of_rank])
         times = []
         for _ in range(args.rounds):
-            reducer = StatisticsReducer(dist.group.WORLD)
-            dist.barrier()
+            reducer = StatisticsReducer(world_group)
+            collectives.barrier()
             t0 = time.perf_counter()
             LossPlan.build("balanced", *mine, reduce=reducer, num_groups=num_groups)
             times.append(time.perf_counter() - t0)
-        check = StatisticsReducer(dist.group.WORLD)
+        check = StatisticsReducer(world_group)
         reduced = plan_statistics(*mine, reduce=check, num_groups=num_groups).table
         whole = plan_statistics(lengths, adv, ids, num_groups=num_groups).table
         results.append(
@@ -78,7 +77,7 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    collectives.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,14 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     args.groups = [int(x) for x in args.groups.split(",") if x.strip()]
     if args.dp < 1 or args.group_size < 1 or not args.groups or min(args.groups) < 1:
         raise SystemExit("stats-allreduce: --dp, --group-size and --groups must be >= 1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.start_processes(
-            _worker, args=(args.dp, port, args, out), nprocs=args.dp, start_method="spawn"
-        )
+        spawn(_worker, args.dp, (args.dp, free_port(), args, out))
         with open(out) as f:
             results = json.load(f)
     print(

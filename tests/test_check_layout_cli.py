@@ -1,10 +1,10 @@
-"""`megatron-ba check-layout` as a user runs it: passes, fails for the negative control, refuses
-impossible layouts.
+"""`megatron-ba check-layout` as a user runs it: passes, the negative control passes where it
+must and fails where it must, impossible layouts are refused.
 
     python -m pytest tests/test_check_layout_cli.py
 
-The passing and failing runs launch real gloo processes (2 each, plus the single-process
-reference): ~15 s each on 2 cores. The impossible layouts are refused before any launch.
+The runs launch real gloo processes (1 or 2, plus the single-process reference): ~15-40 s each
+on 2 shared cores. The impossible layouts are refused before any launch.
 """
 
 from __future__ import annotations
@@ -20,37 +20,56 @@ from megatron_ba.cli import main
 FINAL = re.compile(r"^max_rel_grad_err=(\S+) loss_err=(\S+)$")
 
 
-def _check_layout(*args: str) -> tuple[int, str]:
-    out = subprocess.run(
+def _check_layout(*args: str, exit_code: int) -> tuple[str, float, float]:
+    """Run the command; check its exit code and final line; (stdout, grad error, loss error)."""
+    proc = subprocess.run(
         [sys.executable, "-m", "megatron_ba.cli", "check-layout", *args],
         capture_output=True,
         text=True,
         timeout=600,
     )
-    return out.returncode, out.stdout
+    out = proc.stdout
+    m = FINAL.match(out.strip().splitlines()[-1]) if out.strip() else None
+    assert m, out + proc.stderr[-3000:]
+    assert proc.returncode == exit_code, out
+    return out, float(m.group(1)), float(m.group(2))
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_passes_on_dp2_with_micro_batches():
-    rc, out = _check_layout("--dp", "2", "--micro-batches", "3", "--rule", "balanced")
-    m = FINAL.match(out.strip().splitlines()[-1])
-    assert m, out
-    assert rc == 0, out
-    assert float(m.group(1)) <= 1e-5 and float(m.group(2)) <= 1e-5
+    out, grad_err, loss_err = _check_layout(
+        "--dp", "2", "--micro-batches", "3", "--rule", "balanced", exit_code=0
+    )
+    assert grad_err <= 1e-5 and loss_err <= 1e-5
     assert "statistics all-reduces per rank: [1, 1]" in out
+
+
+# The control's command; only the layout changes between the passing and the failing run.
+CONTROL = ("--rule", "token", "--scope", "batch", "--negative-control")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_negative_control_passes_where_a_micro_batch_is_the_batch():
+    """One DP rank, one micro-batch: per-micro-batch and global normalisation are the same
+    thing, so the control (the same loss: clip, dual clip, KL, entropy) must agree exactly."""
+    out, grad_err, loss_err = _check_layout(
+        "--dp", "1", "--micro-batches", "1", *CONTROL, exit_code=0
+    )
+    assert grad_err <= 1e-5 and loss_err <= 1e-5
+    assert "statistics all-reduces per rank: [0]" in out  # its own statistics: no all-reduce
+    assert "PER-MICROBATCH-NORMALISED" in out
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_negative_control_fails():
-    rc, out = _check_layout(
-        "--dp", "2", "--micro-batches", "3", "--rule", "token", "--negative-control"
-    )
-    m = FINAL.match(out.strip().splitlines()[-1])
-    assert m, out
-    assert rc == 1, out
-    assert float(m.group(1)) > 1e-2  # fails clearly, not by rounding
+    """The same command on DP2 x 3 micro-batches: now the normalisation differs."""
+    out, grad_err, _ = _check_layout("--dp", "2", "--micro-batches", "3", *CONTROL, exit_code=1)
+    assert grad_err > 1e-2  # fails clearly, not by rounding
+    assert "statistics all-reduces per rank: [0, 0]" in out
+    assert "FAIL: statistics" not in out  # it fails on the gradients alone
 
 
 @pytest.mark.parametrize(

@@ -21,12 +21,14 @@ from megatron_ba.megatron import scaling
 from megatron_ba.megatron.batching import (
     CPView,
     GRPOBatch,
+    causal_mask,
     label_aligned,
     microbatch_slices,
     prepare_microbatches,
 )
 from megatron_ba.megatron.model import Qwen2Spec, full_parameter_shapes, tiny_qwen2_spec
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
+from megatron_ba.parallel.launch import free_port
 
 
 @pytest.mark.parametrize(
@@ -113,6 +115,23 @@ def test_label_alignment_and_microbatches():
     assert model_mode[0][0]["input_ids"].tolist() == [[2, 3, 4, 5], [8, 9, 10, 11]]
 
 
+def test_causal_mask_hand_computed():
+    # True = cut: query q sees keys k <= q.
+    assert causal_mask(3).tolist() == [[[[False, True, True], [False, False, True], [False] * 3]]]
+    # Left padding: the padded key 0 of row 0 is cut for every query; row 1 is plain causal.
+    valid = torch.tensor([[False, True, True], [True, True, True]])
+    m = causal_mask(3, valid=valid)
+    assert m.shape == (2, 1, 3, 3)
+    assert m[0, 0].tolist() == [[True, True, True], [True, False, True], [True, False, False]]
+    assert torch.equal(m[1], causal_mask(3)[0])
+    with pytest.raises(ValueError, match=r"valid: must be \[B, 3\]"):
+        causal_mask(3, valid=torch.ones(2, 4, dtype=torch.bool))
+    # The batch's model inputs carry it (whole sequences, local attention).
+    b = _batch(n=2, s=6).checked()
+    data, _, _ = prepare_microbatches(b, CPView(cp=1, rank=0, mode="loss"), 1)
+    assert torch.equal(data[0]["attention_mask"], causal_mask(6))
+
+
 def test_qwen2_spec_errors_and_shapes():
     with pytest.raises(ValueError, match="num_query_groups"):
         Qwen2Spec(16, 64, 2, 4, 3, 32)
@@ -143,8 +162,8 @@ def test_megatron_modules_import_lazily_and_shims_are_idempotent(tmp_path):
         first, second = cpu_compat.install(), cpu_compat.install()
         assert first == ["torch.cuda.current_device", "schedules.torch.zeros"], first
         assert second == [] and cpu_compat.installed() == first
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        from megatron_ba.parallel import collectives
+        collectives.init_process_group("gloo", rank=0, world_size=1, port=int(sys.argv[1]))
         from megatron.core import parallel_state
         parallel_state.initialize_model_parallel(1, 1)
         cpu_compat.seed_model_parallel_rng(0)
@@ -156,12 +175,10 @@ def test_megatron_modules_import_lazily_and_shims_are_idempotent(tmp_path):
         print("OK")
         """
     )
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     out = subprocess.run(
-        [sys.executable, "-c", code, port], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]

@@ -16,7 +16,14 @@ single-process TP=PP=CP=DP=1 run of the same model and batch. CP is checked at t
 
 and exits 0 iff both are <= 1e-5 (and the plan statistics were all-reduced exactly once per rank
 that computes the loss); 1 otherwise; 2 if the layout cannot be built. The comparison is shown to
-fail by `--negative-control` (a per-micro-batch-normalised loss, as NeMo-Aligner computes it).
+fail by `--negative-control`: the same loss (clip, dual clip, KL, entropy) normalised per
+micro-batch, as NeMo-Aligner does (each micro-batch's plan from its own statistics, no
+all-reduce), which must pass where a micro-batch is the whole batch and fail elsewhere:
+
+    megatron-ba check-layout --dp 1 --micro-batches 1 --rule token --scope batch --negative-control
+    megatron-ba check-layout --dp 2 --micro-batches 3 --rule token --scope batch --negative-control
+
+(exit 0, max_rel_grad_err=0.000e+00; exit 1, max_rel_grad_err=2.583e-01, measured).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="build the model with megatron-core's calculate_per_token_loss=True",
     )
-    # Testing: a deliberately wrong (per-micro-batch-normalised) loss that must fail the check.
+    # Testing: the loss normalised per micro-batch, which must fail the check where a
+    # micro-batch is not the whole batch (and pass where it is).
     p.add_argument("--negative-control", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -81,10 +89,14 @@ def run(args: argparse.Namespace) -> int:
         f"{report.cp_layout_matches_megatron}; AdamW step: grad-norm rel err "
         f"{report.grad_norm_rel_err:.2e}, update rel err {report.update_rel_err:.2e}"
     )
-    calls_ok = result.reducer_calls == expected_reducer_calls(layout)
+    calls_ok = result.reducer_calls == expected_reducer_calls(layout, case)
     ok = result.ok and calls_ok and report.cp_layout_matches_megatron
     if not calls_ok:
-        print("FAIL: the plan statistics must be all-reduced once on each rank computing the loss")
+        print(
+            f"FAIL: statistics all-reduces per rank {result.reducer_calls}, expected "
+            f"{expected_reducer_calls(layout, case)} (once on each rank computing the loss; none "
+            "for the per-micro-batch control)"
+        )
     if not report.cp_layout_matches_megatron:
         print("FAIL: our CP shards differ from megatron-core's get_batch_on_this_cp_rank")
     print("PASS" if ok else f"FAIL (tolerance {TOLERANCE:g})")

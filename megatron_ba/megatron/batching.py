@@ -123,6 +123,21 @@ class CPView:
         return self.shard(output) if self.mode == "loss" else output
 
 
+def causal_mask(s: int, *, valid: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """The attention mask of a causal LM over `s` positions, True where attention is cut.
+
+    [1, 1, s, s] (key k > query q is masked); with `valid` ([B, s] bool, False at padding) the
+    padded keys are masked too: [B, 1, s, s] (left-padded prompts, generation).
+    """
+    if valid is not None and (valid.dim() != 2 or valid.shape[1] != s):
+        raise ValueError(
+            f"valid: must be [B, {s}] (one flag per position), got {tuple(valid.shape)}"
+        )
+    device = valid.device if device is None and valid is not None else device
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), 1)[None, None]
+    return mask if valid is None else mask | ~valid.bool()[:, None, None, :]
+
+
 def model_inputs(tokens: torch.Tensor, view: CPView):
     """(input_ids, position_ids, attention_mask) for whole [b, S_pad] tokens."""
     b, s = tokens.shape
@@ -131,7 +146,7 @@ def model_inputs(tokens: torch.Tensor, view: CPView):
         tokens, positions = view.shard(tokens), view.shard(positions)
     attn = None
     if view.causal_mask:  # True = masked out; whole sequences only (local attention)
-        attn = torch.triu(torch.ones(s, s, dtype=torch.bool, device=tokens.device), 1)[None, None]
+        attn = causal_mask(s, device=tokens.device)
     return tokens, positions.contiguous(), attn
 
 

@@ -69,8 +69,10 @@ class StepConfig:
     logprob_chunk_size: int | None = None  # tokens per chunk of the vocab-parallel log-softmax
     cp_mode: str | None = None  # "model" | "loss"; default "loss" without CUDA, else "model"
     explicit_causal_mask: bool | None = None  # default: True without CUDA (local attention)
-    # Testing only. "per_microbatch": each micro-batch's token mean, averaged by megatron-core
-    # (NeMo-Aligner's normalisation), wrong on purpose: the layout check's negative control.
+    # Testing only. "per_microbatch": the same loss with each micro-batch's plan built from that
+    # micro-batch's own statistics, averaged over micro-batches and DP ranks (NeMo-Aligner's
+    # normalisation); wrong on purpose wherever a micro-batch is not the global batch: the
+    # layout check's negative control. It differs from "plan" in the normalisation alone.
     normalization: str = "plan"
     # Testing only: cancel the scaling of this megatron-core version instead of the installed one.
     assume_megatron_version: tuple[int, int] | None = None
@@ -150,23 +152,13 @@ def forward_backward(
         else:
             chunk.zero_grad(set_to_none=False)
     last = ps.is_pipeline_last_stage()
+    global_plan = cfg.normalization == "plan"
     plan = None
     if last:  # the loss, hence the plan, exists on the last pipeline stage only
         if reducer is None:
             reducer = collectives.StatisticsReducer(ps.get_data_parallel_group())
-        plan = LossPlan.build(
-            cfg.rule,
-            batch.lengths,
-            batch.advantages,
-            batch.group_ids,
-            scope=cfg.scope,
-            reg_rule=cfg.reg_rule,
-            reg_scope=cfg.reg_scope,
-            max_length=cfg.max_length,
-            neutral_eps=cfg.neutral_eps,
-            reduce=reducer,
-            num_groups=cfg.num_groups,
-        )
+        if global_plan:
+            plan = _loss_plan(cfg, batch, slice(None), reducer)
     data, seq_len, mbs = prepare_microbatches(batch, view, cfg.num_microbatches)
     dp, cp = ps.get_data_parallel_world_size(), view.cp
     factor = scaling.loss_scale(
@@ -176,6 +168,11 @@ def forward_backward(
         per_token_loss=bool(config.calculate_per_token_loss),
         version=cfg.assume_megatron_version,
     )
+    # The share of the step's loss one part's loss is: 1 under the global plan (the parts add up
+    # to the loss); 1 / (M x DP) for the control (the mean over micro-batches and DP ranks of
+    # each micro-batch's self-normalised loss; its CP shards still add up to that loss, since
+    # the micro-batch's plan comes from whole-sequence lengths).
+    share = 1.0 if global_plan else 1.0 / (len(data) * dp)
     with_entropy = cfg.loss.entropy_coef > 0
     one = torch.ones((), dtype=torch.int)
 
@@ -188,41 +185,50 @@ def forward_backward(
             chunk_size=cfg.logprob_chunk_size,
             with_entropy=with_entropy,
         )
-        if cfg.normalization == "per_microbatch":
-            part = _per_microbatch_loss(logp, mb, batch, cfg.loss)
-            return part, one, {"loss_sum": part.detach() / (len(data) * dp)}
+        rows = mb["rows"]
         part, metrics = grpo_loss(
             logp,
             mb["old"],
             mb["mask"],
-            plan.select(mb["rows"]),
+            plan.select(rows) if global_plan else _loss_plan(cfg, batch, rows, None),
             cfg.loss,
             ref_logprobs=mb.get("ref"),
             entropy=ent,
         )
-        # `part` is this micro-batch's (and CP shard's) exact share of the global loss. The
-        # factor cancels megatron-core's scaling (scaling.py names the lines in schedules.py,
+        # `part * share` is this micro-batch's (and CP shard's) exact share of the step's loss.
+        # The factor cancels megatron-core's scaling (scaling.py names the lines in schedules.py,
         # distributed_data_parallel.py and finalize_model_grads.py); num_tokens = 1 per
         # micro-batch makes every divisor megatron-core applies a count known in advance.
-        return part * factor, one, _additive(part, metrics)
+        return part * (factor * share), one, _additive(part, metrics, share)
 
     store = run_schedule(chunks, data, seq_len, mbs, forward_only=False, loss_func=loss_func)
     return _global_result(store, last, reducer)
 
 
-def _per_microbatch_loss(logp, mb, batch: GRPOBatch, loss: GRPOLossConfig) -> torch.Tensor:
-    """NeMo-Aligner's normalisation: a token mean inside the micro-batch (the negative control)."""
-    valid = mb["mask"]
-    adv = batch.advantages[mb["rows"]].to(logp.dtype)[:, None].expand_as(logp)
-    ratio = torch.where(valid, logp - mb["old"], torch.zeros_like(logp)).exp()
-    clipped = ratio.clamp(1 - loss.clip_low, 1 + loss.clip_high)
-    phi = torch.minimum(ratio * adv, clipped * adv)
-    return -torch.where(valid, phi, torch.zeros_like(phi)).sum() / valid.sum().clamp(min=1)
+def _loss_plan(cfg: StepConfig, batch: GRPOBatch, rows: slice, reduce) -> LossPlan:
+    """The plan of `batch[rows]`'s sequences from their statistics summed by `reduce`: the
+    global batch's (rows = all, reduce over DP) or, for the control, one micro-batch's alone."""
+    return LossPlan.build(
+        cfg.rule,
+        batch.lengths[rows],
+        batch.advantages[rows],
+        batch.group_ids[rows],
+        scope=cfg.scope,
+        reg_rule=cfg.reg_rule,
+        reg_scope=cfg.reg_scope,
+        max_length=cfg.max_length,
+        neutral_eps=cfg.neutral_eps,
+        reduce=reduce,
+        num_groups=cfg.num_groups,
+    )
 
 
-def _additive(part: torch.Tensor, metrics: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Metrics that add up over parts: sums, and per-part fractions turned into counts."""
-    out = {"loss_sum": part.detach()}
+def _additive(
+    part: torch.Tensor, metrics: dict[str, torch.Tensor], share: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Metrics that add up over parts: sums, and per-part fractions turned into counts. The
+    loss terms count `share` of this part's (1 but for the per-micro-batch control)."""
+    out = {"loss_sum": part.detach() * share}
     n = metrics["num_tokens_sum"]
     for k, v in metrics.items():
         if k.endswith("_sum"):
@@ -230,7 +236,7 @@ def _additive(part: torch.Tensor, metrics: dict[str, torch.Tensor]) -> dict[str,
         elif k.endswith("_frac") or k == "ratio_mean":
             out[k + "_sum"] = v * n
         elif k in ("kl", "entropy", "pg_loss"):
-            out[k + "_sum"] = v
+            out[k + "_sum"] = v * share
     return out
 
 

@@ -16,172 +16,44 @@ Errors (float32 runs):
 CP runs at the loss level on CPU (grpo_step's cp_mode="loss"): the model sees whole sequences.
 Each launch also checks, once per layout: our CP shards against megatron-core's
 get_batch_on_this_cp_rank, forward-only log-probs/entropy, and one clipped AdamW step
-(layout_workers.py).
+(layout_workers.py). The cases, the batch and the records of the results: layout_cases.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
-from dataclasses import dataclass
 
-import torch
-
-from megatron_ba.loss import GRPOLossConfig
-
-TOLERANCE = 1e-5
-LOSS_CONFIG = GRPOLossConfig(
-    clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01
+from megatron_ba.megatron import layout_workers
+from megatron_ba.megatron.layout_cases import (  # re-exported: the check's public names
+    TOLERANCE,
+    Case,
+    CaseResult,
+    Layout,
+    LayoutReport,
+    check_layout_possible,
+    expected_reducer_calls,
 )
+from megatron_ba.parallel.launch import free_port, spawn
 
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    def __str__(self) -> str:
-        return f"TP{self.tp}xPP{self.pp}xCP{self.cp}xDP{self.dp}"
-
-
-@dataclass(frozen=True)
-class Case:
-    rule: str
-    num_microbatches: int = 1
-    scope: str = "group"
-    per_token_loss: bool = False
-    normalization: str = "plan"  # "per_microbatch": the negative control (must fail)
-    # Negative control of the scaling: cancel another megatron-core version's factors.
-    assume_megatron_version: tuple[int, int] | None = None
-
-    def __str__(self) -> str:
-        extra = " per-token" if self.per_token_loss else ""
-        extra += " PER-MICROBATCH-NORMALISED" if self.normalization != "plan" else ""
-        if self.assume_megatron_version is not None:
-            major, minor = self.assume_megatron_version
-            extra += f" SCALED-AS-{major}.{minor}"
-        return f"{self.rule}/{self.scope} M={self.num_microbatches}{extra}"
-
-
-@dataclass
-class CaseResult:
-    case: Case
-    max_rel_grad_err: float
-    loss_err: float
-    loss: float
-    loss_ref: float
-    reducer_calls: list[int]  # per rank, in global rank order
-
-    @property
-    def ok(self) -> bool:
-        return self.max_rel_grad_err <= TOLERANCE and self.loss_err <= TOLERANCE
-
-
-@dataclass
-class LayoutReport:
-    """Everything one launch of a layout checked, besides the cases."""
-
-    cases: list[CaseResult]
-    cp_layout_matches_megatron: bool  # our CP shards == get_batch_on_this_cp_rank's, every rank
-    logprobs_err: float  # compute_logprobs on the layout vs single process, max abs
-    entropy_err: float
-    grad_norm_rel_err: float  # ShardedAdamW's global gradient norm vs single process
-    update_rel_err: float  # one clipped AdamW step's parameter change vs single process
-
-
-NUM_GROUPS, GROUP_SIZE = 4, 3
-REWARDS = [[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 0]]  # group 3: zero variance
-
-
-def tiny_spec():
-    """The model of the check: megatron_ba.megatron.model.tiny_qwen2_spec()."""
-    from megatron_ba.megatron.model import tiny_qwen2_spec
-
-    return tiny_qwen2_spec()
-
-
-def check_layout_possible(layout: Layout, cases: list[Case], world_size: int | None = None) -> None:
-    """ValueError saying why a layout (or a case on it) cannot be built."""
-    for name in ("tp", "pp", "cp", "dp"):
-        v = getattr(layout, name)
-        if not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"--{name}: must be an integer >= 1, got {v!r}")
-    if world_size is not None and world_size != layout.world:
-        raise ValueError(f"world size {world_size} != tp*pp*cp*dp = {layout.world}")
-    tiny_spec().check_layout(layout.tp, layout.pp)
-    n = NUM_GROUPS * GROUP_SIZE
-    if n % layout.dp:
-        raise ValueError(f"--dp: {layout.dp} does not divide the batch's {n} sequences")
-    for case in cases:
-        if (n // layout.dp) % case.num_microbatches:
-            raise ValueError(
-                f"--micro-batches: {case.num_microbatches} does not divide the {n // layout.dp} "
-                f"sequences each of the {layout.dp} DP ranks holds"
-            )
-
-
-def synthetic_batch(seed: int) -> dict[str, torch.Tensor]:
-    """The global batch (without log-probs): rows grouped by prompt, 4 groups of 3."""
-    g = torch.Generator().manual_seed(seed)
-    spec = tiny_spec()
-    rewards = torch.tensor(REWARDS, dtype=torch.float64).reshape(-1)
-    group_ids = torch.arange(NUM_GROUPS).repeat_interleave(GROUP_SIZE)
-    right = torch.randint(2, 6, (rewards.numel(),), generator=g)
-    wrong = torch.randint(6, 11, (rewards.numel(),), generator=g)
-    resp = torch.where(rewards > 0, right, wrong)  # wrong answers longer: sign-correlated
-    prompt = torch.randint(2, 5, (rewards.numel(),), generator=g)
-    s = 16  # >= max prompt + response (4 + 10), a multiple of 2 x CP for CP in {1, 2, 4}
-    tokens = torch.randint(1, spec.vocab_size, (rewards.numel(), s), generator=g)
-    pos = torch.arange(s)[None]
-    mask = (pos >= prompt[:, None]) & (pos < (prompt + resp)[:, None])
-    tokens = torch.where(pos < (prompt + resp)[:, None], tokens, torch.zeros_like(tokens))
-    from megatron_ba.advantages import group_advantages
-
-    adv = group_advantages(rewards, group_ids).advantages.float()
-    return {"tokens": tokens, "response_mask": mask, "advantages": adv, "group_ids": group_ids}
-
-
-def dp_rows(n: int, dp: int, rank: int) -> torch.Tensor:
-    """Rows of DP rank `rank`: every dp-th row, so that each group of 3 spans the DP ranks."""
-    return torch.arange(rank, n, dp)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def expected_reducer_calls(layout: Layout) -> list[int]:
-    """1 on the ranks of the last pipeline stage (they compute the loss), 0 elsewhere.
-
-    megatron-core's default rank order is tp-cp-ep-dp-pp: the pipeline stage is the slowest
-    varying index, so the last stage holds the last tp*cp*dp global ranks.
-    """
-    per_stage = layout.tp * layout.cp * layout.dp
-    return [1 if r // per_stage == layout.pp - 1 else 0 for r in range(layout.world)]
-
-
-def _spawn(fn, nprocs: int, args: tuple) -> None:
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+__all__ = [
+    "TOLERANCE",
+    "Case",
+    "CaseResult",
+    "Layout",
+    "LayoutReport",
+    "check_layout_possible",
+    "compute_reference",
+    "expected_reducer_calls",
+    "run_layout",
+]
 
 
 def compute_reference(cases: list[Case], seed: int, path: str) -> None:
     """The single-process results of every (rule, scope) in `cases`, saved to `path`."""
-    from megatron_ba.megatron import layout_workers
-
     keys = sorted({(c.rule, c.scope) for c in cases})
-    _spawn(layout_workers.reference_worker, 1, (_free_port(), seed, keys, path))
+    spawn(layout_workers.reference_worker, 1, (free_port(), seed, keys, path))
 
 
 def run_layout(
@@ -192,16 +64,14 @@ def run_layout(
     `reference`: a file written by `compute_reference` for (a superset of) these cases' rules and
     scopes and this seed; computed here, in a temporary file, when None.
     """
-    from megatron_ba.megatron import layout_workers
-
     check_layout_possible(layout, cases)
     with tempfile.TemporaryDirectory() as tmp:
         if reference is None:
             reference = os.path.join(tmp, "reference.pt")
             compute_reference(cases, seed, reference)
         out = os.path.join(tmp, "report.json")
-        args = (layout.world, _free_port(), layout, cases, reference, out)
-        _spawn(layout_workers.layout_worker, layout.world, args)
+        args = (layout.world, free_port(), layout, cases, reference, out)
+        spawn(layout_workers.layout_worker, layout.world, args)
         with open(out) as f:
             report = json.load(f)
     results = []

@@ -4,19 +4,19 @@
 and entropy (checked against a direct forward + log_softmax), the noisy old/reference log-probs
 of the synthetic batch, every (rule, scope)'s loss and full gradients, and one clipped AdamW step.
 `layout_worker` (tp*pp*cp*dp processes) recomputes all of that on its layout and writes the
-errors (rank 0) to a JSON file.
+errors (rank 0) to a JSON file. Both are started by layout_check.py (parallel.launch.spawn).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import asdict
 
 import torch
 
-from megatron_ba.megatron.layout_check import (
+from megatron_ba.megatron.batching import causal_mask
+from megatron_ba.megatron.layout_cases import (
     LOSS_CONFIG,
     NUM_GROUPS,
     Case,
@@ -25,6 +25,7 @@ from megatron_ba.megatron.layout_check import (
     synthetic_batch,
     tiny_spec,
 )
+from megatron_ba.parallel import collectives
 
 # One clipped AdamW step (eps 1e-2 keeps the update a smooth function of the gradient, so that
 # float32 rounding in the gradient stays small in the update; the clip threshold is below the
@@ -36,10 +37,8 @@ OPTIMIZER_CASE = Case("balanced", 1)
 def _init(rank: int, world: int, port: int, layout: Layout) -> None:
     # megatron-core warns at import that Apex / Transformer Engine are missing: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    collectives.init_process_group("gloo", rank=rank, world_size=world, port=port)
     from megatron_ba.megatron import cpu_compat
 
     cpu_compat.install()
@@ -113,9 +112,8 @@ def _direct_logprobs(chunks, tokens: torch.Tensor):
     """Log-probs and entropy from one plain forward of the (single-process) model."""
     n, s = tokens.shape
     pos = torch.arange(s).expand(n, s)
-    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
     with torch.no_grad():
-        logp_all = torch.log_softmax(chunks[0](tokens, pos, mask).double(), dim=-1)
+        logp_all = torch.log_softmax(chunks[0](tokens, pos, causal_mask(s)).double(), dim=-1)
     lp = torch.zeros(n, s, dtype=torch.float64)
     lp[:, 1:] = logp_all[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
     ent = torch.zeros(n, s, dtype=torch.float64)
@@ -149,7 +147,7 @@ def reference_worker(rank: int, port: int, seed: int, keys: list, out_path: str)
         out["results"][(rule, scope)] = (result.loss, grads)
     out["optimizer"] = _optimizer_step(chunks, batch, rows)
     torch.save(out, out_path)
-    torch.distributed.destroy_process_group()
+    collectives.destroy_process_group()
 
 
 def _rel_err(g: torch.Tensor, ref: torch.Tensor) -> float:
@@ -179,12 +177,6 @@ def _cp_layout_matches_megatron(tokens: torch.Tensor) -> bool:
     return bool(torch.equal(theirs, cp_shard(tokens, cp=cp, rank=rank, dim=1)))
 
 
-def _all_ranks(obj, world: int) -> list:
-    out: list = [None] * world
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     _init(rank, world, port, layout)
     from megatron.core import parallel_state
@@ -194,14 +186,14 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     ref = torch.load(ref_path, weights_only=False)
     batch = ref["batch"]
     rows = dp_rows(batch["tokens"].shape[0], layout.dp, parallel_state.get_data_parallel_rank())
-    cp_ok = all(_all_ranks(_cp_layout_matches_megatron(batch["tokens"]), world))
+    cp_ok = all(collectives.all_gather_object(_cp_layout_matches_megatron(batch["tokens"])))
     models = {False: _build(False, ref["seed"])}
     m = max(c.num_microbatches for c in cases)
     logp, ent = compute_logprobs(
         models[False], batch["tokens"][rows], num_microbatches=m, with_entropy=True
     )
-    lp_err = max(_all_ranks(float((logp - ref["logprobs"][rows]).abs().max()), world))
-    ent_err = max(_all_ranks(float((ent - ref["entropy"][rows]).abs().max()), world))
+    lp_err = max(collectives.all_gather_object(float((logp - ref["logprobs"][rows]).abs().max())))
+    ent_err = max(collectives.all_gather_object(float((ent - ref["entropy"][rows]).abs().max())))
     report = []
     for case in cases:
         if case.per_token_loss not in models:
@@ -215,7 +207,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
                 loss_err=abs(result.loss - loss_ref),
                 loss=result.loss,
                 loss_ref=loss_ref,
-                reducer_calls=_all_ranks(calls, world),
+                reducer_calls=collectives.all_gather_object(calls),
             )
         )
     norm, delta = _optimizer_step(models[False], batch, rows)
@@ -233,4 +225,4 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
                 ),
                 f,
             )
-    torch.distributed.destroy_process_group()
+    collectives.destroy_process_group()

@@ -10,6 +10,10 @@
 - `singleton_group`: a process group of this rank alone (a model that must not see CP).
 - `all_reduce_max_`, `sum_over_tensor_parallel`, `all_gather_stacked`: the vocab-parallel
   log-softmax's three collectives over the TP group (megatron_ba.megatron.vocab_parallel).
+- `init_process_group` / `destroy_process_group`, `world_rank_and_size`, `world_group`,
+  `barrier`, `broadcast_object`, `all_gather_object`: the world's lifecycle and the small
+  picklable exchanges of the trainer (train/distributed.py), the layout check's workers and the
+  benchmarks. Nothing outside this module calls torch.distributed (tests/test_code_structure.py).
 
 Process groups are arguments (no parallel_state lookups here), so the module is torch alone.
 Buffers live where the group's backend needs them (`comm_device`: the current CUDA device for
@@ -219,3 +223,80 @@ def all_gather_stacked(t: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group=group))]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.stack(parts)
+
+
+# --- the world: process-group lifecycle and picklable objects -------------------------------
+
+
+def default_backend() -> str:
+    """NCCL where CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    port: int | None = None,
+) -> None:
+    """Join the world. With `port`: `world_size` processes on this host meet at 127.0.0.1:port
+    (spawned workers); without: torchrun's environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE)."""
+    if (rank is None) != (world_size is None):
+        raise ValueError("init_process_group: give rank and world_size together, or neither")
+    kwargs = {}
+    if port is not None:
+        if rank is None:
+            raise ValueError("init_process_group: a port needs rank and world_size")
+        kwargs["init_method"] = f"tcp://127.0.0.1:{int(port)}"
+    if rank is not None:
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(backend=backend or default_backend(), **kwargs)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def destroy_process_group() -> None:
+    """Leave the world (nothing to do when it is not initialised: an in-process vLLM engine may
+    have destroyed it already)."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def world_rank_and_size() -> tuple[int, int]:
+    """(rank, size) in the world; (0, 1) before init_process_group."""
+    if not is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def world_group():
+    """The group of every rank (to pass where a group argument is wanted)."""
+    return dist.group.WORLD
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of `group` (the world by default); nothing to wait for alone."""
+    if is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def broadcast_object(obj, *, src: int = 0, group=None):
+    """A picklable object from global rank `src` on every rank of `group` (the world by
+    default); the other ranks' `obj` is ignored."""
+    if not is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj, *, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order of `group` (the world by default)."""
+    if not is_initialized():
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -11,11 +11,12 @@ owns the rollout engine, the reward workers and the run folder; every rank train
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from megatron_ba.parallel import collectives
+from megatron_ba.parallel.launch import free_port
 
 
 @dataclass(frozen=True)
@@ -34,39 +35,28 @@ class DistContext:
 
     def broadcast(self, obj):
         """`obj` from rank 0 to every rank (pickled; small objects and tensors)."""
-        if self.world == 1:
-            return obj
-        box = [obj if self.is_main else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return obj if self.world == 1 else collectives.broadcast_object(obj, src=0)
 
     def barrier(self) -> None:
         if self.world > 1:
-            dist.barrier()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            collectives.barrier()
 
 
 def setup(*, tp: int, pp: int, cp: int, seed: int) -> DistContext:
     """Initialise torch.distributed (gloo on CPU) and megatron-core's parallel state."""
     from megatron.core import parallel_state
 
-    if not dist.is_initialized():
+    if not collectives.is_initialized():
         if "RANK" not in os.environ:  # a plain `python` launch: a world of one
             os.environ.update(
                 MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()),
+                MASTER_PORT=str(free_port()),
                 RANK="0",
                 WORLD_SIZE="1",
                 LOCAL_RANK="0",
             )
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
-    world, rank = dist.get_world_size(), dist.get_rank()
+        collectives.init_process_group()  # NCCL with CUDA, else gloo; torchrun's environment
+    rank, world = collectives.world_rank_and_size()
     if world % (tp * pp * cp):
         raise ValueError(
             f"parallel: the world size {world} is not a multiple of tp*pp*cp = {tp * pp * cp} "
@@ -106,5 +96,4 @@ def teardown() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():  # an in-process vLLM engine may have destroyed it already
-        dist.destroy_process_group()
+    collectives.destroy_process_group()  # a no-op if an in-process vLLM engine did it already
