@@ -87,15 +87,16 @@ def check_sync(recipe_path: str, cache: str) -> dict:
         rows = torch.tensor([[pad] * 4 + short, long_])
         valid = torch.tensor([[False] * 4 + [True] * 5, [True] * 9])
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-        causal = torch.triu(torch.ones(9, 9, dtype=torch.bool), 1)
-        mask = causal[None, None] | ~valid[:, None, None, :]
+        from megatron_ba.megatron.batching import causal_mask
+
+        mask = causal_mask(9, valid=valid)
         both = trainer.policy.full_vocab_forward(rows, positions, mask)[:, -1]
         alone = trainer.policy.full_vocab_forward(
-            torch.tensor([short]), torch.arange(5)[None], causal[None, None, :5, :5]
+            torch.tensor([short]), torch.arange(5)[None], causal_mask(5)
         )[:, -1]
         out["builtin_padding_max_abs"] = _max_abs(both[0], alone[0])
         unmasked = trainer.policy.full_vocab_forward(
-            rows, torch.arange(9).expand(2, 9), causal[None, None]
+            rows, torch.arange(9).expand(2, 9), causal_mask(9)
         )
         out["builtin_unmasked_padding_max_abs"] = _max_abs(unmasked[0, -1], alone[0])  # control
         sampler = BuiltinSampler(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ba.generation.samples import Sample
+from megatron_ba.megatron.batching import causal_mask
 
 
 class BuiltinSampler:
@@ -46,8 +47,7 @@ class BuiltinSampler:
         for _ in range(max_tokens):
             s = tokens.shape[1]
             positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-            causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)
-            mask = causal[None, None] | ~valid[:, None, None, :]
+            mask = causal_mask(s, valid=valid)
             logits = self.forward(tokens, positions, mask)[:, -1].double() / temperature
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
             for i in (~done).nonzero().flatten().tolist():
