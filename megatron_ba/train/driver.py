@@ -182,7 +182,14 @@ class Trainer:
                 self._checkpoint(done)
         if progress is not None:
             progress.close()
-        return self.folder.finish(plots=r.logging.plots) if ctx.is_main else {}
+        if not ctx.is_main:
+            return {}
+        summary = self.folder.finish()
+        if r.logging.plots:
+            from megatron_ba.train.plots import plot_run
+
+            plot_run(self.run_dir)
+        return summary
 
     def _checkpoint(self, step: int) -> None:
         from megatron_ba.train import checkpoint

@@ -4,7 +4,7 @@
     folder.prepare(recipe, resume=False)       # rank 0: refuses to overwrite a finished run
     folder.metrics.append({"step": 1, ...})    # one JSON object per optimiser step, fsynced
     folder.log_samples(step, prompts, samples, rewards)
-    folder.finish(plots=True)                  # summary.json (+ plots/*.png); returns the summary
+    folder.finish()                            # summary.json; returns the summary
 
 metrics.jsonl: evaluation lines share the step number of the training step they follow
 (step 0: the warm-start policy, before any GRPO update) and carry `eval_accuracy`. On resume the
@@ -97,14 +97,10 @@ class RunFolder:
                     }
                     f.write(json.dumps(rec) + "\n")
 
-    def finish(self, *, plots: bool) -> dict:
-        """summary.json from metrics.jsonl (and the plots); returns the summary."""
+    def finish(self) -> dict:
+        """summary.json from metrics.jsonl; returns the summary (train/plots.py draws the rest)."""
         summary = summarize(self.metrics.read())
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
-        if plots:
-            from megatron_ba.train.plots import plot_run
-
-            plot_run(self.path)
         return summary
 
 
