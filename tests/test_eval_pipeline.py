@@ -116,3 +116,48 @@ def test_generate_must_return_n_strings_per_prompt(benchmarks):
         evaluate(lambda p, n, t, m: [], subset, samples=0)
     with pytest.raises(ValueError, match="no problems"):
         evaluate(lambda p, n, t, m: [], {"aime24": []})
+
+
+def test_prompts_that_do_not_fit_the_context_are_skipped_and_counted():
+    """A model whose context cannot hold a prompt plus the generation budget: those problems are
+    skipped and counted, the rest scored; none fitting is an error before any generation."""
+    from megatron_ba.data.records import Problem
+
+    problems = [
+        Problem(id="short", question="1+1?", answer="2"),
+        Problem(id="long", question="x" * 200, answer="3"),
+    ]
+    calls = []
+
+    def generate(prompts, n, temperature, max_tokens):
+        calls.append(list(prompts))
+        return [["Answer: 2"] * n for _ in prompts]
+
+    report = evaluate(
+        generate,
+        {"math500": problems},
+        samples=2,
+        max_tokens=16,
+        template="plain",
+        prompt_tokens=len,  # one token per character
+        max_model_len=64,
+    )
+    b = report.benchmarks["math500"]
+    assert (b.problems, b.skipped_too_long, b.acc) == (1, 1, 1.0)
+    assert calls == [["1+1?\n\n"]]  # the long prompt never reached the engine
+    # Without the context check both are generated (the check is what skipped the long one).
+    calls.clear()
+    report = evaluate(generate, {"math500": problems}, samples=2, max_tokens=16, template="plain")
+    assert report.benchmarks["math500"].skipped_too_long == 0 and len(calls[0]) == 2
+    calls.clear()
+    with pytest.raises(ValueError, match=r"benchmark 'math500': no prompt fits the context of 8"):
+        evaluate(
+            generate,
+            {"math500": problems},
+            samples=2,
+            max_tokens=16,
+            template="plain",
+            prompt_tokens=len,
+            max_model_len=8,
+        )
+    assert calls == []

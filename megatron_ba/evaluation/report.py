@@ -26,6 +26,7 @@ class BenchmarkResult:
     correct_counts: list[int]  # per problem: how many of its samples were correct
     timeouts: int = 0  # math answers killed by the hard limit (scored wrong)
     seconds: float = 0.0
+    skipped_too_long: int = 0  # problems whose prompt + generation budget exceed the context
 
 
 @dataclass

@@ -67,6 +67,8 @@ def evaluate(
     template: str = "dapo",
     format_prompt: Callable[[list[dict]], str] = plain_chat,
     prompt_of: Callable[[Problem], str] | None = None,
+    prompt_tokens: Callable[[str], int] | None = None,
+    max_model_len: int | None = None,
     math_pool=None,
     math_timeout_s: float = 5.0,
     code_workers: int = 2,
@@ -80,6 +82,11 @@ def evaluate(
     LiveCodeBench's format. `prompt_of(problem) -> str` replaces both (a training task whose
     prompts are already complete, e.g. the synthetic arithmetic task). `math_pool` (a
     MathRewardPool) is borrowed if given, else one is made for this call.
+
+    With `prompt_tokens` (a prompt's token count) and `max_model_len` (the engine's context),
+    problems whose prompt plus `max_tokens` do not fit are skipped and counted per benchmark
+    (`skipped_too_long`); a benchmark left with no problem is an error raised before anything
+    is generated.
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
@@ -87,9 +94,31 @@ def evaluate(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if not benchmarks:
         raise ValueError("benchmarks is empty: give at least one name -> problems")
+    benchmarks = dict(benchmarks)  # filtered below; the caller's dict stays as it was
     for name, problems in benchmarks.items():
         if not problems:
             raise ValueError(f"benchmark {name!r} has no problems")
+    prompts_of: dict[str, list[str]] = {}
+    skipped: dict[str, int] = {}
+    for name, problems in list(benchmarks.items()):
+        prompts = [
+            prompt_of(p) if prompt_of else format_prompt(problem_messages(p, template))
+            for p in problems
+        ]
+        if prompt_tokens is not None and max_model_len is not None:
+            keep = [
+                i for i, x in enumerate(prompts) if prompt_tokens(x) + max_tokens <= max_model_len
+            ]
+            if not keep:
+                raise ValueError(
+                    f"benchmark {name!r}: no prompt fits the context of {max_model_len} tokens "
+                    f"with max_tokens={max_tokens} for generation (all {len(problems)} too long); "
+                    f"lower max_tokens or use a model with a longer context"
+                )
+            benchmarks[name] = [problems[i] for i in keep]
+            prompts = [prompts[i] for i in keep]
+        skipped[name] = len(problems) - len(prompts)
+        prompts_of[name] = prompts
     own_pool = None
     if math_pool is None and any(
         p.kind == "math" for problems in benchmarks.values() for p in problems
@@ -101,10 +130,7 @@ def evaluate(
     try:
         for name, problems in benchmarks.items():
             started = time.monotonic()
-            prompts = [
-                prompt_of(p) if prompt_of else format_prompt(problem_messages(p, template))
-                for p in problems
-            ]
+            prompts = prompts_of[name]
             out = generate(prompts, samples, temperature, max_tokens)
             responses = _check_generated(out, prompts, samples, name)
             timeouts = 0
@@ -139,6 +165,7 @@ def evaluate(
                 correct_counts=[sum(row) for row in correct],
                 timeouts=timeouts,
                 seconds=round(time.monotonic() - started, 3),
+                skipped_too_long=skipped[name],
             )
     finally:
         if own_pool is not None:

@@ -139,6 +139,11 @@ class VLLMEngine:
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
 
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context: prompt plus generated tokens."""
+        return self.llm.model_config.max_model_len
+
     def prompt_logprobs(self, token_ids: list[int], temperature: float = 1.0) -> list[float]:
         """log p(token_t | tokens_<t) for t >= 1 under the engine's current weights."""
         from vllm import SamplingParams
