@@ -79,11 +79,14 @@ def compare_folders(src: Path, out: Path) -> dict:
 
     a, b = HFCheckpoint(src), HFCheckpoint(out)
     same_keys = set(a.keys()) == set(b.keys())
-    unequal = [
-        k
-        for k in a.keys()
-        if k not in b.files or a.get(k).dtype != b.get(k).dtype or not torch.equal(a.get(k), b.get(k))
-    ]
+
+    def same(k: str) -> bool:
+        if k not in b.files:
+            return False
+        x, y = a.get(k), b.get(k)
+        return x.dtype == y.dtype and torch.equal(x, y)
+
+    unequal = [k for k in a.keys() if not same(k)]
     ca, cb = a.config(), b.config()
     config_diff = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
     side = [n for n in ("tokenizer.json", "tokenizer_config.json") if (src / n).is_file()]

@@ -15,6 +15,7 @@ pipeline stage's broadcast) and the writer streams it into safetensors shards.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def write_hf_folder(
     hf_folder.write_safetensors(out, hf_tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
     base = None
     if source_dir is not None:
-        base = hf_folder.HFCheckpoint(source_dir).config()
+        base = json.loads((Path(source_dir) / "config.json").read_text())
     fields = dict(config_fields or {})
     cfg = hf_config_from_spec(spec, base=base, **fields)
     key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
