@@ -2,7 +2,7 @@
 
     python -m megatron_ba.conversion.agreement megatron OUT.json HF_DIR [HF_DIR ...]
         [--export-root DIR] [--dist-ckpt CKPT]          # one process: TP=1; torchrun x2: TP=2
-    python -m megatron_ba.conversion.agreement vllm OUT.json HF_DIR [HF_DIR ...]
+    python -m megatron_ba.conversion.agreement vllm OUT.json HF_DIR [HF_DIR ...] --sync-root DIR
 
 `megatron`: for each folder, the model is built under the launched layout (world 1: TP=1;
 `torchrun --nproc-per-node 2`: TP=2 on gloo), loaded from the folder (streaming), and its
@@ -14,7 +14,8 @@ the loaded model is exported again and compared with the source tensor by tensor
 and field by field (config.json). With --dist-ckpt the model of the first folder is also loaded
 from that megatron-core distributed checkpoint (written at any layout) and compared with the
 folder load. `vllm`: the exported or source folder in vLLM (CPU, float32, in-process), its
-prompt log-probs of the same sequence against transformers'. Rank 0 writes OUT.json.
+prompt log-probs of the same sequence against transformers', also after a weight sync (with a
+gate/up-swapped control first). Rank 0 writes OUT.json.
 Run by tests/test_conversion_megatron.py (one launch per layout: imports cost ~7 s).
 """
 
@@ -143,11 +144,19 @@ def run_megatron(out_json: str, dirs: list[str], export_root: str | None, dist_c
     teardown()
 
 
-def run_vllm(out_json: str, dirs: list[str]) -> None:
+def run_vllm(out_json: str, dirs: list[str], sync_root: str) -> None:
+    """vLLM's prompt log-probs of each folder, then through the weight sync (the trainer's path:
+    `hf_named_tensors` of the full megatron state dict into `VLLMEngine.load_weights`), first
+    with gate/up swapped (negative control), then with the right weights."""
     import os
 
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    from megatron_ba.conversion import spec_from_hf_dir
+    from megatron_ba.conversion import (
+        core,
+        hf_named_tensors,
+        megatron_state_dict_from_hf,
+        spec_from_hf_dir,
+    )
     from megatron_ba.train.rollout import VLLMEngine
 
     results: dict = {"models": {}}
@@ -155,15 +164,25 @@ def run_vllm(out_json: str, dirs: list[str]) -> None:
         spec = spec_from_hf_dir(d)
         ids = fixed_sequence(spec.vocab_size)
         ref = hf_logprobs(d, ids)
-        engine = VLLMEngine(str(d), in_process=True, max_model_len=64, seed=0, kv_cache_gb=1)
+        full = megatron_state_dict_from_hf(d, spec)
+        wrong = {
+            k: core.merge_gated(*reversed(core.split_gated(v))) if "linear_fc1" in k else v
+            for k, v in full.items()
+        }
+        sync = Path(sync_root) / Path(d).name
+        engine = VLLMEngine(
+            str(d), sync_dir=str(sync), in_process=True, max_model_len=64, seed=0, kv_cache_gb=1
+        )
         try:
-            got = engine.prompt_logprobs(ids)
+            r = {"vllm_vs_hf_max_abs": _max_abs(engine.prompt_logprobs(ids), ref)}
+            engine.load_weights(hf_named_tensors(wrong, spec))
+            r["synced_gate_up_swapped_vs_hf_max_abs"] = _max_abs(engine.prompt_logprobs(ids), ref)
+            engine.load_weights(hf_named_tensors(full, spec))
+            r["synced_vs_hf_max_abs"] = _max_abs(engine.prompt_logprobs(ids), ref)
         finally:
             engine.close()
-        results["models"][Path(d).name] = {
-            "vllm_vs_hf_max_abs": _max_abs(got, ref),
-            "start_seconds": engine.start_seconds,
-        }
+        r["start_seconds"] = engine.start_seconds
+        results["models"][Path(d).name] = r
     Path(out_json).write_text(json.dumps(results, indent=2))
 
 
@@ -176,11 +195,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("dirs", nargs="+")
     p.add_argument("--export-root")
     p.add_argument("--dist-ckpt")
+    p.add_argument("--sync-root", help="vllm: where the weight-sync files go")
     a = p.parse_args(argv)
     if a.what == "megatron":
         run_megatron(a.out_json, a.dirs, a.export_root, a.dist_ckpt)
     else:
-        run_vllm(a.out_json, a.dirs)
+        if a.sync_root is None:
+            p.error("vllm: --sync-root is required")
+        run_vllm(a.out_json, a.dirs, a.sync_root)
     return 0
 
 

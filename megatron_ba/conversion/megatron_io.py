@@ -107,6 +107,7 @@ def write_hf_folder(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = DEFAULT_SHARD_BYTES,
     config_fields: dict | None = None,
+    generation_config: dict | None = None,
 ) -> Path:
     """A Hugging Face folder: safetensors, config.json, generation_config.json, tokenizer.
 
@@ -114,7 +115,9 @@ def write_hf_folder(
     (token ids, transformers_version and other fields a spec does not hold) and its tokenizer
     files and generation_config.json are copied. tokenizer: an object with `save_pretrained`
     (used when there is no source folder, e.g. a model trained from scratch). dtype: the
-    tensors' dtype in the files (default the spec's params_dtype).
+    tensors' dtype in the files (default the spec's params_dtype). config_fields: set last in
+    config.json (e.g. token ids). generation_config: written when the source has none (default:
+    the config's token ids).
     """
     from megatron_ba.conversion.hf_config import DTYPE_NAMES
 
@@ -134,7 +137,8 @@ def write_hf_folder(
     if tokenizer is not None and not any(n.startswith("tokenizer") for n in copied):
         tokenizer.save_pretrained(out)
     if "generation_config.json" not in copied:
-        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+        ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+        gen = generation_config or {k: cfg[k] for k in ids if cfg.get(k) is not None}
         hf_folder.write_json(out / "generation_config.json", gen)
     return out
 
