@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.eval",
         "Acc@k / Best@k of a Hugging Face model folder on the paper's six benchmarks (vLLM)",
     ),
+    "convert": (
+        "megatron_ba.commands.convert",
+        "Hugging Face Qwen2/Qwen3 folder <-> megatron-core distributed checkpoint",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",

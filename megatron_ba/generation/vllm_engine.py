@@ -159,14 +159,11 @@ class VLLMEngine:
         place): the same path works whether the engine runs in this process or its own, where
         tensors passed as RPC arguments do not survive vLLM's message encoding.
         """
-        from safetensors.torch import save_file
+        from megatron_ba.conversion.hf_folder import write_safetensors
 
         if self.sync_dir is None:
             raise ValueError("sync_dir: this engine was created without a weight-sync folder")
-        tmp = self.sync_dir / "model.safetensors.tmp"
-        tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in named_tensors}
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, self.sync_dir / "model.safetensors")
+        write_safetensors(self.sync_dir, named_tensors, dtype=torch.float32)  # atomic rename
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={"weights_path": str(self.sync_dir), "is_checkpoint_format": True},

@@ -1,15 +1,17 @@
 """A Qwen2-shaped megatron-core GPTModel, and full-shape weights in and out of its shards.
 
-    spec = Qwen2Spec(vocab_size=..., hidden_size=..., num_layers=..., num_attention_heads=...,
-                     num_query_groups=..., ffn_hidden_size=...)
+    spec = ModelSpec(vocab_size=..., hidden_size=..., num_layers=..., num_attention_heads=...,
+                     num_query_groups=..., ffn_hidden_size=...)   # or spec_from_hf_config(cfg)
     # after torch.distributed and parallel_state.initialize_model_parallel(tp, pp, ...)
     chunks = build_model_chunks(spec)                # [DDP(GPTModel)] for this rank's stage
     load_full_state_dict(chunks, full_init_state_dict(spec, seed=0))  # same weights, any layout
     full = gather_full_state_dict(chunks)            # {megatron TP=1/PP=1 name: full tensor}
     grads = gather_full_state_dict(chunks, grads=True)
 
-The architecture is Qwen2's: RMSNorm, SwiGLU MLP without biases, RoPE (theta `rope_theta`, not
-interleaved), grouped-query attention with a bias on the fused QKV projection, untied output layer.
+The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE (theta
+`rope_theta`, not interleaved), grouped-query attention with a bias on the fused QKV projection
+(Qwen2) or RMSNorms on each q and k head (Qwen3, `qk_layernorm`), an explicit head dimension
+(`kv_channels`), tied or untied output layer.
 By default it is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine),
 so it runs on CPU with megatron_ba.megatron.cpu_compat installed; on GPUs pass a Transformer Engine
 layer spec (`layer_spec=`) for fused kernels and context-parallel attention.
@@ -24,19 +26,31 @@ rank gets the whole dict (CPU tensors).
 
 from __future__ import annotations
 
-import re
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from megatron_ba.conversion.names import megatron_layer_name, split_megatron_layer
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.layout import tp_shard
 
+FAMILIES = ("qwen2", "qwen3")
+
 
 @dataclass(frozen=True)
-class Qwen2Spec:
-    """The shape of a Qwen2 model (field names follow megatron-core where they overlap)."""
+class ModelSpec:
+    """The shape of a Qwen-family decoder (field names follow megatron-core where they overlap).
+
+    family: "qwen2" (Qwen2 / Qwen2.5: QKV bias) or "qwen3" (q/k RMSNorm, no QKV bias); it names
+    the Hugging Face conversion table (megatron_ba.conversion) and does not change the build:
+    the flags below do. kv_channels: the head dimension when it is not hidden / heads (Qwen3);
+    None means hidden_size // num_attention_heads. tie_word_embeddings: the output layer reuses
+    the embedding (megatron-core's share_embeddings_and_output_weights).
+    Build one from a Hugging Face config.json with megatron_ba.conversion.spec_from_hf_config.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -51,6 +65,10 @@ class Qwen2Spec:
     init_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     config_overrides: dict[str, Any] = field(default_factory=dict)
+    family: str = "qwen2"
+    qk_layernorm: bool = False
+    kv_channels: int | None = None
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,10 +83,17 @@ class Qwen2Spec:
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: must be one of {FAMILIES}, got {self.family!r}")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size: {self.hidden_size} must be a multiple of num_attention_heads "
+                    f"({self.num_attention_heads}), or set kv_channels (the head dimension)"
+                )
+        elif not (isinstance(self.kv_channels, int) and self.kv_channels >= 1):
             raise ValueError(
-                f"hidden_size: {self.hidden_size} must be a multiple of num_attention_heads "
-                f"({self.num_attention_heads})"
+                f"kv_channels: must be an integer >= 1 or None, got {self.kv_channels!r}"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
@@ -78,7 +103,12 @@ class Qwen2Spec:
 
     @property
     def head_dim(self) -> int:
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        return sum(math.prod(s) for s in full_parameter_shapes(self).values())
 
     def check_layout(self, tp: int, pp: int) -> None:
         """ValueError naming what does not divide, for a TP x PP layout of this model."""
@@ -92,7 +122,11 @@ class Qwen2Spec:
             raise ValueError("layout: " + "; ".join(problems))
 
 
-def tiny_qwen2_spec(**changes: Any) -> Qwen2Spec:
+# The name callers used before the spec covered Qwen3 (same fields, family "qwen2" by default).
+Qwen2Spec = ModelSpec
+
+
+def tiny_qwen2_spec(**changes: Any) -> ModelSpec:
     """A Qwen2-shaped model small enough for multi-process CPU tests (~60k parameters).
 
     head_dim 16, 4 query heads in 2 groups: TP=2 splits both; 4 layers: PP=2 (or 4) splits them.
@@ -108,10 +142,10 @@ def tiny_qwen2_spec(**changes: Any) -> Qwen2Spec:
         rope_theta=10_000.0,
     )
     base.update(changes)
-    return Qwen2Spec(**base)
+    return ModelSpec(**base)
 
 
-def transformer_config(spec: Qwen2Spec, *, cpu: bool | None = None, **overrides: Any):
+def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides: Any):
     """megatron-core TransformerConfig of `spec` for the parallel layout now initialised."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -134,6 +168,7 @@ def transformer_config(spec: Qwen2Spec, *, cpu: bool | None = None, **overrides:
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=spec.init_std,
@@ -156,7 +191,7 @@ def transformer_config(spec: Qwen2Spec, *, cpu: bool | None = None, **overrides:
     return TransformerConfig(**kwargs)
 
 
-def local_layer_spec():
+def local_layer_spec(qk_layernorm: bool = False):
     """megatron-core's Transformer-Engine-free layer spec with RMSNorm (runs on CPU).
 
     `get_gpt_layer_local_spec(normalization=...)` exists from megatron-core 0.11 on; older
@@ -166,7 +201,7 @@ def local_layer_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     try:
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     except TypeError as e:
         raise ValueError(
             "layer_spec: this megatron-core's local layer spec has no RMSNorm; pass a Transformer "
@@ -175,11 +210,13 @@ def local_layer_spec():
 
 
 def build_gpt_model(
-    spec: Qwen2Spec, config=None, *, layer_spec=None, pg_collection=None, vp_stage=None
+    spec: ModelSpec, config=None, *, layer_spec=None, pg_collection=None, vp_stage=None
 ):
     """This rank's pipeline stage of the model (not wrapped in DDP).
 
-    layer_spec: a megatron-core ModuleSpec for the transformer layers; default `local_layer_spec()`.
+    layer_spec: a megatron-core ModuleSpec for the transformer layers; default `local_layer_spec()`
+    (with q/k layernorms when the spec has them). A Transformer Engine spec must be built with
+    the same `qk_layernorm`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -192,13 +229,17 @@ def build_gpt_model(
         kwargs["vp_stage"] = vp_stage
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec if layer_spec is not None else local_layer_spec(),
+        transformer_layer_spec=(
+            layer_spec if layer_spec is not None else local_layer_spec(spec.qk_layernorm)
+        ),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,  # logits stay vocab-sharded: log-probs are vocab-parallel
-        share_embeddings_and_output_weights=False,
+        # Tied: at PP > 1 the last stage holds a copy of the embedding that megatron-core
+        # all-reduces at build time with `.cuda()` (0.16.1): tied models need PP=1 on CPU.
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
         **kwargs,
@@ -206,7 +247,7 @@ def build_gpt_model(
 
 
 def build_model_chunks(
-    spec: Qwen2Spec,
+    spec: ModelSpec,
     *,
     ddp: bool = True,
     config=None,
@@ -262,13 +303,12 @@ def model_pg_collection_without_cp():
 # ---------------------------------------------------------------------------------------------
 # Full-shape weights: deterministic initialisation, loading into shards, gathering back.
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
-
-def full_parameter_shapes(spec: Qwen2Spec) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of the unsharded (TP=1, PP=1) model."""
-    h, f, v = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size
-    qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * spec.head_dim
+def full_parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every parameter of the unsharded (TP=1, PP=1) model (local-spec names;
+    a tied model has no `output_layer.weight`)."""
+    h, f, v, d = spec.hidden_size, spec.ffn_hidden_size, spec.vocab_size, spec.head_dim
+    qkv = (spec.num_attention_heads + 2 * spec.num_query_groups) * d
     shapes: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (v, h)}
     for i in range(spec.num_layers):
         p = f"decoder.layers.{i}."
@@ -276,19 +316,20 @@ def full_parameter_shapes(spec: Qwen2Spec) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attention.linear_qkv.weight"] = (qkv, h)
         if spec.qkv_bias:
             shapes[p + "self_attention.linear_qkv.bias"] = (qkv,)
-        shapes[p + "self_attention.linear_proj.weight"] = (
-            h,
-            spec.num_attention_heads * spec.head_dim,
-        )
+        shapes[p + "self_attention.linear_proj.weight"] = (h, spec.num_attention_heads * d)
+        if spec.qk_layernorm:  # one RMSNorm weight over each head's channels, shared by heads
+            shapes[p + "self_attention.q_layernorm.weight"] = (d,)
+            shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
         shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
         shapes[p + "mlp.linear_fc2.weight"] = (h, f)
     shapes["decoder.final_layernorm.weight"] = (h,)
-    shapes["output_layer.weight"] = (v, h)
+    if not spec.tie_word_embeddings:
+        shapes["output_layer.weight"] = (v, h)
     return shapes
 
 
-def full_init_state_dict(spec: Qwen2Spec, seed: int = 0) -> dict[str, torch.Tensor]:
+def full_init_state_dict(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic full-shape weights: N(0, init_std) matrices, norms near 1, small biases.
 
     Norm weights and biases are perturbed (not 1 / 0) so that a gradient check sees every
@@ -321,15 +362,15 @@ def local_to_full_names(chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.
         layers = model.decoder.layers if hasattr(model, "decoder") else []
         for local_name, param in model.named_parameters():
             name = local_name
-            m = _LAYER.match(local_name)
-            if m:  # local index -> global layer number (1-based in megatron-core)
-                global_index = layers[int(m.group(1))].layer_number - 1
-                name = f"decoder.layers.{global_index}." + local_name[m.end() :]
+            parts = split_megatron_layer(local_name)
+            if parts:  # local index -> global layer number (1-based in megatron-core)
+                name = megatron_layer_name(layers[parts[0]].layer_number - 1, parts[1])
             out[name] = (param, local_name)
     return out
 
 
-def _tp_layout(param: torch.nn.Parameter) -> tuple[bool, int, int]:
+def tp_layout(param: torch.nn.Parameter) -> tuple[bool, int, int]:
+    """(sharded over TP, partition dim, partition stride) of a megatron-core parameter."""
     sharded = bool(getattr(param, "tensor_model_parallel", False))
     return (
         sharded,
@@ -338,22 +379,28 @@ def _tp_layout(param: torch.nn.Parameter) -> tuple[bool, int, int]:
     )
 
 
-@torch.no_grad()
-def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
-    """Copy a full-shape (TP=1, PP=1 names) state dict into this rank's shards.
+EMBEDDING = "embedding.word_embeddings.weight"
 
-    Every parameter this rank holds must be in `full` with the full shape (ValueError
-    otherwise); entries for other pipeline stages are ignored.
+
+@torch.no_grad()
+def load_full_tensors(
+    chunks: list[torch.nn.Module], read: Callable[[str], torch.Tensor]
+) -> list[str]:
+    """Copy full-shape tensors, fetched one at a time by `read(full_name)`, into this rank's
+    shards; return the names loaded. Streaming: only one full tensor is alive at a time.
+
+    A tied model's last stage at PP > 1 holds a copy of the embedding (`output_layer.weight`,
+    marked `shared_embedding` by megatron-core): it is read as the embedding.
     """
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    loaded = []
     for name, (param, _) in local_to_full_names(chunks).items():
-        if name not in full:
-            raise ValueError(f"full: missing parameter {name!r}")
-        src = full[name]
-        sharded, dim, stride = _tp_layout(param)
+        source = EMBEDDING if getattr(param, "shared_embedding", False) else name
+        src = read(source)
+        sharded, dim, stride = tp_layout(param)
         piece = tp_shard(src, dim=dim, stride=stride, rank=rank, size=tp) if sharded else src
         if piece.shape != param.shape:
             raise ValueError(
@@ -361,6 +408,32 @@ def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Te
                 f"rank's {tuple(param.shape)} (tp={tp}, dim={dim}, stride={stride})"
             )
         param.copy_(piece.to(param.dtype))
+        loaded.append(name)
+    return loaded
+
+
+def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
+    """Copy a full-shape (TP=1, PP=1 names) state dict into this rank's shards.
+
+    Every parameter this rank holds must be in `full` with the full shape (ValueError
+    otherwise); entries for other pipeline stages are ignored.
+    """
+
+    def read(name: str) -> torch.Tensor:
+        if name not in full:
+            raise ValueError(f"full: missing parameter {name!r}")
+        return full[name]
+
+    load_full_tensors(chunks, read)
+
+
+def _local_tensor(param: torch.nn.Parameter, grads: bool) -> torch.Tensor:
+    if not grads:
+        return param.detach()
+    t = getattr(param, "main_grad", None)
+    if t is None:
+        t = param.grad
+    return (torch.zeros_like(param) if t is None else t).detach()
 
 
 def gather_full_state_dict(
@@ -371,7 +444,8 @@ def gather_full_state_dict(
     A collective over the tensor- and pipeline-parallel groups: every rank of them must call it.
     Gradients are read from `main_grad` (megatron-core DDP) or `.grad`; call it after the
     schedule's `finalize_model_grads` to see the data-parallel-reduced gradient. Tensors come
-    back as float32/float64 CPU copies in the parameters' dtype.
+    back as CPU copies in the parameters' dtype. Holds the whole model once more; to stream
+    (an export), use `iter_full_tensors`.
     """
     from megatron.core import parallel_state
 
@@ -379,16 +453,8 @@ def gather_full_state_dict(
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     local: dict[str, torch.Tensor] = {}
     for name, (param, _) in local_to_full_names(chunks).items():
-        if grads:
-            t = getattr(param, "main_grad", None)
-            if t is None:
-                t = param.grad
-            if t is None:
-                t = torch.zeros_like(param)
-        else:
-            t = param
-        t = t.detach()
-        sharded, dim, stride = _tp_layout(param)
+        t = _local_tensor(param, grads)
+        sharded, dim, stride = tp_layout(param)
         if sharded:
             t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
         local[name] = t.to(param.dtype).clone()  # a copy: buffers change at the next step
@@ -396,10 +462,36 @@ def gather_full_state_dict(
     return {k: v.cpu() for k, v in sorted(merged.items(), key=lambda kv: _order(kv[0]))}
 
 
+def iter_full_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(full name, full-shape CPU tensor) of every parameter, one at a time, on every rank.
+
+    The streaming form of `gather_full_state_dict` (a collective over the TP and PP groups:
+    every rank must exhaust the iterator): one full tensor is alive at a time, so an export
+    needs the model's shards plus its largest tensor, not a second copy of the model.
+    """
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    held = local_to_full_names(chunks)
+    # The names of every stage (empty placeholders travel, not the tensors).
+    names = collectives.gather_pipeline_stages({k: torch.empty(0) for k in held}, group=pp_group)
+    for name in sorted(names, key=_order):
+        one: dict[str, torch.Tensor] = {}
+        if name in held:
+            param = held[name][0]
+            t = param.detach()
+            sharded, dim, stride = tp_layout(param)
+            if sharded:
+                t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
+            one[name] = t.clone()
+        yield name, collectives.gather_pipeline_stages(one, group=pp_group)[name].cpu()
+
+
 def _order(name: str) -> tuple[int, int, str]:
-    m = _LAYER.match(name)
+    parts = split_megatron_layer(name)
     if name.startswith("embedding."):
         return (0, 0, name)
-    if m:
-        return (1, int(m.group(1)), name)
+    if parts:
+        return (1, parts[0], name)
     return (2, 0, name)

@@ -1,0 +1,45 @@
+"""Hugging Face Qwen2 / Qwen2.5 / Qwen3 checkpoints <-> megatron-core, table-driven per family.
+
+    from megatron_ba.conversion import spec_from_hf_dir, load_hf_into_chunks, export_chunks_to_hf
+    spec = spec_from_hf_dir(DIR)                     # ModelSpec from config.json
+    chunks = build_model_chunks(spec)                # megatron_ba.megatron.model, any TP / PP
+    load_hf_into_chunks(chunks, DIR, spec)           # streaming, this rank's shards
+    export_chunks_to_hf(chunks, spec, OUT, source_dir=DIR)
+
+Modules: `core` (fused QKV / gated-MLP layouts, the name-rule machinery, TE spellings),
+`qwen2` / `qwen3` (one name table and config mapping per family), `families` (dispatch on
+model_type), `hf_folder` (safetensors reading one tensor at a time, the one safetensors writer),
+`megatron_io` (chunks in and out), `dist_checkpoint` (megatron-core distributed checkpoints),
+`agreement` (the HF / megatron-core / vLLM log-prob check). docs/checkpoints.md has the tables.
+"""
+
+from megatron_ba.conversion.families import (
+    hf_config_from_spec,
+    spec_from_hf_config,
+    spec_from_hf_dir,
+    table_for,
+)
+from megatron_ba.conversion.hf_folder import HFCheckpoint, write_safetensors
+from megatron_ba.conversion.megatron_io import (
+    export_chunks_to_hf,
+    hf_named_tensors,
+    load_hf_into_chunks,
+    megatron_state_dict_from_hf,
+    write_hf_folder,
+)
+
+# megatron_io imports megatron_ba.megatron.model inside its functions only: the model module
+# imports conversion.names, and a module-level import would be a cycle.
+__all__ = [
+    "HFCheckpoint",
+    "export_chunks_to_hf",
+    "hf_config_from_spec",
+    "hf_named_tensors",
+    "load_hf_into_chunks",
+    "megatron_state_dict_from_hf",
+    "spec_from_hf_config",
+    "spec_from_hf_dir",
+    "table_for",
+    "write_hf_folder",
+    "write_safetensors",
+]

@@ -1,0 +1,121 @@
+"""megatron-core distributed checkpoints of a model (layout-independent), with its spec.
+
+    save_dist_checkpoint(chunks, spec, CKPT, source_dir=HF_DIR)   # collective
+    spec = read_spec(CKPT)
+    chunks = build_model_chunks(spec)                              # any TP / PP
+    load_dist_checkpoint(chunks, CKPT)                             # collective
+
+The tensors go through `megatron.core.dist_checkpointing.save/load` of the model's
+`sharded_state_dict()` (the `torch_dist` format: every shard is stored with its global offsets,
+so a checkpoint written at one TP x PP layout loads at another). Beside them the folder holds
+`megatron_ba_spec.json` (the ModelSpec) and `hf/` (the source's config.json, tokenizer files and
+generation_config.json) so `megatron-ba convert --to hf` can rebuild the model and its folder.
+
+CPU: megatron-core 0.16.1's torch_dist save path calls `torch.cuda.synchronize()` after copying
+tensors to the host (`FileSystemWriterAsync.preload_tensors`, non_blocking=True is hard-coded in
+`get_save_function_and_args`), which raises on a CPU-only torch. On CPU that call is made a no-op
+for the duration of the save (it waits for device copies, of which a CPU run has none). The save
+also starts a `multiprocessing` manager with the spawn method, which re-imports `__main__`: a
+script that saves must guard its entry point (`if __name__ == "__main__":`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_ba.conversion import hf_folder
+from megatron_ba.conversion.hf_config import DTYPE_NAMES, DTYPES
+
+SPEC_FILE = "megatron_ba_spec.json"
+HF_META = "hf"
+FORMAT_VERSION = 1
+
+
+def spec_to_json(spec) -> dict:
+    from dataclasses import fields
+
+    out = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "config_overrides"}
+    out["params_dtype"] = DTYPE_NAMES[spec.params_dtype]
+    return {"format_version": FORMAT_VERSION, "spec": out}
+
+
+def spec_from_json(obj: dict):
+    from megatron_ba.megatron.model import ModelSpec
+
+    if obj.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{SPEC_FILE}: format_version {obj.get('format_version')!r} != 1")
+    fields = dict(obj["spec"])
+    fields["params_dtype"] = DTYPES[fields["params_dtype"]]
+    return ModelSpec(**fields)
+
+
+def read_spec(ckpt_dir: str | Path):
+    path = Path(ckpt_dir) / SPEC_FILE
+    if not path.is_file():
+        raise ValueError(
+            f"checkpoint: {str(ckpt_dir)!r} has no {SPEC_FILE} (not written by megatron-ba convert)"
+        )
+    return spec_from_json(json.loads(path.read_text()))
+
+
+@contextlib.contextmanager
+def _cpu_synchronize():
+    """torch.cuda.synchronize as a no-op while a CPU-only process saves (see the docstring)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
+
+
+def _single_model(chunks: list[torch.nn.Module]) -> torch.nn.Module:
+    from megatron_ba.megatron.model import _unwrap
+
+    if len(chunks) != 1:
+        raise ValueError(f"chunks: one model chunk expected (no virtual pipeline): {len(chunks)}")
+    return _unwrap(chunks[0])
+
+
+def save_dist_checkpoint(
+    chunks: list[torch.nn.Module], spec, ckpt_dir: str | Path, *, source_dir=None
+) -> Path:
+    """Save the model as a distributed checkpoint in the empty (or new) folder `ckpt_dir`."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    out = Path(ckpt_dir)
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    if writer:
+        if out.exists() and any(out.iterdir()):
+            raise ValueError(f"out: {str(out)!r} is not empty")
+        out.mkdir(parents=True, exist_ok=True)
+    if dist.is_initialized():
+        dist.barrier()
+    model = _single_model(chunks)
+    with _cpu_synchronize():
+        dist_checkpointing.save(model.sharded_state_dict(), str(out))
+    if writer:
+        hf_folder.write_json(out / SPEC_FILE, spec_to_json(spec))
+        if source_dir is not None:
+            (out / HF_META).mkdir(exist_ok=True)
+            src = Path(source_dir)
+            (out / HF_META / "config.json").write_text((src / "config.json").read_text())
+            hf_folder.copy_side_files(src, out / HF_META)
+    return out
+
+
+def load_dist_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
+    """Load a distributed checkpoint into this rank's chunks (any TP / PP layout)."""
+    from megatron.core import dist_checkpointing
+
+    model = _single_model(chunks)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
+    model.load_state_dict(state)
