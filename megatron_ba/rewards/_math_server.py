@@ -5,12 +5,13 @@ Started by `math_pool.MathRewardPool` as
     python -I megatron_ba/rewards/_math_server.py CTRL_FD SOFT_TIMEOUT SYS_PATH_JSON
 
 i.e. as a program of its own, never by re-importing the caller's `__main__` (what
-multiprocessing's spawn/forkserver do, which breaks unguarded scripts, `python -` and notebooks).
-It is run by path, not `python -m megatron_ba...`, so that importing it does not import the
-`megatron_ba` package (which imports torch): the server preloads only `math_answer.py` (loaded
-by path under a private name), math-verify and sympy, so that each worker forked from it is ready
-in milliseconds. `-I` keeps the script's folder off sys.path (`rewards/code.py` would shadow the
-stdlib `code`); the caller's sys.path is passed in instead, so packages resolve as in the caller.
+multiprocessing's spawn/forkserver do, which breaks unguarded scripts and `python -`). It is run
+by path, not `python -m megatron_ba...`, so that it does not import the `megatron_ba` package
+(which imports torch): the server preloads only `math_answer.py` (loaded by path under a private
+name), math-verify and sympy, and scores a few warm-up pairs, so that each worker forked from it
+is ready, and fast, in milliseconds. `-I` keeps the script's folder off sys.path
+(`rewards/code.py` would shadow the stdlib `code`); the caller's sys.path is passed in instead,
+so packages resolve as in the caller.
 
 Control channel (AF_UNIX SOCK_SEQPACKET, one message per request, replies in order):
   server -> caller  b"ready" once preloaded, or b"error " + traceback (then it exits)
@@ -37,6 +38,17 @@ import sys
 import traceback
 
 PR_SET_PDEATHSIG = 1
+# Scored once in the server before it forks anything: math-verify builds its parsers and regex
+# caches lazily (0.1-0.4 s per kind of answer in a fresh process), so every forked worker, the
+# replacement of a killed one included, starts warm and a 1 s hard limit is not spent on that.
+WARM_UP = [
+    ("Answer: \\frac{1}{2}", "0.5"),
+    ("Answer: [1, 3)", "[1,3)"),
+    ("\\boxed{\\{1, 2\\}}", "\\{2, 1\\}"),
+    ("Answer: x = 3", "3"),
+    ("Answer: 2\\sqrt{2}", "\\sqrt{8}"),
+    ("Answer: \\text{(B)}", "(B)"),
+]
 
 
 def _load_judge():
@@ -52,6 +64,8 @@ def _load_judge():
     import sympy  # noqa: F401
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)  # soft timeouts are expected
+    for response, truth in WARM_UP:
+        module.judge_math(response, truth, soft_timeout_s=None)
     return module.judge_math
 
 
