@@ -28,15 +28,48 @@ POLARIS = FIXTURES / "polaris.jsonl"
 def test_dapo_dedupes_and_round_trips_the_template(tmp_path):
     loaded = load_dapo_math(DAPO)
     rows = read_jsonl(DAPO)
-    assert loaded.report.rows_read == len(rows) == 11
+    assert loaded.report.rows_read == len(rows) == 15
     assert len(loaded) == loaded.report.kept == 3
-    assert loaded.report.dropped == {"duplicate prompt": 8}
+    assert loaded.report.dropped == {
+        "duplicate prompt": 8,
+        "prompt with conflicting ground truths": 4,  # a4: three copies say 2, one says 3
+    }
     assert [p.answer for p in loaded] == ["23", "7", "9"]
     assert [p.id for p in loaded] == ["a1", "a2", "a3"]
     assert loaded[0].question == "What is $3 + 4 \\cdot 5$?"
     # rendering the bare question with the "dapo" template gives the data set's prompt back
     assert render_prompt(loaded[1].question, "dapo") == rows[1]["prompt"][0]["content"]
     assert len(load_dapo_math(DAPO, dedupe=False)) == 11
+
+
+def test_dapo_counts_conflicting_ground_truths_apart_from_duplicates(tmp_path, caplog):
+    """Issue 8, item 4: a prompt seen with different ground truths is reported, and dropped
+    unless on_conflict="keep_first" keeps the first row's truth."""
+    dropped = load_dapo_math(DAPO)
+    assert dropped.report.conflicts == 1
+    assert "1 prompts appear with different ground truths: dropped" in dropped.report.summary()
+    assert "on_conflict='drop'" in caplog.text
+    first = load_dapo_math(DAPO, on_conflict="keep_first")
+    assert [(p.id, p.answer) for p in first] == [
+        ("a1", "23"),
+        ("a2", "7"),
+        ("a3", "9"),
+        ("a4", "2"),
+    ]
+    assert first.report.conflicts == 1
+    assert first.report.dropped == {
+        "duplicate prompt": 10,
+        "conflicting ground truth (not the first)": 1,
+    }
+    assert "kept with their first ground truth" in first.report.summary()
+    raw = load_dapo_math(DAPO, dedupe=False, on_conflict="keep_first")
+    assert len(raw) == 14 and "3" not in {p.answer for p in raw if p.id == "a4"}
+    # the control: the same file without the mislabelled copy has no conflict and no note
+    rows = [r for r in read_jsonl(DAPO) if r["reward_model"]["ground_truth"] != "3"]
+    clean = load_dapo_math(write_jsonl(tmp_path / "clean.jsonl", rows))
+    assert clean.report.conflicts == 0 and clean.report.notes == [] and len(clean) == 4
+    with pytest.raises(ValueError, match="on_conflict must be one of"):
+        load_dapo_math(DAPO, on_conflict="keep_last")
 
 
 def test_dapo_reads_parquet_like_the_hub_file(tmp_path):
@@ -47,7 +80,10 @@ def test_dapo_reads_parquet_like_the_hub_file(tmp_path):
     pq.write_table(pa.Table.from_pylist(read_jsonl(DAPO)), path)
     loaded = load_dapo_math(path)
     assert [p.answer for p in loaded] == ["23", "7", "9"]
-    assert loaded.report.dropped == {"duplicate prompt": 8}
+    assert loaded.report.dropped == {
+        "duplicate prompt": 8,
+        "prompt with conflicting ground truths": 4,
+    }
 
 
 def test_dapo_rejects_a_missing_ground_truth(tmp_path):
