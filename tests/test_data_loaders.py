@@ -205,6 +205,53 @@ def test_livecodebench_rejects_a_missing_column(tmp_path):
         load_livecodebench(broken)
 
 
+def _ids_and_tests(loaded):
+    return [(p.id, p.tests, p.func_name, p.meta["contest_date"]) for p in loaded]
+
+
+def test_livecodebench_reads_one_json_array_of_the_same_records(tmp_path):
+    """Issue 8, item 5: public evaluation repos save LiveCodeBench as one JSON array."""
+    src = BENCH / "livecodebench" / "test.jsonl"
+    rows = read_jsonl(src)
+    expected = _ids_and_tests(load_livecodebench(src))
+    pretty = tmp_path / "lcb.json"
+    pretty.write_text(json.dumps(rows, indent=2))
+    assert _ids_and_tests(load_livecodebench(pretty)) == expected
+    one_line = tmp_path / "test.jsonl"  # an array under the JSONL name, on one line
+    one_line.write_text(json.dumps(rows))
+    assert _ids_and_tests(load_livecodebench(one_line)) == expected
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "livecodebench.json").write_text("\n  " + json.dumps(rows, indent=1))
+    assert _ids_and_tests(load_livecodebench(folder)) == expected
+
+
+def test_livecodebench_says_what_it_expects(tmp_path):
+    rows = read_jsonl(BENCH / "livecodebench" / "test.jsonl")
+    expected = r"expected JSON Lines .* or one JSON array .* question_content, public_test_cases"
+    truncated = tmp_path / "cut.json"
+    truncated.write_text(json.dumps(rows, indent=2)[:-40])
+    with pytest.raises(SchemaError, match=rf"starts like a JSON array(.|\n)*{expected}"):
+        load_livecodebench(truncated)
+    garbage = tmp_path / "g.jsonl"
+    garbage.write_text(json.dumps(rows[0]) + "\nquestion_id,question_content\n")
+    with pytest.raises(SchemaError, match=rf"g.jsonl:2: not a JSON object .*{expected}"):
+        load_livecodebench(garbage)
+    renamed = [{"title": r["question_title"], "tests": r["public_test_cases"]} for r in rows]
+    other = write_jsonl(tmp_path / "other.jsonl", renamed)
+    msg = (
+        r"other.jsonl:1: missing column 'question_content' \(missing \['question_content', "
+        r"'public_test_cases', 'private_test_cases', 'question_id'\]; the record has "
+        r"\['tests', 'title'\]\)"
+    )
+    with pytest.raises(SchemaError, match=msg):
+        load_livecodebench(other)
+    not_objects = tmp_path / "ids.json"
+    not_objects.write_text(json.dumps(["abc000_a", "9001"]))
+    with pytest.raises(SchemaError, match=r"ids.json: record 0: a str, not an object"):
+        load_livecodebench(not_objects)
+
+
 class _Evil:
     def __reduce__(self):
         import os
