@@ -6,7 +6,7 @@
     code_score(response, [{"input": "1\\n", "output": "2\\n", "testtype": "stdin"}])
 
 math-verify is imported only inside the scoring workers (a server process of their own, started
-with subprocess: works from unguarded scripts, `python -`, REPLs and notebooks); a failure of the
+with subprocess: works from unguarded scripts, `python -` and REPLs); a failure of the
 scoring machinery raises MathRewardError, never a 0.0. The sandbox needs the stdlib alone.
 """
 

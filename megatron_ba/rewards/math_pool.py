@@ -19,7 +19,7 @@ before this module was rewritten, every answer scored 0.0. Forking the caller in
 in a threaded trainer (CUDA, vLLM). So the pool starts one server process with
 `subprocess` (`_math_server.py`, run as a program with the caller's sys.path and nothing of its
 `__main__`), which preloads math-verify and forks the workers from itself: a worker is ready in
-milliseconds, and scoring works the same from a script, `python -`, a REPL or a notebook.
+milliseconds, and scoring works the same from an unguarded script, `python -` or a REPL.
 
 What is an answer's fault and what is not: a wrong answer scores 0.0; an answer that overruns the
 hard limit scores 0.0 and is counted (`math_reward/timeouts`). Everything else is a failure of
