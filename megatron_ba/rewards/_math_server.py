@@ -38,9 +38,10 @@ import sys
 import traceback
 
 PR_SET_PDEATHSIG = 1
-# Scored once in the server before it forks anything: math-verify builds its parsers and regex
-# caches lazily (0.1-0.4 s per kind of answer in a fresh process), so every forked worker, the
-# replacement of a killed one included, starts warm and a 1 s hard limit is not spent on that.
+# Scored once in the server before it forks anything: math-verify and sympy build parsers and
+# caches and import modules lazily (0.1-0.9 s per kind of answer in a fresh process; 7 s for a
+# first equation under load 20), so every forked worker, the replacement of a killed one
+# included, starts warm and its hard limit (or math-verify's soft one) is not spent on that.
 WARM_UP = [
     ("Answer: \\frac{1}{2}", "0.5"),
     ("Answer: [1, 3)", "[1,3)"),
@@ -48,6 +49,8 @@ WARM_UP = [
     ("Answer: x = 3", "3"),
     ("Answer: 2\\sqrt{2}", "\\sqrt{8}"),
     ("Answer: \\text{(B)}", "(B)"),
+    ("Answer: (x+1)^2", "x^2+2x+1"),
+    ("Answer: 2x + 1 = 0", "-2x - 1 = 0"),  # equations import more of sympy (0.9 s, 17 modules)
 ]
 
 
