@@ -107,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         "hard_timeouts": sum(out.timed_out),
         "hard_timeout_share": sum(out.timed_out) / args.pairs,
         "adversarial_pairs": sum(p[2] is None for p in pairs),
-        "errors": sum(e is not None for e in out.errors),
         "label_agreement": sum(s == lab for s, lab in labelled) / max(1, len(labelled)),
         # share of the wall time the pool kept an answer in each worker (its own idleness)
         "worker_busy_share": round(out.metrics["math_reward/worker_busy_share"], 3),

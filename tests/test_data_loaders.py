@@ -28,15 +28,48 @@ POLARIS = FIXTURES / "polaris.jsonl"
 def test_dapo_dedupes_and_round_trips_the_template(tmp_path):
     loaded = load_dapo_math(DAPO)
     rows = read_jsonl(DAPO)
-    assert loaded.report.rows_read == len(rows) == 11
+    assert loaded.report.rows_read == len(rows) == 15
     assert len(loaded) == loaded.report.kept == 3
-    assert loaded.report.dropped == {"duplicate prompt": 8}
+    assert loaded.report.dropped == {
+        "duplicate prompt": 8,
+        "prompt with conflicting ground truths": 4,  # a4: three copies say 2, one says 3
+    }
     assert [p.answer for p in loaded] == ["23", "7", "9"]
     assert [p.id for p in loaded] == ["a1", "a2", "a3"]
     assert loaded[0].question == "What is $3 + 4 \\cdot 5$?"
     # rendering the bare question with the "dapo" template gives the data set's prompt back
     assert render_prompt(loaded[1].question, "dapo") == rows[1]["prompt"][0]["content"]
     assert len(load_dapo_math(DAPO, dedupe=False)) == 11
+
+
+def test_dapo_counts_conflicting_ground_truths_apart_from_duplicates(tmp_path, caplog):
+    """Issue 8, item 4: a prompt seen with different ground truths is reported, and dropped
+    unless on_conflict="keep_first" keeps the first row's truth."""
+    dropped = load_dapo_math(DAPO)
+    assert dropped.report.conflicts == 1
+    assert "1 prompts appear with different ground truths: dropped" in dropped.report.summary()
+    assert "on_conflict='drop'" in caplog.text
+    first = load_dapo_math(DAPO, on_conflict="keep_first")
+    assert [(p.id, p.answer) for p in first] == [
+        ("a1", "23"),
+        ("a2", "7"),
+        ("a3", "9"),
+        ("a4", "2"),
+    ]
+    assert first.report.conflicts == 1
+    assert first.report.dropped == {
+        "duplicate prompt": 10,
+        "conflicting ground truth (not the first)": 1,
+    }
+    assert "kept with their first ground truth" in first.report.summary()
+    raw = load_dapo_math(DAPO, dedupe=False, on_conflict="keep_first")
+    assert len(raw) == 14 and "3" not in {p.answer for p in raw if p.id == "a4"}
+    # the control: the same file without the mislabelled copy has no conflict and no note
+    rows = [r for r in read_jsonl(DAPO) if r["reward_model"]["ground_truth"] != "3"]
+    clean = load_dapo_math(write_jsonl(tmp_path / "clean.jsonl", rows))
+    assert clean.report.conflicts == 0 and clean.report.notes == [] and len(clean) == 4
+    with pytest.raises(ValueError, match="on_conflict must be one of"):
+        load_dapo_math(DAPO, on_conflict="keep_last")
 
 
 def test_dapo_reads_parquet_like_the_hub_file(tmp_path):
@@ -47,7 +80,10 @@ def test_dapo_reads_parquet_like_the_hub_file(tmp_path):
     pq.write_table(pa.Table.from_pylist(read_jsonl(DAPO)), path)
     loaded = load_dapo_math(path)
     assert [p.answer for p in loaded] == ["23", "7", "9"]
-    assert loaded.report.dropped == {"duplicate prompt": 8}
+    assert loaded.report.dropped == {
+        "duplicate prompt": 8,
+        "prompt with conflicting ground truths": 4,
+    }
 
 
 def test_dapo_rejects_a_missing_ground_truth(tmp_path):
@@ -167,6 +203,53 @@ def test_livecodebench_rejects_a_missing_column(tmp_path):
     broken = without_column(src, tmp_path / "test.jsonl", "private_test_cases")
     with pytest.raises(SchemaError, match="missing column 'private_test_cases'"):
         load_livecodebench(broken)
+
+
+def _ids_and_tests(loaded):
+    return [(p.id, p.tests, p.func_name, p.meta["contest_date"]) for p in loaded]
+
+
+def test_livecodebench_reads_one_json_array_of_the_same_records(tmp_path):
+    """Issue 8, item 5: public evaluation repos save LiveCodeBench as one JSON array."""
+    src = BENCH / "livecodebench" / "test.jsonl"
+    rows = read_jsonl(src)
+    expected = _ids_and_tests(load_livecodebench(src))
+    pretty = tmp_path / "lcb.json"
+    pretty.write_text(json.dumps(rows, indent=2))
+    assert _ids_and_tests(load_livecodebench(pretty)) == expected
+    one_line = tmp_path / "test.jsonl"  # an array under the JSONL name, on one line
+    one_line.write_text(json.dumps(rows))
+    assert _ids_and_tests(load_livecodebench(one_line)) == expected
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "livecodebench.json").write_text("\n  " + json.dumps(rows, indent=1))
+    assert _ids_and_tests(load_livecodebench(folder)) == expected
+
+
+def test_livecodebench_says_what_it_expects(tmp_path):
+    rows = read_jsonl(BENCH / "livecodebench" / "test.jsonl")
+    expected = r"expected JSON Lines .* or one JSON array .* question_content, public_test_cases"
+    truncated = tmp_path / "cut.json"
+    truncated.write_text(json.dumps(rows, indent=2)[:-40])
+    with pytest.raises(SchemaError, match=rf"starts like a JSON array(.|\n)*{expected}"):
+        load_livecodebench(truncated)
+    garbage = tmp_path / "g.jsonl"
+    garbage.write_text(json.dumps(rows[0]) + "\nquestion_id,question_content\n")
+    with pytest.raises(SchemaError, match=rf"g.jsonl:2: not a JSON object .*{expected}"):
+        load_livecodebench(garbage)
+    renamed = [{"title": r["question_title"], "tests": r["public_test_cases"]} for r in rows]
+    other = write_jsonl(tmp_path / "other.jsonl", renamed)
+    msg = (
+        r"other.jsonl:1: missing column 'question_content' \(missing \['question_content', "
+        r"'public_test_cases', 'private_test_cases', 'question_id'\]; the record has "
+        r"\['tests', 'title'\]\)"
+    )
+    with pytest.raises(SchemaError, match=msg):
+        load_livecodebench(other)
+    not_objects = tmp_path / "ids.json"
+    not_objects.write_text(json.dumps(["abc000_a", "9001"]))
+    with pytest.raises(SchemaError, match=r"ids.json: record 0: a str, not an object"):
+        load_livecodebench(not_objects)
 
 
 class _Evil:

@@ -19,7 +19,6 @@ def test_bench_rewards_small_run(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["pairs"] == 60 and figures["workers"] == 2
     assert figures["label_agreement"] == 1.0  # every labelled pair scored as its label says
-    assert figures["errors"] == 0
     assert figures["pairs_per_s"] > 0
     assert "pairs_per_s" in proc.stdout
 

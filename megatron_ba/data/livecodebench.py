@@ -1,5 +1,6 @@
 """LiveCodeBench `code_generation_lite`, read from its JSONL files (its loading script no longer
-runs under current `datasets`).
+runs under current `datasets`), or from one JSON array of the same records (how several public
+evaluation repos save it); anything else is a SchemaError saying what is expected.
 
     from megatron_ba.data.livecodebench import load_livecodebench
     lcb = load_livecodebench("lcb/", version="release_v5", since="2024-08-01")
@@ -84,11 +85,66 @@ def _files(source: str | Path | None, version: str) -> list[Path]:
     if path.is_dir():
         found = [path / f for f in wanted if (path / f).is_file()]
         if not found:
-            found = sorted(path.glob("*.jsonl"))
+            found = sorted(path.glob("*.jsonl")) or sorted(path.glob("*.json"))
         if found:
             return found
-        raise ValueError(f"LiveCodeBench folder {path} holds none of {wanted} and no .jsonl")
+        raise ValueError(
+            f"LiveCodeBench folder {path} holds none of {wanted} and no .jsonl or .json file"
+        )
     raise ValueError(f"LiveCodeBench source {source!r} does not exist")
+
+
+EXPECTED = (
+    "JSON Lines (one object per line, as LiveCodeBench ships test.jsonl ...) or one JSON array "
+    f"of such objects, with LiveCodeBench's columns {', '.join(REQUIRED)}"
+)
+
+
+def _first_char(f) -> str:
+    while True:
+        c = f.read(1)
+        if not c or not c.isspace():
+            return c
+
+
+def _records(path: Path):
+    """(where, row) of every record of a JSONL file or of a file holding one JSON array."""
+    with open(path, encoding="utf-8") as f:
+        is_array = _first_char(f) == "["
+        f.seek(0)
+        if is_array:  # several public evaluation repos save the list whole
+            try:
+                rows = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise SchemaError(
+                    f"LiveCodeBench {path.name}: starts like a JSON array but is not valid "
+                    f"JSON ({exc}); expected {EXPECTED}"
+                ) from exc
+            for k, row in enumerate(rows):
+                yield f"LiveCodeBench {path.name}: record {k}", row
+            return
+        for line_no, line in enumerate(f, 1):  # streamed: the files reach gigabytes
+            if not line.strip():
+                continue
+            where = f"LiveCodeBench {path.name}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SchemaError(
+                    f"{where}: not a JSON object ({exc}); expected {EXPECTED}"
+                ) from exc
+            yield where, row
+
+
+def _check_record(where: str, row) -> None:
+    if not isinstance(row, dict):
+        raise SchemaError(f"{where}: a {type(row).__name__}, not an object; expected {EXPECTED}")
+    missing = [c for c in REQUIRED if c not in row]
+    if missing:
+        raise SchemaError(
+            f"{where}: missing column {missing[0]!r} (missing {missing}; the record has "
+            f"{sorted(row)}); expected {EXPECTED}"
+        )
 
 
 def load_livecodebench(
@@ -103,41 +159,31 @@ def load_livecodebench(
     report = LoadReport("LiveCodeBench", str(source or HUB_ID))
     problems = []
     for path in _files(source, version):
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"LiveCodeBench {path.name}:{line_no}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SchemaError(f"{where}: not a JSON object ({exc})") from exc
-                missing = [c for c in REQUIRED if c not in row]
-                if missing:
-                    raise SchemaError(f"{where}: missing column {missing[0]!r}")
-                report.rows_read += 1
-                date = str(row.get("contest_date") or "")
-                if (since and date[: len(since)] < since) or (until and date[: len(until)] > until):
-                    report.drop("contest date out of range")
-                    continue
-                try:
-                    tests = decode_test_cases(row["public_test_cases"]) + decode_test_cases(
-                        row["private_test_cases"]
-                    )
-                except ValueError as exc:
-                    raise SchemaError(f"{where}: {exc}") from exc
-                meta = json.loads(row.get("metadata") or "{}")
-                problems.append(
-                    Problem(
-                        str(row["question_id"]),
-                        row["question_content"],
-                        kind="code",
-                        tests=tuple(tests),
-                        func_name=meta.get("func_name"),
-                        starter_code=row.get("starter_code") or "",
-                        source="livecodebench",
-                        meta={"contest_date": date, "difficulty": row.get("difficulty")},
-                    )
+        for where, row in _records(path):
+            _check_record(where, row)
+            report.rows_read += 1
+            date = str(row.get("contest_date") or "")
+            if (since and date[: len(since)] < since) or (until and date[: len(until)] > until):
+                report.drop("contest date out of range")
+                continue
+            try:
+                tests = decode_test_cases(row["public_test_cases"]) + decode_test_cases(
+                    row["private_test_cases"]
                 )
+            except ValueError as exc:
+                raise SchemaError(f"{where}: {exc}") from exc
+            meta = json.loads(row.get("metadata") or "{}")
+            problems.append(
+                Problem(
+                    str(row["question_id"]),
+                    row["question_content"],
+                    kind="code",
+                    tests=tuple(tests),
+                    func_name=meta.get("func_name"),
+                    starter_code=row.get("starter_code") or "",
+                    source="livecodebench",
+                    meta={"contest_date": date, "difficulty": row.get("difficulty")},
+                )
+            )
     report.kept = len(problems)
     return LoadedSet(problems, report)

@@ -49,16 +49,22 @@ class LoadReport:
     rows_read: int = 0
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    conflicts: int = 0  # prompts seen with different ground truths (DAPO-Math-17k)
+    notes: list[str] = field(default_factory=list)  # what a user must know about this load
 
     def drop(self, reason: str, count: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
 
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
     def summary(self) -> str:
         drops = ", ".join(f"{k}: {v}" for k, v in sorted(self.dropped.items())) or "none"
-        return (
+        line = (
             f"{self.name} from {self.source}: {self.rows_read} rows read, {self.kept} kept "
             f"(dropped {drops})"
         )
+        return "; ".join([line, *self.notes])
 
 
 @dataclass

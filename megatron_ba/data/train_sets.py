@@ -8,8 +8,10 @@
 DAPO-Math-17k (BytedTsinghua-SIA/DAPO-Math-17k): `prompt` is a list of chat messages whose user
 turn is the question inside DAPO's "Answer:" template, `reward_model.ground_truth` the answer.
 The file repeats each prompt ~100 times: rows are deduplicated by prompt text (the report counts
-the duplicates). Problem.question is the bare question; templates.render_prompt(q, "dapo")
-gives the original prompt back exactly.
+the duplicates). Some prompts appear with different ground truths; they are counted apart
+(`report.conflicts`, and a note in `report.summary()`) and dropped, or with
+on_conflict="keep_first" kept with the truth of their first row. Problem.question is the bare
+question; templates.render_prompt(q, "dapo") gives the original prompt back exactly.
 
 Polaris-53K (POLARIS-Project/Polaris-Dataset-53K): `problem`, `answer`, `difficulty` = "k/n",
 the pass rate of a reference model over n samples. Polaris drops the problems the reference
@@ -18,6 +20,7 @@ model always solves (n/n); `drop_solved=True` does that, `pass_rate_range` is th
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from megatron_ba.data.records import LoadedSet, LoadReport, Problem, SchemaError
@@ -26,6 +29,7 @@ from megatron_ba.data.templates import strip_dapo_template
 
 DAPO_HUB_ID = "BytedTsinghua-SIA/DAPO-Math-17k"
 POLARIS_HUB_ID = "POLARIS-Project/Polaris-Dataset-53K"
+logger = logging.getLogger(__name__)
 
 
 def _user_text(prompt, row: int, name: str) -> str:
@@ -40,17 +44,34 @@ def _user_text(prompt, row: int, name: str) -> str:
     raise SchemaError(f"{name}: row {row}: 'prompt' must be chat messages with a user turn")
 
 
+CONFLICT_POLICIES = ("drop", "keep_first")
+
+
 def load_dapo_math(
-    source: str | Path = DAPO_HUB_ID, *, split: str = "train", dedupe: bool = True
+    source: str | Path = DAPO_HUB_ID,
+    *,
+    split: str = "train",
+    dedupe: bool = True,
+    on_conflict: str = "drop",
 ) -> LoadedSet:
-    """DAPO-Math-17k as math Problems (deduplicated by prompt text unless dedupe=False)."""
+    """DAPO-Math-17k as math Problems (deduplicated by prompt text unless dedupe=False).
+
+    on_conflict: what to do with a prompt that appears with different ground truths (the file
+    holds such prompts): "drop" (the default) drops every row of it, since no truth can be
+    trusted; "keep_first" keeps the rows whose truth is that of the prompt's first row. Either
+    way the report counts them apart from plain duplicates and its summary names the policy.
+    """
+    if on_conflict not in CONFLICT_POLICIES:
+        raise ValueError(f"on_conflict must be one of {CONFLICT_POLICIES}, got {on_conflict!r}")
     name = "DAPO-Math-17k"
     table = open_table(source, split=split)
     require_columns(table, ["prompt", "reward_model", "reward_model.ground_truth"], name=name)
     has_index = "extra_info" in table.features
     report = LoadReport(name, str(source))
-    seen: set[str] = set()
-    problems = []
+    rows = []  # (prompt, truth, id) of the rows kept by the first pass (not 1.8M row objects)
+    first_truth: dict[str, str] = {}  # prompt -> the ground truth of its first row
+    truths: dict[str, set[str]] = {}  # prompt -> every ground truth it appears with
+    repeats: dict[str, int] = {}  # prompt -> rows that repeat its first (prompt, truth)
     cols = ["prompt", "reward_model"] + (["extra_info"] if has_index else [])
     for i, row in enumerate(iter_rows(table, cols)):
         report.rows_read += 1
@@ -58,15 +79,41 @@ def load_dapo_math(
         truth = (row["reward_model"] or {}).get("ground_truth")
         if not isinstance(truth, str) or not truth.strip():
             raise SchemaError(f"{name}: row {i}: reward_model.ground_truth is empty or not text")
-        if dedupe:
-            if text in seen:
-                report.drop("duplicate prompt")
+        truth = truth.strip()
+        if text not in first_truth:
+            first_truth[text], truths[text] = truth, {truth}
+        else:
+            truths[text].add(truth)
+            if dedupe and truth == first_truth[text]:
+                repeats[text] = repeats.get(text, 0) + 1
                 continue
-            seen.add(text)
         extra = row.get("extra_info") or {}
         pid = str(extra.get("index", i)) if isinstance(extra, dict) else str(i)
-        question = strip_dapo_template(text)
-        problems.append(Problem(pid, question, truth.strip(), source="dapo_math"))
+        rows.append((text, truth, pid))
+    conflicting = {t for t, ts in truths.items() if len(ts) > 1}
+    problems = []
+    for text, truth, pid in rows:
+        if text in conflicting:
+            if on_conflict == "drop":
+                report.drop("prompt with conflicting ground truths")
+                continue
+            if truth != first_truth[text]:
+                report.drop("conflicting ground truth (not the first)")
+                continue
+        problems.append(Problem(pid, strip_dapo_template(text), truth, source="dapo_math"))
+    for text, count in repeats.items():
+        whole = text in conflicting and on_conflict == "drop"  # its repeats go with it
+        report.drop("prompt with conflicting ground truths" if whole else "duplicate prompt", count)
+    if conflicting:
+        kept = "dropped" if on_conflict == "drop" else "kept with their first ground truth"
+        note = (
+            f"{len(conflicting)} prompts appear with different ground truths: {kept} "
+            f"(on_conflict={on_conflict!r}; the other choice is "
+            f"{next(p for p in CONFLICT_POLICIES if p != on_conflict)!r})"
+        )
+        report.note(note)
+        logger.warning("%s: %s", name, note)
+    report.conflicts = len(conflicting)
     report.kept = len(problems)
     return LoadedSet(problems, report)
 

@@ -5,12 +5,15 @@
     math_score_batch(responses, ground_truths)                    # [1.0, 0.0, ...]
     code_score(response, [{"input": "1\\n", "output": "2\\n", "testtype": "stdin"}])
 
-math-verify is imported only inside the scoring workers; the sandbox needs the stdlib alone.
+math-verify is imported only inside the scoring workers (a server process of their own, started
+with subprocess: works from unguarded scripts, `python -` and REPLs); a failure of the
+scoring machinery raises MathRewardError, never a 0.0. The sandbox needs the stdlib alone.
 """
 
 from megatron_ba.rewards.code import code_score, extract_code, run_tests
 from megatron_ba.rewards.math_answer import extract_answer, judge_math, normalize_answer
 from megatron_ba.rewards.math_pool import (
+    MathRewardError,
     MathRewardPool,
     MathScores,
     default_pool,
@@ -20,6 +23,7 @@ from megatron_ba.rewards.math_pool import (
 from megatron_ba.rewards.sandbox import SandboxLimits, SandboxRun, run_program
 
 __all__ = [
+    "MathRewardError",
     "MathRewardPool",
     "MathScores",
     "SandboxLimits",

@@ -4,19 +4,30 @@
 long or hang on adversarial input (sympy), so training code calls `megatron_ba.rewards.math_score`
 / `MathRewardPool`, which run it in worker processes under a hard wall-clock limit.
 
-Extraction: the final answer is the content of the last "Answer:" line (DAPO's template) or of
-the last \\boxed{...} (boxed template), whichever comes later in the response; an "Answer:" line
-holding a \\boxed{} yields the box content. No answer -> score 0.
+Extraction (one candidate per response, in this order of precedence):
+1. A final-answer line: a line that begins with "Answer:" (DAPO's template; case-insensitive,
+   markdown such as `**Answer:**`, `### Final Answer:` allowed). The LAST such line is the
+   answer, whatever comes after it; its text after the colon (or, if empty, the next non-empty
+   line); a \\boxed{} inside it yields the (last) box content.
+2. Otherwise the last \\boxed{...} / \\fbox{...} (or `\\boxed 5`) of the response.
+3. Otherwise no answer: score 0.
+An "answer:" inside running prose ("We may check our answer: $17 \\cdot 44$") is not a
+final-answer marker. Hedging does not pay: only the last box and only the last Answer line count,
+and several values in one answer ("3, 4", "3 or 4", "3 \\pm 1") are compared as a set.
 Judgement: math-verify with the gold parsed first (its comparison is asymmetric: the gold decides
 e.g. whether "1,2" is a set or a number), then an exact match after DAPO/Minerva-style string
-normalisation as the fallback for what math-verify cannot parse.
+normalisation as the fallback for what math-verify cannot parse. Equations: the right-hand side
+alone matches only where the left-hand side is a bare name (`x = 5` ~ `5`, `k=3` ~ `3`); an
+equation such as `5x - 7y + 11z + 4 = 0` must be answered as an equation (math-verify accepts
+rearrangements it can prove equal; the fallback compares the normalised equation text).
 """
 
 from __future__ import annotations
 
 import re
 
-_ANSWER_LINE = re.compile(r"(?i)answer\s*:[ \t]*([^\n]*)")
+# "Answer:" at the start of a line, after optional markdown ("**", "#", ">", "-") and "Final".
+_ANSWER_LINE = re.compile(r"(?im)^[ \t>#*_-]*(?:final[ \t]+)?answer[ \t]*[*_]*[ \t]*:(.*)$")
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
@@ -66,16 +77,28 @@ def _strip_math_delimiters(text: str) -> str:
     return s
 
 
+def _line_value(response: str, line: re.Match) -> str:
+    """The text of a final-answer line (or of the next non-empty line when it is empty)."""
+    value = line.group(1).strip().strip("*").strip()  # "**Answer:** 34**" -> "34"
+    if not value:
+        following = response[line.end() :].lstrip().split("\n", 1)
+        value = following[0].strip() if following else ""
+    box = last_boxed(value)
+    if box is not None:
+        return box[0]
+    return value.rstrip(".").strip()
+
+
 def extract_answer(response: str) -> str | None:
-    """The final answer in `response` ("Answer:" line or last \\boxed{}), or None."""
+    """The final answer in `response`, or None (precedence in the module docstring)."""
     if not isinstance(response, str):
         raise ValueError(f"response must be a str, got {type(response).__name__}")
     lines = list(_ANSWER_LINE.finditer(response))
-    line = lines[-1] if lines else None
+    if lines:
+        value = _strip_math_delimiters(_line_value(response, lines[-1]))
+        if value:
+            return value
     box = last_boxed(response)
-    # Whichever comes last wins; "Answer: \boxed{5}" has its box after the line start -> "5".
-    if line is not None and (box is None or line.start() > box[1]):
-        return _strip_math_delimiters(line.group(1).strip().rstrip(".")) or None
     if box is not None:
         return _strip_math_delimiters(box[0]) or None
     return None
@@ -92,6 +115,22 @@ _UNIT_WORDS = (
 _UNITS = re.compile(rf"\s*\b({_UNIT_WORDS})\b(\^\{{?\d\}}?)?\s*$")
 _REMOVE = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\quad", "\\displaystyle")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(,\d{3})+(\.\d+)?$")
+# A bare name: one letter or a LaTeX name (\\theta), optionally subscripted (x_1, a_{n}).
+_BARE_NAME = re.compile(r"(?:[A-Za-z]|\\[A-Za-z]+)(?:_(?:[A-Za-z0-9]|\{[A-Za-z0-9,]+\}))?")
+_RELATIONS = ("\\le", "\\ge", "\\ne", "\\approx", "<", ">")
+
+
+def drop_bare_name_lhs(s: str) -> str:
+    """`x = 5` -> `5` (and `x = y = 5` -> `5`); an equation whose left side is not a bare name
+    (`5x - 7y + 4 = 0`) stays whole, so its right-hand side alone cannot match it."""
+    if any(op in s for op in _RELATIONS):
+        return s
+    while "=" in s:
+        lhs, _, rhs = s.partition("=")
+        if not rhs.strip() or not _BARE_NAME.fullmatch(lhs.replace(" ", "")):
+            break
+        s = rhs.strip()
+    return s
 
 
 def _unwrap(cmd: str, s: str) -> str:
@@ -110,8 +149,7 @@ def normalize_answer(answer: str) -> str:
     """Canonical string form of a final answer (for exact-match comparison)."""
     s = _strip_math_delimiters(answer.strip())
     s = s.replace("\n", " ").strip().rstrip(".").strip()
-    if "=" in s and not any(op in s for op in ("\\le", "\\ge", "<", ">")):
-        s = s.split("=")[-1]  # "x = 3" -> "3"
+    s = drop_bare_name_lhs(s)  # "x = 3" -> "3", never "5x + 4 = 0" -> "0"
     for cmd in ("\\text", "\\textbf", "\\mathrm", "\\mathbf", "\\mbox"):
         s = _unwrap(cmd, s)
     s = _UNITS.sub("", s.strip())
@@ -128,8 +166,10 @@ def normalize_answer(answer: str) -> str:
         s = s.replace(",", "")
     if re.fullmatch(r"-?\d+\.\d*", s):
         s = s.rstrip("0").rstrip(".") or "0"
+    if re.fullmatch(r"\(-?\d+\)", s):  # AIME solutions' \textbf{(073)} -> 073
+        s = s[1:-1]
     if re.fullmatch(r"-?\d+", s):
-        s = str(int(s))
+        s = str(int(s))  # 073 -> 73: AIME answers are 0-999, often zero-padded
     return s
 
 
