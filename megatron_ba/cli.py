@@ -40,6 +40,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.convert",
         "Hugging Face Qwen2/Qwen3 folder <-> megatron-core distributed checkpoint",
     ),
+    "tiny-model": (
+        "megatron_ba.commands.tiny_model",
+        "write a tiny random Qwen3 / Qwen2 Hugging Face checkpoint and tokenizer (offline)",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",

@@ -20,63 +20,95 @@ from pathlib import Path
 from typing import Any
 
 BACKENDS = ("local",)
+TASKS = ("arithmetic", "math")
+TOKENIZERS = ("trained-bpe", "hf")
+DATASETS = ("dapo-math-17k", "polaris")
+# The evaluation sets `eval.benchmarks` may name (megatron_ba.data.benchmarks.BENCHMARKS; spelled
+# out here so that loading a recipe imports no data code).
+BENCHMARK_NAMES = ("math500", "aime24", "aime25", "olympiad", "minerva", "livecodebench")
 
 # Keys a user may expect that no code reads yet: setting one is an error that says so, rather
 # than a setting that is silently ignored. Each is added to the schema with the code that reads it.
 NOT_IMPLEMENTED = {
-    "model.pretrained": "starting from a Hugging Face checkpoint",
-    "tokenizer.kind": "choosing the tokenizer, only the task-trained BPE exists",
-    "tokenizer.path": "loading a tokenizer from a folder",
-    "data.path": "training on a data set file, only the synthetic arithmetic task exists",
-    "data.train_prompts": "limiting a real data set's prompt pool",
-    "warmstart.enabled": "turning the warm start off, which needs model.pretrained",
     "parallel.sequence_parallel": "sequence parallelism",
+}
+
+# The tiny CPU policy's shape: what the model.* shape keys mean when a recipe leaves them out and
+# does not start from a checkpoint (with `model.pretrained` the checkpoint's config.json decides).
+TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "ffn_hidden_size": 384,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "norm_eps": 1e-6,
 }
 
 
 @dataclass
 class ModelSection:
-    """A Qwen2-shaped decoder (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, untied output layer)."""
+    """The policy: a Hugging Face checkpoint (`pretrained`), or a fresh Qwen2-shaped decoder
+    (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, untied output layer) of the shape keys below."""
 
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 384
-    max_position_embeddings: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
+    pretrained: str | None = None  # a Hugging Face folder: weights and architecture
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    max_position_embeddings: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
     init_std: float = 0.02
+
+    def _shape_keys(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.num_query_groups,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "norm_eps": self.norm_eps,
+        }
+
+    def shape(self) -> dict[str, Any]:
+        """The shape keys, TINY_SHAPE filling those the recipe leaves out (no checkpoint)."""
+        return {k: TINY_SHAPE[k] if v is None else v for k, v in self._shape_keys().items()}
+
+    def set_shape_keys(self) -> dict[str, Any]:
+        """The shape keys the recipe sets (with a checkpoint they must agree with its config)."""
+        return {k: v for k, v in self._shape_keys().items() if v is not None}
 
     def qwen2_spec(self, vocab_size: int):
         """The megatron_ba Qwen2Spec of this shape: the one source of both the megatron-core
         policy and its Hugging Face twin (warm start, vLLM, exports)."""
         from megatron_ba.megatron.model import Qwen2Spec
 
-        return Qwen2Spec(
-            vocab_size=vocab_size,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            ffn_hidden_size=self.ffn_hidden_size,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
-            norm_eps=self.norm_eps,
-            init_std=self.init_std,
-        )
+        return Qwen2Spec(vocab_size=vocab_size, init_std=self.init_std, **self.shape())
 
 
 @dataclass
 class TokenizerSection:
-    """A byte-level BPE trained on the task's corpus (nothing downloaded)."""
+    """`trained-bpe`: a byte-level BPE trained on the task's corpus; `hf`: a saved tokenizer."""
 
-    vocab_size: int = 320
+    kind: str = "trained-bpe"
+    vocab_size: int = 320  # trained-bpe only
+    path: str | None = None  # hf: the tokenizer folder (default: model.pretrained)
 
 
 @dataclass
 class DataSection:
-    task: str = "arithmetic"  # arithmetic: the synthetic verifiable task of the CPU run
+    task: str = "arithmetic"  # arithmetic: the synthetic CPU task; math: a real data set (path)
+    path: str | None = None  # math: a local parquet / JSON Lines file, or a hub id
+    dataset: str = "dapo-math-17k"  # math: the file's layout, dapo-math-17k or polaris
+    template: str = "dapo"  # math: the prompt template (data/templates.py)
+    train_prompts: int | None = None  # math: keep at most this many prompts of the pool
+    max_prompt_tokens: int | None = None  # math: drop longer prompts (counted)
+    on_conflict: str = "drop"  # dapo-math-17k: one prompt with two truths: drop or keep_first
     eval_prompts: int = 128
     min_terms: int = 2
     max_terms: int = 4
@@ -84,9 +116,18 @@ class DataSection:
 
 
 @dataclass
+class RewardSection:
+    """The verifiable math reward: worker processes with a hard wall-clock limit per answer."""
+
+    workers: int = 1
+    timeout_s: float = 5.0
+
+
+@dataclass
 class WarmstartSection:
     """Supervised warm start on a correct/sloppy mixture, cached by its inputs' hash."""
 
+    enabled: bool = True  # the arithmetic task's; false with model.pretrained
     steps: int = 300
     batch_size: int = 64
     lr: float = 3e-3
@@ -104,6 +145,8 @@ class GRPOSection:
     normalize_std: bool = True
     std: str = "population"
     drop_zero_variance: bool = False
+    dynamic_sampling: bool = False  # DAPO: resample prompts until every group has variance
+    max_sampling_rounds: int = 4  # dynamic_sampling: rollout rounds per step at most
 
 
 @dataclass
@@ -159,6 +202,10 @@ class EvalSection:
     every: int = 10
     samples: int = 4  # k of Acc@k at the sampling temperature
     temperature: float = 1.0
+    benchmarks: list[str] = field(default_factory=list)  # empty: the task's held-out prompts
+    data_dir: str | None = None  # local benchmark files (else each benchmark's hub mirror)
+    template: str = "dapo"  # math benchmarks' prompt template
+    max_new_tokens: int | None = None  # default grpo.max_new_tokens
 
 
 @dataclass
@@ -175,6 +222,7 @@ class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     tokenizer: TokenizerSection = field(default_factory=TokenizerSection)
     data: DataSection = field(default_factory=DataSection)
+    reward: RewardSection = field(default_factory=RewardSection)
     warmstart: WarmstartSection = field(default_factory=WarmstartSection)
     grpo: GRPOSection = field(default_factory=GRPOSection)
     loss: LossSection = field(default_factory=LossSection)
@@ -205,6 +253,13 @@ def _type_name(tp: Any) -> str:
 def _coerce(path: str, value: Any, tp: Any) -> Any:
     """Check `value` against the annotated type `tp` (int accepted for float)."""
     origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):  # a key=value override: a comma-separated list
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise RecipeError(f"{path}: expected a list of {_type_name(item)}, got {value!r}")
+        return [_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
         if value is None and type(None) in options:
@@ -306,22 +361,63 @@ def validate(recipe: Recipe) -> Recipe:
     )
     need(recipe.grpo.std in ("population", "sample"), "grpo.std", "population or sample")
     need(recipe.rollout.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
-    m = recipe.model
-    need(
-        m.hidden_size % m.num_attention_heads == 0,
-        "model.hidden_size",
-        "must be divisible by model.num_attention_heads",
-    )
-    need(
-        m.num_attention_heads % m.num_query_groups == 0,
-        "model.num_query_groups",
-        "must divide model.num_attention_heads",
-    )
     p = recipe.parallel
     for k in ("tp", "pp", "cp", "micro_batch_size"):
         need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")
-    need(m.num_query_groups % p.tp == 0, "parallel.tp", "must divide model.num_query_groups")
-    need(m.num_layers % p.pp == 0, "parallel.pp", "must divide model.num_layers")
+    m, d = recipe.model, recipe.data
+    need(d.task in TASKS, "data.task", f"must be one of {', '.join(TASKS)}")
+    need(recipe.tokenizer.kind in TOKENIZERS, "tokenizer.kind", f"one of {', '.join(TOKENIZERS)}")
+    if d.task == "math":
+        need(d.path is not None, "data.path", "data.task: math needs a data file or hub id")
+        need(m.pretrained is not None, "model.pretrained", "data.task: math trains a checkpoint")
+        need(d.dataset in DATASETS, "data.dataset", f"must be one of {', '.join(DATASETS)}")
+        need(d.on_conflict in ("drop", "keep_first"), "data.on_conflict", "drop or keep_first")
+    if m.pretrained is not None:
+        need(
+            not recipe.warmstart.enabled,
+            "warmstart.enabled",
+            "must be false with model.pretrained (the warm start trains a fresh tiny policy)",
+        )
+        need(
+            recipe.tokenizer.kind == "hf",
+            "tokenizer.kind",
+            "must be hf with model.pretrained (the checkpoint's own tokenizer)",
+        )
+    else:
+        need(recipe.warmstart.enabled, "warmstart.enabled", "false needs model.pretrained")
+        need(d.task == "arithmetic", "data.task", "math needs model.pretrained")
+        need(recipe.tokenizer.kind == "trained-bpe", "tokenizer.kind", "hf needs model.pretrained")
+        shape = m.shape()
+        need(
+            shape["hidden_size"] % shape["num_attention_heads"] == 0,
+            "model.hidden_size",
+            "must be divisible by model.num_attention_heads",
+        )
+        need(
+            shape["num_attention_heads"] % shape["num_query_groups"] == 0,
+            "model.num_query_groups",
+            "must divide model.num_attention_heads",
+        )
+        need(
+            shape["num_query_groups"] % recipe.parallel.tp == 0,
+            "parallel.tp",
+            "must divide model.num_query_groups",
+        )
+        need(
+            shape["num_layers"] % recipe.parallel.pp == 0,
+            "parallel.pp",
+            "must divide model.num_layers",
+        )
+    for name in recipe.eval.benchmarks:
+        need(
+            name in BENCHMARK_NAMES,
+            "eval.benchmarks",
+            f"{name!r} is not one of {', '.join(BENCHMARK_NAMES)}",
+        )
+    need(recipe.optimizer.lr >= 0, "optimizer.lr", "must be >= 0 (0: a frozen run)")
+    need(recipe.reward.workers >= 1, "reward.workers", "must be >= 1")
+    need(recipe.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    need(recipe.grpo.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "must be >= 1")
     need(recipe.eval.samples >= 1, "eval.samples", "must be >= 1")
     need(
         0.0 <= recipe.warmstart.correct_fraction <= 1.0,

@@ -88,3 +88,25 @@ def load_tokenizer(path: str | Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def load_hf_tokenizer(path: str | Path):
+    """A model's own tokenizer (`tokenizer.kind: hf`): its folder, with its chat template.
+
+    Needs a pad token for right-padded training batches: a tokenizer without one pads with EOS
+    (the padding is masked everywhere; nothing attends to or is scored on it).
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"tokenizer.path: {str(path)!r} is not a folder")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer.path: no tokenizer could be loaded from {path}: {e}") from e
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer.path: the tokenizer in {path} has no EOS token")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

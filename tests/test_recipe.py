@@ -109,22 +109,57 @@ def test_the_key_reader_catches_an_unread_key():
     assert "grpo.unused_knob" in keys_read(ROOT / "megatron_ba", keys, sources)
 
 
+def test_unimplemented_keys_are_refused_by_name():
+    with pytest.raises(
+        RecipeError, match=r"^parallel\.sequence_parallel: not implemented yet: .+; remove it$"
+    ):
+        load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["parallel.sequence_parallel=true"])
+
+
 @pytest.mark.parametrize(
-    "override",
+    ("overrides", "message"),
     [
-        "model.pretrained=/models/qwen",
-        "tokenizer.kind=hf",
-        "tokenizer.path=/tok",
-        "data.path=dapo.parquet",
-        "data.train_prompts=100",
-        "warmstart.enabled=false",
-        "parallel.sequence_parallel=true",
+        (["model.pretrained=/m"], r"^warmstart\.enabled: must be false with model\.pretrained"),
+        (
+            ["model.pretrained=/m", "warmstart.enabled=false"],
+            r"^tokenizer\.kind: must be hf with model\.pretrained",
+        ),
+        (["warmstart.enabled=false"], r"^warmstart\.enabled: false needs model\.pretrained"),
+        (["data.task=math"], r"^data\.path: data\.task: math needs a data file"),
+        (["data.task=math", "data.path=x"], r"^model\.pretrained: data\.task: math trains"),
+        (["tokenizer.kind=sentencepiece"], r"^tokenizer\.kind: one of trained-bpe, hf"),
+        (["eval.benchmarks=math500,gsm8k"], r"^eval\.benchmarks: 'gsm8k' is not one of"),
+        (["eval.benchmarks=5"], r"^eval\.benchmarks: expected a list of str, got 5"),
+        (["reward.workers=0"], r"^reward\.workers: must be >= 1"),
+        (
+            [
+                "data.task=math",
+                "data.path=x",
+                "model.pretrained=/m",
+                "warmstart.enabled=false",
+                "tokenizer.kind=hf",
+                "data.dataset=gsm8k",
+            ],
+            r"^data\.dataset: must be one of dapo-math-17k, polaris",
+        ),
     ],
 )
-def test_unimplemented_keys_are_refused_by_name(override):
-    key = override.split("=")[0]
-    with pytest.raises(RecipeError, match=rf"^{key}: not implemented yet: .+; remove it$"):
-        load_recipe(ROOT / "recipes/tiny-cpu.yaml", [override])
+def test_real_model_keys_are_checked_together(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(ROOT / "recipes/tiny-cpu.yaml", overrides)
+
+
+def test_benchmark_names_match_the_data_module():
+    from megatron_ba.data.benchmarks import BENCHMARKS
+    from megatron_ba.recipe import BENCHMARK_NAMES
+
+    assert tuple(BENCHMARKS) == BENCHMARK_NAMES
+
+
+def test_eval_benchmarks_from_the_command_line():
+    r = load_recipe(ROOT / "recipes/tiny-hf-cpu.yaml", ["eval.benchmarks=math500,aime25"])
+    assert r.eval.benchmarks == ["math500", "aime25"]
+    assert r.model.set_shape_keys() == {} and r.model.pretrained == "runs/tiny-qwen3"
 
 
 def test_only_implemented_backends_load():

@@ -47,8 +47,8 @@ class ShardedAdamW:
         eps: float = 1e-8,
         clip_grad: float = 1.0,
     ) -> None:
-        if not (lr > 0 and math.isfinite(lr)):
-            raise ValueError(f"lr: must be a finite number > 0, got {lr!r}")
+        if not (lr >= 0 and math.isfinite(lr)):  # 0: a frozen run (exports equal the input)
+            raise ValueError(f"lr: must be a finite number >= 0, got {lr!r}")
         if not (clip_grad >= 0):
             raise ValueError(f"clip_grad: must be >= 0 (0 disables clipping), got {clip_grad!r}")
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]

@@ -1,7 +1,8 @@
-"""A tiny random Qwen2 model in Hugging Face format, built offline (for tests and CPU demos).
+"""Tiny random Qwen2 / Qwen3 models in Hugging Face format, built offline (tests, CPU demos).
 
-    from megatron_ba.testing.tiny_hf import build_tiny_qwen2
+    from megatron_ba.testing.tiny_hf import build_tiny_qwen2, build_tiny_qwen3
     model_dir = build_tiny_qwen2("/tmp/tiny")     # config.json, model.safetensors, tokenizer
+    model_dir = build_tiny_qwen3("/tmp/tiny3")    # or: megatron-ba tiny-model /tmp/tiny3
     # vllm: LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=1024)
 
 The tokenizer is a byte-level BPE trained here with `tokenizers` on a small built-in corpus
@@ -96,6 +97,53 @@ def build_tiny_qwen2(
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+    return out
+
+
+def build_tiny_qwen3(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    head_dim: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+) -> Path:
+    """Write a random Qwen3ForCausalLM (q/k RMSNorm, no QKV bias, explicit head_dim, tied
+    embeddings as the small Qwen3 releases have) and its tokenizer to `out_dir`."""
+    if head_dim < 32:
+        raise ValueError(f"head_dim: must be >= 32 (vLLM CPU attention), got {head_dim}")
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.save_pretrained(out)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
     return out

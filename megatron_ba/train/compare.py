@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from megatron_ba.recipe import Recipe
-from megatron_ba.train.run_log import MetricsLog
+from megatron_ba.train.run_log import MetricsLog, eval_table
 
 FIGURES = [
     ("pg_loss", "pg_loss.png", "PG loss per step (rho = 1 at the first use of each batch)"),
@@ -116,6 +116,40 @@ def peak_last(records: list[dict], key: str = "eval_accuracy") -> tuple[float, i
     return peak, step, evals[-1][1]
 
 
+def _spread(xs: list[float]) -> str:
+    """Each seed's value, then mean +- std (population std over seeds; one seed: no spread)."""
+    m = _mean(xs)
+    std = (sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5 if xs else float("nan")
+    each = " / ".join(f"{x:.4f}" for x in xs)
+    return f"{each} (mean {m:.4f} ± {std:.4f})" if len(xs) > 1 else f"{m:.4f}"
+
+
+def seed_spread_lines(records: dict[str, list[list[dict]]], k: int) -> list[str]:
+    """Per benchmark and rule: Acc@k and Best@k at the peak and the last step, every seed's value
+    and their mean ± std, so that a difference within the seeds' spread is not read as an
+    effect."""
+    tables = {rule: [eval_table(r) for r in rs] for rule, rs in records.items()}
+    names = sorted({n for ts in tables.values() for t in ts if t for n in t["benchmarks"]})
+    if not names:
+        return []
+    out = [
+        "",
+        f"## Per benchmark: Acc@{k} / Best@{k}, peak -> last (each seed, mean ± std over seeds)",
+        "",
+        "| benchmark | rule | Acc peak | Acc last | Best peak | Best last |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in [*names, "average"]:
+        for rule, ts in tables.items():
+            rows = [t["average"] if name == "average" else t["benchmarks"][name] for t in ts if t]
+            cells = [
+                _spread([r[c] for r in rows])
+                for c in ("acc_peak", "acc_last", "best_peak", "best_last")
+            ]
+            out.append(f"| {name} | {rule} | " + " | ".join(cells) + " |")
+    return out
+
+
 def write_report(recipe: Recipe, runs: dict[str, list[Path]], out_dir: Path) -> Path:
     from megatron_ba.train.plots import plot_comparison
 
@@ -171,6 +205,7 @@ def write_report(recipe: Recipe, runs: dict[str, list[Path]], out_dir: Path) -> 
             f"{', '.join(map(str, row['acc_peak_step']))} | {row['best_peak']:.4f} -> "
             f"{row['best_last']:.4f} | {row['pg_loss_mean_abs']:.2e} |"
         )
+    lines += seed_spread_lines(records, k)
     lines += ["", "## Figures", ""]
     for (key, _, title), path in zip(FIGURES, figs, strict=True):
         lines += [f"### {title}", "", f"![{key}](figures/{path.name})", ""]

@@ -52,32 +52,38 @@ class Trainer:
         self._build(resume, cache_dir)
 
     def _build(self, resume: bool, cache_dir: Path) -> None:
-        from safetensors.torch import load_file
-
-        from megatron_ba.tokenization import load_tokenizer
+        from megatron_ba.tasks import build_task
+        from megatron_ba.tokenization import load_hf_tokenizer, load_tokenizer
         from megatron_ba.train import checkpoint
         from megatron_ba.train.policy import Policy
         from megatron_ba.train.rollouts import Rollouts
         from megatron_ba.train.scoring import Scorer
-        from megatron_ba.train.warmstart import run_warmstart, task_of
+        from megatron_ba.train.warmstart import run_warmstart
 
         r, ctx = self.recipe, self.ctx
-        hf_dir = ctx.broadcast(
-            str(run_warmstart(r, cache_dir, log=self.log)) if ctx.is_main else None
-        )
-        self.hf_dir = Path(hf_dir)
-        self.task = task_of(r)
-        self.tokenizer = load_tokenizer(self.hf_dir)
-        spec = r.model.qwen2_spec(len(self.tokenizer))
-        start = load_file(str(self.hf_dir / "model.safetensors"))
-        self.policy = Policy.build(spec, start, r, is_main=ctx.is_main)
+        if r.warmstart.enabled:  # the synthetic task: a fresh tiny policy, warm-started (cached)
+            hf_dir = ctx.broadcast(
+                str(run_warmstart(r, cache_dir, log=self.log)) if ctx.is_main else None
+            )
+            self.hf_dir = Path(hf_dir)
+        else:  # a Hugging Face checkpoint
+            self.hf_dir = Path(r.model.pretrained)
+        if r.tokenizer.kind == "hf":  # the checkpoint's own tokenizer and chat template
+            self.tokenizer = load_hf_tokenizer(r.tokenizer.path or self.hf_dir)
+        else:  # trained-bpe: the one the warm start trained and saved beside its model
+            self.tokenizer = load_tokenizer(self.hf_dir)
+        self.policy = Policy.from_hf(self.hf_dir, r, is_main=ctx.is_main)
+        self.task = build_task(r, self.tokenizer) if ctx.is_main else None
+        if self.task is not None and getattr(self.task, "report", None):
+            self.log(f"[data] {self.task.report}")
         self.start_step = 0
+        self.data_position = 0  # training prompts consumed so far (dynamic sampling draws more)
         if resume:
             ckpt = checkpoint.latest_dir(self.run_dir)
             if ckpt is None:
                 raise FileNotFoundError(f"--resume: no complete checkpoint in {self.run_dir}")
             meta = checkpoint.load(ctx, ckpt, self.policy.chunks, self.policy.optimizer)
-            self.start_step = meta["step"]
+            self.start_step, self.data_position = meta["step"], meta["data_position"]
             if ctx.is_main:
                 self.folder.truncate_after(self.start_step)
                 self.log(f"[resume] from {ckpt} (step {self.start_step})")
@@ -85,24 +91,23 @@ class Trainer:
             r, ctx, self.hf_dir, self.run_dir, self.tokenizer, self.policy
         )
         if ctx.is_main:
-            self.scorer = Scorer(self.task, workers=1, timeout_s=5.0)
+            self.scorer = Scorer(
+                self.task,
+                r,
+                self.tokenizer,
+                context=self.policy.spec.max_position_embeddings,
+            )
         if resume:
-            self.rollouts.sync(self.policy)  # the engine starts from the warm start's weights
+            self.rollouts.sync(self.policy)  # the engine starts from the checkpoint's weights
 
     # -- one step -------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict:
-        """Acc@k on the held-out prompts at the eval temperature (rank 0; {} elsewhere)."""
+        """Acc@k / Best@k on the benchmarks (or held-out prompts) at the eval temperature
+        (rank 0; {} elsewhere)."""
         if not self.ctx.is_main:
             return {}
-        e = self.recipe.eval
-        return self.scorer.evaluate(
-            self.rollouts,
-            self.task.prompts("eval", self.recipe.data.eval_prompts),
-            k=e.samples,
-            temperature=e.temperature,
-            max_tokens=self.recipe.grpo.max_new_tokens,
-            seed=_seed_for(self.recipe.seed, step, "eval"),
-        )
+        seed = _seed_for(self.recipe.seed, step, "eval")
+        return self.scorer.evaluate(self.rollouts, seed=seed)
 
     def train_step(self, step: int) -> dict:
         """Rollouts, rewards, the GRPO update and the weight sync; the step's metrics (rank 0)."""
@@ -114,16 +119,9 @@ class Trainer:
         exp = None
         if ctx.is_main:
             t = time.perf_counter()
-            prompts = self.task.prompts(
-                "train", g.prompts_per_step, offset=step * g.prompts_per_step
-            )
-            ids, samples = self.rollouts.generate(
-                prompts, g.group_size, g.temperature, _seed_for(r.seed, step, "rollout")
-            )
-            timings["time/rollout"] = time.perf_counter() - t
-            t = time.perf_counter()
-            rewards = self.scorer.score(prompts, samples)
-            timings["time/reward"] = time.perf_counter() - t
+            prompts, ids, samples, rewards, sampling = self._rollout_batch(step)
+            timings["time/reward"] = sampling.pop("reward_seconds")
+            timings["time/rollout"] = time.perf_counter() - t - timings["time/reward"]
             self.folder.log_samples(step + 1, prompts, samples, rewards)
             exp = build_experience(
                 ids,
@@ -135,6 +133,7 @@ class Trainer:
                 drop_zero_variance=g.drop_zero_variance,
                 multiple_of=2 * r.parallel.cp,
             )
+            exp.report.update(sampling)
         exp = ctx.broadcast(exp)
         t = time.perf_counter()
         self.policy.set_lr(step)
@@ -143,6 +142,57 @@ class Trainer:
         timings["time/train"] = time.perf_counter() - t
         timings["time/sync"] = self.rollouts.sync(self.policy)
         return step_record(step, exp, updates, p.lr, timings, r.loss.scope) if ctx.is_main else {}
+
+    def _rollout_batch(self, step: int):
+        """P prompt groups of G scored samples (rank 0), from the data position on.
+
+        With `grpo.dynamic_sampling` (DAPO) groups whose rewards are all equal (no gradient
+        signal) are set aside and further prompts sampled, up to `grpo.max_sampling_rounds`
+        rounds; groups still missing are filled with set-aside ones (their advantages are 0).
+        """
+        r, g = self.recipe, self.recipe.grpo
+        rounds = g.max_sampling_rounds if g.dynamic_sampling else 1
+        kept: list[tuple] = []
+        spare: list[tuple] = []
+        reward_seconds, done = 0.0, 0
+        for k in range(rounds):
+            missing = g.prompts_per_step - len(kept)
+            if missing == 0:
+                break
+            done += 1
+            prompts = self.task.prompts("train", missing, offset=self.data_position)
+            self.data_position += missing
+            purpose = "rollout" if k == 0 else f"rollout:{k}"
+            ids, samples = self.rollouts.generate(
+                prompts, g.group_size, g.temperature, _seed_for(r.seed, step, purpose)
+            )
+            t = time.perf_counter()
+            rewards = self.scorer.score(prompts, samples)
+            reward_seconds += time.perf_counter() - t
+            G = g.group_size
+            for i in range(len(prompts)):
+                group = (prompts[i], ids[i], samples[i], rewards[i * G : (i + 1) * G])
+                flat = g.dynamic_sampling and len(set(group[3])) == 1
+                (spare if flat else kept).append(group)
+        filled = spare[: g.prompts_per_step - len(kept)]
+        groups = kept + filled
+        report = {"reward_seconds": reward_seconds}
+        if g.dynamic_sampling:
+            report.update(
+                {
+                    "sampling/rounds": done,
+                    "sampling/zero_variance_set_aside": len(spare),
+                    "sampling/zero_variance_filled": len(filled),
+                }
+            )
+        prompts = [x[0] for x in groups]
+        return (
+            prompts,
+            [x[1] for x in groups],
+            [x[2] for x in groups],
+            [v for x in groups for v in x[3]],
+            report,
+        )
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, progress_stream=None) -> dict:
@@ -182,6 +232,7 @@ class Trainer:
                 self._checkpoint(done)
         if progress is not None:
             progress.close()
+        self.policy.export_hf(self.run_dir / "hf", self.tokenizer)  # the last step (collective)
         if not ctx.is_main:
             return {}
         summary = self.folder.finish()
@@ -196,7 +247,7 @@ class Trainer:
 
         meta = {
             "layout": {"tp": self.ctx.tp, "pp": self.ctx.pp, "cp": self.ctx.cp, "dp": self.ctx.dp},
-            "data_position": step * self.recipe.grpo.prompts_per_step,
+            "data_position": self.data_position,
             "recipe": self.recipe.to_dict(),
         }
         p = self.policy

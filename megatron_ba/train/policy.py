@@ -1,16 +1,20 @@
 """The policy of a local GRPO run on this rank: megatron-core chunks, the frozen reference, AdamW.
 
-    policy = Policy.build(spec, start_weights, recipe, with_reference=recipe.loss.kl_coef > 0)
+    policy = Policy.from_hf(hf_dir, recipe, is_main=ctx.is_main)   # any TP / PP layout
     policy.set_lr(step)                        # linear warm-up of recipe.optimizer.lr
     named = policy.hf_weights()                # collective: HF-named tensors on rank 0, else None
     policy.export_hf(out_dir, tokenizer)       # collective: rank 0 writes a Hugging Face folder
 
-Every conversion between megatron-core's full-shape names and Hugging Face names goes through
-this class, so the vLLM weight sync, the exports and the checkpoints agree on one mapping.
+The architecture comes from the Hugging Face folder's config.json (Qwen2 / Qwen2.5 / Qwen3,
+megatron_ba.conversion) and the weights stream into this rank's shards one tensor at a time.
+Training runs in float32 on this backend whatever the checkpoint's dtype; exports are written in
+the source checkpoint's dtype, so that a run with learning rate 0 exports its input bit for bit.
+Every conversion between megatron-core's names and Hugging Face names goes through this class.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,30 +23,42 @@ import torch
 from megatron_ba.recipe import Recipe
 
 
+def check_shape_keys(recipe: Recipe, spec, source: Path) -> None:
+    """The recipe's model.* shape keys must agree with the checkpoint's config.json."""
+    for key, value in recipe.model.set_shape_keys().items():
+        have = getattr(spec, key)
+        if have != value:
+            raise ValueError(
+                f"model.{key}: the recipe says {value} but {source}/config.json says {have}; "
+                f"remove model.{key} (the checkpoint decides the architecture)"
+            )
+
+
 class Policy:
-    def __init__(self, spec, chunks, ref_chunks, optimizer, recipe: Recipe, *, is_main: bool):
+    def __init__(self, spec, chunks, ref_chunks, optimizer, recipe: Recipe, *, source, is_main):
         self.spec, self.chunks, self.ref_chunks = spec, chunks, ref_chunks
-        self.optimizer, self.recipe, self.is_main = optimizer, recipe, is_main
+        self.optimizer, self.recipe = optimizer, recipe
+        self.source, self.is_main = Path(source), is_main
 
     @classmethod
-    def build(cls, spec, hf_state: dict[str, torch.Tensor], recipe: Recipe, *, is_main: bool):
-        """The policy (and, when the KL term is on, its frozen reference) from HF weights."""
-        from megatron_ba.megatron.model import build_model_chunks, load_full_state_dict
+    def from_hf(cls, hf_dir: str | Path, recipe: Recipe, *, is_main: bool) -> Policy:
+        """The policy (and, with the KL term on, its frozen reference) from an HF folder."""
+        from megatron_ba.conversion import load_hf_into_chunks, spec_from_hf_dir
+        from megatron_ba.megatron.model import build_model_chunks
         from megatron_ba.megatron.optimizer import ShardedAdamW
-        from megatron_ba.train.hf_convert import hf_to_megatron
 
-        start = hf_to_megatron(
-            hf_state,
-            num_attention_heads=spec.num_attention_heads,
-            num_query_groups=spec.num_query_groups,
-        )
+        hf_dir = Path(hf_dir)
+        spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32, init_std=recipe.model.init_std)
+        check_shape_keys(recipe, spec, hf_dir)
+        p = recipe.parallel
+        spec.check_layout(p.tp, p.pp)
         chunks = build_model_chunks(spec)
-        load_full_state_dict(chunks, start)
+        load_hf_into_chunks(chunks, hf_dir, spec)
         ref_chunks = None
         if recipe.loss.kl_coef > 0:
             # The reference policy of the KL term: the starting weights, frozen, no DDP wrapper.
             ref_chunks = build_model_chunks(spec, ddp=False)
-            load_full_state_dict(ref_chunks, start)
+            load_hf_into_chunks(ref_chunks, hf_dir, spec)
             for c in ref_chunks:
                 c.requires_grad_(False)
         o = recipe.optimizer
@@ -54,7 +70,7 @@ class Policy:
             eps=o.eps,
             clip_grad=o.grad_clip,
         )
-        return cls(spec, chunks, ref_chunks, optimizer, recipe, is_main=is_main)
+        return cls(spec, chunks, ref_chunks, optimizer, recipe, source=hf_dir, is_main=is_main)
 
     @property
     def lr(self) -> float:
@@ -69,26 +85,27 @@ class Policy:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Gather the full policy (a collective: every rank calls it); HF-named on rank 0."""
+        from megatron_ba.conversion import hf_named_tensors
         from megatron_ba.megatron.model import gather_full_state_dict
-        from megatron_ba.train.hf_convert import megatron_to_hf
 
         full = gather_full_state_dict(self.chunks)
-        if not self.is_main:
-            return None
-        return megatron_to_hf(
-            full,
-            num_attention_heads=self.spec.num_attention_heads,
-            num_query_groups=self.spec.num_query_groups,
-        )
+        return hf_named_tensors(full, self.spec) if self.is_main else None
 
     def export_hf(self, out_dir: Path, tokenizer) -> None:
-        """A Hugging Face folder of the current policy (collective; rank 0 writes)."""
-        from megatron_ba.megatron.model import gather_full_state_dict
-        from megatron_ba.train.hf_convert import save_hf_model
+        """A Hugging Face folder of the current policy, in the source checkpoint's dtype
+        (collective; rank 0 writes). Config, tokenizer and generation config follow the source."""
+        from megatron_ba.conversion import export_chunks_to_hf
+        from megatron_ba.conversion.hf_config import dtype as config_dtype
 
-        full = gather_full_state_dict(self.chunks)
-        if self.is_main:
-            save_hf_model(out_dir, full, self.spec, tokenizer)
+        source_cfg = json.loads((self.source / "config.json").read_text())
+        export_chunks_to_hf(
+            self.chunks,
+            self.spec,
+            out_dir,
+            source_dir=self.source,
+            tokenizer=tokenizer,
+            dtype=config_dtype(source_cfg),
+        )
 
     @torch.no_grad()
     def full_vocab_forward(self, tokens, position_ids, attention_mask):

@@ -80,7 +80,7 @@ def _engine(recipe: Recipe, hf_dir: Path, run_dir: Path, tokenizer, policy):
             str(hf_dir),
             sync_dir=str(run_dir / ".weights"),
             in_process=r.in_process,
-            max_model_len=recipe.model.max_position_embeddings,
+            max_model_len=policy.spec.max_position_embeddings,
             seed=recipe.seed,
             kv_cache_gb=r.kv_cache_gb,
             threads=r.threads,

@@ -125,4 +125,43 @@ def summarize(records: list[dict]) -> dict:
     out["seconds"] = {k: round(v, 2) for k, v in times.items()}
     pg = [r["pg_loss"] for r in records if isinstance(r.get("pg_loss"), int | float)]
     out["pg_loss_mean_abs"] = sum(abs(x) for x in pg) / len(pg) if pg else math.nan
+    table = eval_table(records)
+    if table:
+        out["eval_table"] = table
     return out
+
+
+def eval_table(records: list[dict]) -> dict:
+    """The paper's table of one run: each benchmark's Acc@k and Best@k at the peak step (the
+    evaluation with the highest mean Acc@k over benchmarks; the earliest on ties) and at the last.
+
+    {"peak_step", "last_step", "benchmarks": {name: {"acc_peak", "acc_last", "best_peak",
+    "best_last"}}, "average": {the same four, the means over benchmarks}}; {} without evaluations.
+    """
+    evals = [r for r in records if isinstance(r.get("eval_accuracy"), int | float)]
+    if not evals:
+        return {}
+    peak = max(evals, key=lambda r: (r["eval_accuracy"], -r["step"]))
+    last = evals[-1]
+    names = sorted({k.split("/")[1] for k in last if k.startswith("eval/") and k.endswith("/acc")})
+    table = {
+        name: {
+            "acc_peak": peak[f"eval/{name}/acc"],
+            "acc_last": last[f"eval/{name}/acc"],
+            "best_peak": peak[f"eval/{name}/best"],
+            "best_last": last[f"eval/{name}/best"],
+        }
+        for name in names
+    }
+    average = {
+        "acc_peak": peak["eval_accuracy"],
+        "acc_last": last["eval_accuracy"],
+        "best_peak": peak.get("eval_best_at_k", math.nan),
+        "best_last": last.get("eval_best_at_k", math.nan),
+    }
+    return {
+        "peak_step": peak["step"],
+        "last_step": last["step"],
+        "benchmarks": table,
+        "average": average,
+    }

@@ -1,14 +1,17 @@
-"""Rewards and held-out evaluation of a local GRPO run (rank 0).
+"""Rewards and evaluation of a local GRPO run (rank 0).
 
-    scorer = Scorer(task, workers=1, timeout_s=5.0)
+    scorer = Scorer(task, recipe, tokenizer, context=policy.spec.max_position_embeddings)
     rewards = scorer.score(prompts, samples)          # one float per sample, prompt-major
-    metrics = scorer.evaluate(rollouts, prompts, k=4, temperature=1.0, max_tokens=64, seed=s)
+    metrics = scorer.evaluate(rollouts, seed=s)       # the metrics.jsonl keys of an evaluation
 
-Both go through the same verifiable math reward (megatron_ba.rewards.MathRewardPool: worker
-processes with a hard per-answer time limit), and evaluation through the same runner as
-`megatron-ba eval` (megatron_ba.evaluation.evaluate), so a training run's Acc@k and the command
-line's are one computation. The task supplies the prompts and each prompt's ground truth
-(`task.answer(prompt)`).
+Rewards and evaluation share one verifiable math reward (megatron_ba.rewards.MathRewardPool:
+`reward.workers` worker processes, a hard `reward.timeout_s` per answer), and evaluation runs
+through the same runner as `megatron-ba eval` (megatron_ba.evaluation.evaluate), so a training
+run's Acc@k and the command line's are one computation. With `eval.benchmarks` the policy is
+evaluated on those benchmarks (local files under `eval.data_dir`, else their hub mirrors), the
+prompts rendered with `eval.template` through the tokenizer's chat template; without, on the
+task's held-out prompts. Problems whose prompt plus the generation budget exceed the model's
+context are skipped and counted (`eval/<name>/skipped_too_long`).
 """
 
 from __future__ import annotations
@@ -17,11 +20,38 @@ import time
 
 
 class Scorer:
-    def __init__(self, task, *, workers: int = 1, timeout_s: float = 5.0) -> None:
+    def __init__(self, task, recipe, tokenizer, *, context: int) -> None:
         from megatron_ba.rewards import MathRewardPool
 
-        self.task = task
-        self.pool = MathRewardPool(workers=workers, timeout_s=timeout_s)
+        self.task, self.recipe, self.tokenizer, self.context = task, recipe, tokenizer, context
+        rw = recipe.reward
+        self.pool = MathRewardPool(workers=rw.workers, timeout_s=rw.timeout_s)
+        self.benchmarks = self._load_benchmarks()
+
+    def _load_benchmarks(self) -> dict:
+        """name -> Problems: the recipe's benchmarks, or the task's held-out prompts."""
+        from megatron_ba.data.records import Problem
+
+        e = self.recipe.eval
+        if not e.benchmarks:
+            prompts = self.task.prompts("eval", self.recipe.data.eval_prompts)
+            return {
+                "heldout": [
+                    Problem(id=f"heldout-{i}", question=p, answer=self.task.answer(p))
+                    for i, p in enumerate(prompts)
+                ]
+            }
+        from megatron_ba.data.benchmarks import find_local_source, load_benchmark
+
+        out = {}
+        for name in e.benchmarks:
+            source = find_local_source(e.data_dir, name) if e.data_dir else None
+            if e.data_dir and source is None:
+                raise FileNotFoundError(
+                    f"eval.data_dir: no {name}.jsonl / {name}.parquet / {name}/ in {e.data_dir}"
+                )
+            out[name] = load_benchmark(name, source).problems
+        return out
 
     def score(self, prompts: list[str], samples) -> list[float]:
         """The reward of every sample of every prompt, flattened prompt-major."""
@@ -31,34 +61,46 @@ class Scorer:
         ]
         return self.pool.score(responses, truths).scores
 
-    def evaluate(
-        self, rollouts, prompts: list[str], *, k: int, temperature: float, max_tokens: int, seed
-    ) -> dict:
-        """Acc@k and Best@k of the current policy on `prompts` (the metrics.jsonl keys)."""
-        from megatron_ba.data.records import Problem
+    def evaluate(self, rollouts, *, seed: int) -> dict:
+        """Acc@k and Best@k of the current policy: their means over the benchmarks
+        (`eval_accuracy`, `eval_best_at_k`) and each benchmark's (`eval/<name>/acc`, ...)."""
+        from megatron_ba.data.templates import chat_prompt, plain_chat
         from megatron_ba.evaluation import evaluate
 
+        e, g = self.recipe.eval, self.recipe.grpo
+        max_tokens = e.max_new_tokens or g.max_new_tokens
+        tok = self.tokenizer
+        if "heldout" in self.benchmarks:  # the task's prompts are complete as they are
+            render = {"prompt_of": lambda problem: problem.question}
+        elif getattr(tok, "chat_template", None):
+            render = {"format_prompt": lambda messages: chat_prompt(tok, messages)}
+        else:
+            render = {"format_prompt": plain_chat}
         t = time.perf_counter()
-        problems = [
-            Problem(id=f"heldout-{i}", question=p, answer=self.task.answer(p), source="task")
-            for i, p in enumerate(prompts)
-        ]
         report = evaluate(
             rollouts.generate_fn(seed),
-            {"heldout": problems},
-            samples=k,
-            temperature=temperature,
+            self.benchmarks,
+            samples=e.samples,
+            temperature=e.temperature,
             max_tokens=max_tokens,
-            prompt_of=lambda problem: problem.question,  # the task's prompts are complete
+            template=e.template,
+            prompt_tokens=lambda text: len(tok(text)["input_ids"]),
+            max_model_len=self.context,
             math_pool=self.pool,
             label="policy",
+            **render,
         )
-        return {
+        out = {
             "eval_accuracy": report.acc,
             "eval_best_at_k": report.best,
-            "eval_k": k,
-            "time/eval": time.perf_counter() - t,
+            "eval_k": e.samples,
         }
+        for name, b in report.benchmarks.items():
+            out[f"eval/{name}/acc"] = b.acc
+            out[f"eval/{name}/best"] = b.best
+            out[f"eval/{name}/skipped_too_long"] = b.skipped_too_long
+        out["time/eval"] = time.perf_counter() - t
+        return out
 
     def close(self) -> None:
         self.pool.close()

@@ -29,10 +29,12 @@ WARMSTART_VERSION = 1  # bump when the procedure changes, to invalidate caches
 
 
 def task_of(recipe: Recipe) -> ArithmeticTask:
-    d = recipe.data
-    if d.task != "arithmetic":
-        raise ValueError(f"data.task: the local CPU backend supports 'arithmetic', got {d.task!r}")
-    return ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, seed=d.seed)
+    """The synthetic task the warm start trains on (the warm start exists for it alone)."""
+    from megatron_ba.tasks import build_task
+
+    if recipe.data.task != "arithmetic":
+        raise ValueError(f"warmstart: trains the arithmetic task only, not {recipe.data.task!r}")
+    return build_task(recipe)
 
 
 def cache_key(recipe: Recipe) -> str:

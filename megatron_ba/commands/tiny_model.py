@@ -1,0 +1,34 @@
+"""`megatron-ba tiny-model OUT`: a tiny random Hugging Face checkpoint with its tokenizer, offline.
+
+    megatron-ba tiny-model runs/tiny-qwen3     # Qwen3: what recipes/tiny-hf-cpu.yaml loads
+    megatron-ba tiny-model runs/tiny-qwen2 --family qwen2   # Qwen2: QKV bias, tied
+
+Saved by `transformers` itself (save_pretrained): config.json, model.safetensors, a byte-level BPE
+tokenizer with a ChatML chat template, generation_config.json. Nothing is downloaded; the
+weights are a function of --seed. An existing folder with a config.json is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", type=Path, help="the folder to write")
+    p.add_argument("--family", choices=["qwen3", "qwen2"], default="qwen3")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ba.testing.tiny_hf import build_tiny_qwen2, build_tiny_qwen3
+
+    if (args.out / "config.json").is_file():
+        print(f"tiny-model: {args.out} already holds a model; kept")
+        return 0
+    build = build_tiny_qwen3 if args.family == "qwen3" else build_tiny_qwen2
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    build(tmp, seed=args.seed)
+    tmp.rename(args.out)  # whole or absent
+    print(f"tiny-model: wrote a {args.family} checkpoint to {args.out}")
+    return 0
