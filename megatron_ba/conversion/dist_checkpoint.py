@@ -88,17 +88,18 @@ def save_dist_checkpoint(
     chunks: list[torch.nn.Module], spec, ckpt_dir: str | Path, *, source_dir=None
 ) -> Path:
     """Save the model as a distributed checkpoint in the empty (or new) folder `ckpt_dir`."""
-    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_ba.parallel import collectives
+
     out = Path(ckpt_dir)
-    writer = not dist.is_initialized() or dist.get_rank() == 0
+    writer = collectives.world_rank_and_size()[0] == 0
     if writer:
         if out.exists() and any(out.iterdir()):
             raise ValueError(f"out: {str(out)!r} is not empty")
         out.mkdir(parents=True, exist_ok=True)
-    if dist.is_initialized():
-        dist.barrier()
+    if collectives.is_initialized():
+        collectives.barrier()
     model = _single_model(chunks)
     with _cpu_synchronize():
         dist_checkpointing.save(model.sharded_state_dict(), str(out))

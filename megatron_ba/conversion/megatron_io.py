@@ -92,9 +92,9 @@ def hf_named_tensors(
 
 
 def _is_writer() -> bool:
-    import torch.distributed as dist
+    from megatron_ba.parallel import collectives
 
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return collectives.world_rank_and_size()[0] == 0
 
 
 def write_hf_folder(
