@@ -1,15 +1,16 @@
 """transformers, megatron-core (TP=1 and TP=2 on gloo) and vLLM agree on converted checkpoints.
 
 Tiny random Qwen2 (tied and untied embeddings) and Qwen3 (q/k norms, head_dim 32 != hidden 64 /
-4 heads) checkpoints are built with transformers (test_conversion.build_tiny). Each layout runs
-in its own launch of megatron_ba.conversion.agreement (megatron-core's parallel state is global
+4 heads) checkpoints are built with transformers (test_conversion.build_tiny). Each world size
+runs in its own launch of megatron_ba.conversion.agreement (megatron-core's parallel state is global
 to a process; a launch costs ~7 s of imports, so one launch checks all three models):
 
-- HF -> megatron-core log-probs of a fixed sequence equal transformers' (float32, < 1e-5),
+- at TP=1, TP=2 and PP=2 (tied embeddings: PP=1 only, see docs/checkpoints.md), HF ->
+  megatron-core log-probs of a fixed sequence equal transformers' (float32, < 1e-5),
   and the two negative controls (gate/up swapped, k/v heads swapped in the fused QKV) do not;
 - megatron-core -> HF export is bit-identical: every tensor, dtype and config.json field;
 - `megatron-ba convert` HF -> distributed checkpoint (TP=1) -> HF is bit-identical, and the
-  checkpoint loads under TP=2 to the same weights as the HF load at TP=2;
+  checkpoint loads under TP=2 and PP=2 to the same weights as the HF load there;
 - vLLM (in-process, float32; one engine for the tied Qwen2 and one for the Qwen3 export) gives
   the same log-probs, also after a weight sync through the trainer's path, and a
   gate/up-swapped sync disagrees.
@@ -67,30 +68,40 @@ def work(tmp_path_factory):
     return {"root": root, "dirs": dirs, "ckpt": ckpt, "back": back}
 
 
-def _megatron(work, tp: int) -> dict:
-    out = work["root"] / f"megatron-tp{tp}.json"
+def _megatron(work, world: int) -> dict:
+    """World 1: TP=1. World 2: TP=2, then PP=2 (one launch), each also loading the dist ckpt."""
+    out = work["root"] / f"megatron-world{world}.json"
     dirs = [str(work["dirs"]["qwen3"])] + [str(work["dirs"][v]) for v in VARIANTS[:2]]
     args = [str(out), *dirs, "--export-root", str(work["root"] / "exports")]
-    if tp == 2:
+    args += ["--layouts", "1x1"] if world == 1 else ["--layouts", "2x1,1x2"]
+    if world == 2:
         args += ["--dist-ckpt", str(work["ckpt"])]
-    _run(_agreement("megatron", *args, nproc=tp))
-    return json.loads(out.read_text())
+    _run(_agreement("megatron", *args, nproc=world))
+    return json.loads(out.read_text())["layouts"]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_matches_transformers_and_exports_bit_identically(work, tp):
-    r = _megatron(work, tp)
-    assert r["tp"] == tp and len(r["models"]) == 3
-    for name, m in r["models"].items():
-        assert m["megatron_vs_hf_max_abs"] < AGREE, name
-        assert m["gate_up_swapped_vs_hf_max_abs"] > DISAGREE, name  # negative controls
-        assert m["kv_heads_swapped_vs_hf_max_abs"] > DISAGREE, name
-        e = m["export"]
-        assert e["same_keys"] and e["unequal_tensors"] == [] and e["config_diff"] == [], name
-        assert e["side_files_equal"], name
-    if tp == 2:
-        q3 = r["models"][work["dirs"]["qwen3"].name]
-        assert q3["dist_ckpt_equal"] and q3["dist_ckpt_vs_hf_max_abs"] < AGREE
+@pytest.mark.parametrize("world", [1, 2])
+def test_megatron_matches_transformers_and_exports_bit_identically(work, world):
+    layouts = _megatron(work, world)
+    assert sorted(layouts) == (["tp1pp1"] if world == 1 else ["tp1pp2", "tp2pp1"])
+    checked = 0
+    for layout, models in layouts.items():
+        assert len(models) == 3
+        for name, m in models.items():
+            if "skipped" in m:  # only the tied model, only at PP > 1
+                assert layout == "tp1pp2" and name.startswith("qwen2-tied")
+                continue
+            checked += 1
+            assert m["megatron_vs_hf_max_abs"] < AGREE, (layout, name)
+            assert m["gate_up_swapped_vs_hf_max_abs"] > DISAGREE, (layout, name)  # controls
+            assert m["kv_heads_swapped_vs_hf_max_abs"] > DISAGREE, (layout, name)
+            e = m["export"]
+            assert e["same_keys"] and e["unequal_tensors"] == [], (layout, name)
+            assert e["config_diff"] == [] and e["side_files_equal"], (layout, name)
+        if world == 2:  # the dist checkpoint written at TP=1 by `megatron-ba convert`
+            q3 = models[work["dirs"]["qwen3"].name]
+            assert q3["dist_ckpt_equal"] and q3["dist_ckpt_vs_hf_max_abs"] < AGREE
+    assert checked == (3 if world == 1 else 5)
 
 
 def test_convert_command_round_trip_is_bit_identical(work):
@@ -117,7 +128,7 @@ def test_vllm_matches_transformers_on_exported_folders(work):
     # Two engine starts (~3 s each, plus vLLM's import): the tied Qwen2 and the Qwen3 export
     # (vLLM's two model classes; the untied head is Qwen2's lm_head path, which
     # test_train_integration's untied warm-start model syncs into vLLM).
-    names = [f"{work['dirs'][v].name}-tp2" for v in ("qwen2-tied", "qwen3")]
+    names = [f"{work['dirs'][v].name}-tp2pp1" for v in ("qwen2-tied", "qwen3")]
     dirs = [str(work["root"] / "exports" / n) for n in names]
     if not all(Path(d).is_dir() for d in dirs):
         _megatron(work, 2)  # this test was selected alone

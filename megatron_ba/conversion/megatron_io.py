@@ -24,7 +24,8 @@ import torch
 from megatron_ba.conversion import core, hf_folder
 from megatron_ba.conversion.families import hf_config_from_spec, spec_from_hf_dir, table_for
 
-DEFAULT_SHARD_BYTES = 2 * 1024**3
+# Export shards: the writer holds one shard, so this bounds what an export adds to the model.
+DEFAULT_SHARD_BYTES = 512 * 1024**2
 
 
 def check_checkpoint_names(ckpt: hf_folder.HFCheckpoint, spec) -> None:
