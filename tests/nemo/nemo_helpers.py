@@ -106,7 +106,10 @@ def build(cls, cfg):
     from lightning.pytorch import Trainer
     from nemo.collections.nlp.parts.nlp_overrides import NLPDDPStrategy
 
-    trainer = Trainer(strategy=NLPDDPStrategy(), accelerator="cpu", devices=1, num_nodes=1,
+    # devices = the gloo world: NeMo derives its (fake) parallel state from the trainer's world
+    # size; LOCAL_RANK in the environment tells Lightning the processes exist already.
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(strategy=NLPDDPStrategy(), accelerator="cpu", devices=devices, num_nodes=1,
                       logger=False, enable_checkpointing=False, max_steps=1)
     model = cls(cfg, trainer)
     return model

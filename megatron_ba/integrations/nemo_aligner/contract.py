@@ -201,11 +201,15 @@ def _check(item, tree: ast.Module) -> str | None:
     if isinstance(item, Bases):
         node = _find(tree, item.cls)
         if not isinstance(node, ast.ClassDef):
-            return f"{where}class {item.cls} is missing ({item.why})"
+            return f"{where}class {item.cls} is missing"
         got = tuple(_dotted(b) or ast.unparse(b) for b in node.bases)
         if got != item.bases:
             return f"{where}class {item.cls} has bases {got}, expected {item.bases} ({item.why})"
         return None
+    if "." in item.qualname:  # a method: a missing class is one problem, not one per method
+        cls = item.qualname.split(".")[0]
+        if not isinstance(_find(tree, cls), ast.ClassDef):
+            return f"{where}class {cls} is missing"
     node = _find(tree, item.qualname)
     if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
         return f"{where}{item.qualname} is missing ({item.why})"
