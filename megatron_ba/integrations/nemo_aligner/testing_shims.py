@@ -82,14 +82,9 @@ def install() -> list[str]:
     done.append("torch.Tensor.cuda")
 
     from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import random as mcore_random
 
-    class _NullTracker(mcore_random.CudaRNGStatesTracker):
-        def fork(self, name=None):  # noqa: ARG002 - megatron-core's signature
-            return contextlib.nullcontext()
-
-    mcore_random._CUDA_RNG_STATE_TRACKER = _NullTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # megatron-core 0.10's RNG tracker needs CUDA generators; ours has a null fork() there.
+    cpu_compat.seed_model_parallel_rng(1234)
     done.append("cuda_rng_tracker.fork")
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
