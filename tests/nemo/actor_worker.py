@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import nemo_helpers as H  # noqa: E402
+import nemo_helpers as H
 
 B, MBS = 6, 2  # 3 micro-batches of 2 sequences
 FC1 = "mlp.linear_fc1.weight"  # SwiGLU's fused [gate; up]: rank r holds [gate_r; up_r]
@@ -41,7 +41,9 @@ def load_full(model, full: dict, tp: int) -> None:
         for name, p in model.model.named_parameters():
             src = full[name]
             if getattr(p, "tensor_model_parallel", False) and tp > 1:
-                src = tp_shard(src, dim=int(p.partition_dim), stride=_stride(name, p), rank=rank, size=tp)
+                src = tp_shard(
+                    src, dim=int(p.partition_dim), stride=_stride(name, p), rank=rank, size=tp
+                )
             p.copy_(src.to(p.dtype))
 
 
@@ -55,7 +57,10 @@ def gather_grads(model, tp: int) -> dict:
         g = p.grad.detach().clone()
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             g = collectives.gather_tensor_parallel(
-                g, dim=int(p.partition_dim), stride=_stride(name, p), group=ps.get_tensor_model_parallel_group()
+                g,
+                dim=int(p.partition_dim),
+                stride=_stride(name, p),
+                group=ps.get_tensor_model_parallel_group(),
             )
         out[name] = g.double()
     return out
@@ -72,7 +77,7 @@ def make_batch(eos: int, seed: int = 7) -> dict:
     total_len = torch.tensor([24, 9, 16, 12, 20, 7])  # prompt + response (NeMo's response_lengths)
     mask = torch.zeros(B, s - 1)
     for i in range(B):
-        tokens[i, total_len[i]:] = eos
+        tokens[i, total_len[i] :] = eos
         mask[i, prompt_len[i] - 1 : total_len[i] - 1] = 1.0  # as nemo_aligner's create_mask
     gids = torch.tensor([0, 0, 0, 1, 1, 1])
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
@@ -96,24 +101,32 @@ def core_reference(model, batch: dict, settings) -> tuple[float, dict]:
     logp = current_logprobs(model, batch["response_tokens"])
     mask = batch["mask"].bool()
     plan = LossPlan.build(
-        settings.rule, mask.sum(1).double(), batch["advantages"].double(), batch["group_ids"],
-        scope=settings.scope, reg_rule=settings.reg_rule, reg_scope=settings.reg_scope,
+        settings.rule,
+        mask.sum(1).double(),
+        batch["advantages"].double(),
+        batch["group_ids"],
+        scope=settings.scope,
+        reg_rule=settings.reg_rule,
+        reg_scope=settings.reg_scope,
         num_groups=settings.num_groups,
     )
     loss, _ = grpo_loss(logp, batch["logprobs"].double(), mask, plan, settings.loss)
     loss.backward()
-    return loss.item(), {n: p.grad.detach().double().clone() for n, p in model.model.named_parameters()}
+    return loss.item(), {
+        n: p.grad.detach().double().clone() for n, p in model.model.named_parameters()
+    }
 
 
 def actor_step(model, batch: dict, tp: int, mbs: int, gbs: int) -> tuple[float, dict, dict]:
     from megatron.core import parallel_state as ps
-
     from nemo_aligner.utils.utils import configure_batch_sizes
 
     configure_batch_sizes(mbs=mbs, gbs=gbs, dp=ps.get_data_parallel_world_size())
     model.cfg.micro_batch_size = mbs  # read by get_loss_and_metrics for the schedule
     model.model.zero_grad(set_to_none=True)
-    loss, metrics = model.get_loss_and_metrics(batch={k: v.clone() for k, v in batch.items()}, forward_only=False)
+    loss, metrics = model.get_loss_and_metrics(
+        batch={k: v.clone() for k, v in batch.items()}, forward_only=False
+    )
     model.finish_training_step()  # NeMo's grad_reductions (the DP mean our scale cancels)
     return loss, gather_grads(model, tp), metrics
 
@@ -158,7 +171,9 @@ def negative_control(actor, cfg, full: dict, batch: dict, cur: torch.Tensor) -> 
     with rewards_with_kl - baseline = A: the two differ only in how tokens are normalised (a
     global token mean vs NeMo-Aligner's mean of per-micro-batch token means).
     """
-    from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import MegatronGPTReinforceActorModel
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import (
+        MegatronGPTReinforceActorModel,
+    )
 
     theirs = H.build(MegatronGPTReinforceActorModel, cfg)
     load_full(theirs, full, 1)
@@ -192,8 +207,14 @@ def optimizer_step(actor, cfg) -> dict:
     grads = {n: p.grad.detach().clone() for n, p in actor.model.named_parameters()}
     opt.step()
     after = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
-    return {"opt_name": type(opt).__name__, "opt_before": before, "opt_after": after,
-            "opt_grads": grads, "opt_lr": float(cfg.optim.lr), "opt_eps": float(opt.param_groups[0]["eps"])}
+    return {
+        "opt_name": type(opt).__name__,
+        "opt_before": before,
+        "opt_after": after,
+        "opt_grads": grads,
+        "opt_lr": float(cfg.optim.lr),
+        "opt_eps": float(opt.param_groups[0]["eps"]),
+    }
 
 
 def _free_port() -> int:

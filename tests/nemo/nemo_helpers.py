@@ -26,7 +26,9 @@ def tokenizer_dir(root: Path) -> Path:
     return out
 
 
-def actor_config(tok_dir: Path, *, tp: int = 1, mbs: int = 2, gbs: int = 6, grpo: dict | None = None):
+def actor_config(
+    tok_dir: Path, *, tp: int = 1, mbs: int = 2, gbs: int = 6, grpo: dict | None = None
+):
     """A 2-layer GPT (hidden 64, rmsnorm, swiglu, rope) in NeMo-Aligner's model config layout."""
     from omegaconf import OmegaConf
 
@@ -72,10 +74,17 @@ def actor_config(tok_dir: Path, *, tp: int = 1, mbs: int = 2, gbs: int = 6, grpo
             "offload_adam_states": False,
             "num_rollout_samples": 4,
             "rollout_micro_batch_size": 2,
-            "sampling_params": {"use_greedy": False, "temperature": 1.0, "top_k": 0,
-                                "top_p": 1.0, "repetition_penalty": 1.0, "add_BOS": False,
-                                "all_probs": False, "compute_logprob": False,
-                                "end_strings": ["<|endoftext|>"]},
+            "sampling_params": {
+                "use_greedy": False,
+                "temperature": 1.0,
+                "top_k": 0,
+                "top_p": 1.0,
+                "repetition_penalty": 1.0,
+                "add_BOS": False,
+                "all_probs": False,
+                "compute_logprob": False,
+                "end_strings": ["<|endoftext|>"],
+            },
             "length_params": {"max_length": 8, "min_length": 1},
             "trt_llm": {"enable": False},
         },
@@ -86,8 +95,13 @@ def actor_config(tok_dir: Path, *, tp: int = 1, mbs: int = 2, gbs: int = 6, grpo
 
 def start(rank: int, world: int, port: int, tp: int) -> None:
     """gloo + megatron-core parallel state + the CPU shims (call first in every process)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     from megatron_ba.integrations.nemo_aligner import testing_shims
 
@@ -109,8 +123,15 @@ def build(cls, cfg):
     # devices = the gloo world: NeMo derives its (fake) parallel state from the trainer's world
     # size; LOCAL_RANK in the environment tells Lightning the processes exist already.
     devices = int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = Trainer(strategy=NLPDDPStrategy(), accelerator="cpu", devices=devices, num_nodes=1,
-                      logger=False, enable_checkpointing=False, max_steps=1)
+    trainer = Trainer(
+        strategy=NLPDDPStrategy(),
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=1,
+        logger=False,
+        enable_checkpointing=False,
+        max_steps=1,
+    )
     model = cls(cfg, trainer)
     return model
 

@@ -24,7 +24,10 @@ def _run(tp: int, out: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, str(WORKER), "--tp", str(tp), "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if proc.returncode != 0:
         raise AssertionError(f"actor_worker --tp {tp} failed:\n{proc.stderr[-6000:]}")

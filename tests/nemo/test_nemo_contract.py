@@ -53,8 +53,8 @@ def _mutate(sources, module, old, new):
         ),
         (  # the parent no longer calls our override
             contract.TRAINER_MODULE,
-            "reinforce_rollout_data, reinforce_rollout_metrics = self.generate_reinforce_data(rollout_batch)",
-            "reinforce_rollout_data, reinforce_rollout_metrics = {}, {}",
+            "reinforce_rollout_metrics = self.generate_reinforce_data(rollout_batch)",
+            "reinforce_rollout_metrics = {}",
             "no longer calls generate_reinforce_data",
         ),
         (  # a batch key of the rollout batch renamed

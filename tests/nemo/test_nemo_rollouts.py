@@ -51,7 +51,9 @@ def test_advantages_keyed_by_group_ids_not_prompt_rows():
     expected = [(2 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6)]
     assert a[:3].tolist() == pytest.approx(expected, rel=1e-6)
     assert a[3:].tolist() == [0.0, 0.0, 0.0]  # zero-variance group: A = 0 exactly
-    merged, _ = grpo_training_data(_rollout(), rewards=rewards, group_ids=torch.zeros(6, dtype=torch.long))
+    merged, _ = grpo_training_data(
+        _rollout(), rewards=rewards, group_ids=torch.zeros(6, dtype=torch.long)
+    )
     assert not torch.allclose(merged["advantages"], data["advantages"])
     assert metrics["zero_variance_groups"] == 1.0 and metrics["reward_sum"] == 4.0
     assert data["mask"].sum(1).tolist() == [6, 2, 4, 3, 3, 3]
@@ -61,8 +63,12 @@ def test_zero_variance_filtering_zeroes_the_group_lengths_only():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     ids = torch.tensor([0, 0, 0, 1, 1, 1])
     kept, _ = grpo_training_data(_rollout(), rewards=rewards, group_ids=ids)
-    data, metrics = grpo_training_data(_rollout(), rewards=rewards, group_ids=ids, drop_zero_variance=True)
-    assert data["mask"].shape == kept["mask"].shape  # shapes stay: every rank runs the same schedule
+    data, metrics = grpo_training_data(
+        _rollout(), rewards=rewards, group_ids=ids, drop_zero_variance=True
+    )
+    assert (
+        data["mask"].shape == kept["mask"].shape
+    )  # shapes stay: every rank runs the same schedule
     assert data["mask"][3:].sum() == 0 and torch.equal(data["mask"][:3], kept["mask"][:3])
     assert metrics["dropped_sequences"] == 3.0
 
@@ -73,18 +79,32 @@ def test_filtered_group_leaves_the_plan_like_an_absent_group():
 
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=torch.float64)
     ids = torch.tensor([0, 0, 0, 1, 1, 1])
-    data, _ = grpo_training_data(_rollout(), rewards=rewards, group_ids=ids, drop_zero_variance=True)
-    plan = LossPlan.build("token", data["mask"].sum(1).double(), data["advantages"].double(), ids, scope="batch")
-    alone = LossPlan.build("token", data["mask"][:3].sum(1).double(), data["advantages"][:3].double(), ids[:3], scope="batch")
+    data, _ = grpo_training_data(
+        _rollout(), rewards=rewards, group_ids=ids, drop_zero_variance=True
+    )
+    plan = LossPlan.build(
+        "token", data["mask"].sum(1).double(), data["advantages"].double(), ids, scope="batch"
+    )
+    alone = LossPlan.build(
+        "token",
+        data["mask"][:3].sum(1).double(),
+        data["advantages"][:3].double(),
+        ids[:3],
+        scope="batch",
+    )
     assert torch.allclose(plan.pg_weights[:3], alone.pg_weights) and plan.pg_weights[3:].sum() == 0
 
 
 def test_bad_shapes_name_the_argument():
     with pytest.raises(ValueError, match="rewards, group_ids"):
-        grpo_training_data(_rollout(), rewards=torch.zeros(5), group_ids=torch.zeros(6, dtype=torch.long))
+        grpo_training_data(
+            _rollout(), rewards=torch.zeros(5), group_ids=torch.zeros(6, dtype=torch.long)
+        )
 
 
 def test_response_texts_decode_the_generated_part():
     tokens = torch.tensor([[1, 2, 3, 4, 0]])
-    got = response_texts(tokens, torch.tensor([2]), torch.tensor([4]), lambda ids: ",".join(map(str, ids)))
+    got = response_texts(
+        tokens, torch.tensor([2]), torch.tensor([4]), lambda ids: ",".join(map(str, ids))
+    )
     assert got == ["3,4"]

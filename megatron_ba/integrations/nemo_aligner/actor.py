@@ -85,11 +85,15 @@ def check_batch(batch: dict) -> None:
     """ValueError naming the key when the GRPO batch is incomplete or mis-shaped."""
     missing = [k for k in REQUIRED_KEYS if k not in batch]
     if missing:
-        raise ValueError(f"batch: the GRPO actor needs the keys {missing} (see actor.py's docstring)")
+        raise ValueError(
+            f"batch: the GRPO actor needs the keys {missing} (see actor.py's docstring)"
+        )
     b, s = batch["response_tokens"].shape
     for k in ("mask", "logprobs", "init_logprobs"):
         if k in batch and tuple(batch[k].shape) != (b, s - 1):
-            raise ValueError(f"batch[{k!r}]: must be [B, S-1] = {(b, s - 1)}, got {tuple(batch[k].shape)}")
+            raise ValueError(
+                f"batch[{k!r}]: must be [B, S-1] = {(b, s - 1)}, got {tuple(batch[k].shape)}"
+            )
     for k in ("advantages", "group_ids"):
         if tuple(batch[k].shape) != (b,):
             raise ValueError(f"batch[{k!r}]: must be [B] = ({b},), got {tuple(batch[k].shape)}")
@@ -105,7 +109,9 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
         self._current_factor: int | None = None  # set per step by get_loss_and_metrics
 
     # --- the plan ---------------------------------------------------------------------------
-    def build_plan(self, batch: dict) -> tuple[LossPlan, dict[str, float], collectives.StatisticsReducer]:
+    def build_plan(
+        self, batch: dict
+    ) -> tuple[LossPlan, dict[str, float], collectives.StatisticsReducer]:
         """The plan of this optimizer step (one DP all-reduce) and the core's diagnostics."""
         s = self.grpo
         mask = batch["mask"].bool()
@@ -115,11 +121,25 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
         reducer = collectives.StatisticsReducer(mcore_ps.get_data_parallel_group())
         replay = _ReplayReduce(reducer)
         plan = LossPlan.build(
-            s.rule, lengths, adv, gids, scope=s.scope, reg_rule=s.reg_rule, reg_scope=s.reg_scope,
-            max_length=s.max_length, neutral_eps=s.neutral_eps, reduce=replay, num_groups=s.num_groups,
+            s.rule,
+            lengths,
+            adv,
+            gids,
+            scope=s.scope,
+            reg_rule=s.reg_rule,
+            reg_scope=s.reg_scope,
+            max_length=s.max_length,
+            neutral_eps=s.neutral_eps,
+            reduce=replay,
+            num_groups=s.num_groups,
         )
         diag = batch_diagnostics(
-            lengths, adv, gids, scope=s.scope, neutral_eps=s.neutral_eps, reduce=replay,
+            lengths,
+            adv,
+            gids,
+            scope=s.scope,
+            neutral_eps=s.neutral_eps,
+            reduce=replay,
             num_groups=s.num_groups,
         )
         return plan, diag, reducer
@@ -166,9 +186,14 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
                     needed.update(FIRST_STAGE_KEYS)
                 if mcore_ps.is_pipeline_last_stage():
                     needed.update(LAST_STAGE_KEYS)
-            batch = {k: (v.cuda(non_blocking=True) if k in needed else None) for k, v in batch.items()}
+            batch = {
+                k: (v.cuda(non_blocking=True) if k in needed else None) for k, v in batch.items()
+            }
             parallel_logits = model(
-                batch["response_tokens"], batch["position_ids"], batch["attention_mask"], labels=None
+                batch["response_tokens"],
+                batch["position_ids"],
+                batch["attention_mask"],
+                labels=None,
             )
 
             def loss_func(parallel_logits):
@@ -188,7 +213,9 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
                     batch["mask"].bool(),
                     plan,
                     s.loss,
-                    ref_logprobs=None if batch.get("init_logprobs") is None else batch["init_logprobs"].to(logp.dtype),
+                    ref_logprobs=None
+                    if batch.get("init_logprobs") is None
+                    else batch["init_logprobs"].to(logp.dtype),
                 )
                 reported = {"loss_sum": part.detach()}
                 for k, v in metrics.items():
@@ -206,7 +233,9 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
         check_batch(batch)
         batch = dict(batch)
         seq_len = batch["response_tokens"].size(1)
-        attention_mask, _, position_ids = self.get_ltor_masks_and_position_ids(tokens=batch["response_tokens"])
+        attention_mask, _, position_ids = self.get_ltor_masks_and_position_ids(
+            tokens=batch["response_tokens"]
+        )
         batch["attention_mask"] = attention_mask
         batch["position_ids"] = position_ids
         if self.grpo.loss.kl_coef == 0:
@@ -242,13 +271,17 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
         """Micro-batch sums added over DP on the last stage, then sent to every PP stage."""
         pp_group = mcore_ps.get_pipeline_model_parallel_group()
         last = mcore_ps.is_pipeline_last_stage()
-        keys = collectives.broadcast_object_from_last_stage(sorted(store[0]) if last and store else [], group=pp_group)
+        keys = collectives.broadcast_object_from_last_stage(
+            sorted(store[0]) if last and store else [], group=pp_group
+        )
         local = torch.zeros(len(keys), dtype=torch.float64)
         if last:
             for d in store:
                 local += torch.stack([d[k].detach().double().reshape(()).cpu() for k in keys])
             local = collectives.all_reduce_sum(local, group=mcore_ps.get_data_parallel_group())
-        total = collectives.broadcast_from_last_stage(local, shape=local.shape, dtype=local.dtype, group=pp_group)
+        total = collectives.broadcast_from_last_stage(
+            local, shape=local.shape, dtype=local.dtype, group=pp_group
+        )
         out = {k: float(v) for k, v in zip(keys, total.tolist(), strict=True)}
         out["loss"] = out.pop("loss_sum", 0.0)
         w_pos, w_neg = out.get("weight_pos_sum", 0.0), out.get("weight_neg_sum", 0.0)
@@ -258,4 +291,6 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
 
     def _broadcast_diag(self, diag: dict[str, float]) -> dict[str, float]:
         """The last stage's diagnostics on every PP stage (NeMo logs from any rank)."""
-        return collectives.broadcast_object_from_last_stage(diag, group=mcore_ps.get_pipeline_model_parallel_group())
+        return collectives.broadcast_object_from_last_stage(
+            diag, group=mcore_ps.get_pipeline_model_parallel_group()
+        )

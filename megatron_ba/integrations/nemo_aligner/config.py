@@ -53,10 +53,14 @@ def grpo_settings(cfg) -> GRPOSettings:
     if s.rule not in RULES:
         raise ValueError(f"model.grpo.rule: must be one of {', '.join(RULES)}, got {s.rule!r}")
     if s.reg_rule not in RULES:
-        raise ValueError(f"model.grpo.reg_rule: must be one of {', '.join(RULES)}, got {s.reg_rule!r}")
+        raise ValueError(
+            f"model.grpo.reg_rule: must be one of {', '.join(RULES)}, got {s.reg_rule!r}"
+        )
     for key in ("scope", "reg_scope"):
         if getattr(s, key) not in SCOPES:
-            raise ValueError(f"model.grpo.{key}: must be one of {', '.join(SCOPES)}, got {getattr(s, key)!r}")
+            raise ValueError(
+                f"model.grpo.{key}: must be one of {', '.join(SCOPES)}, got {getattr(s, key)!r}"
+            )
     if not (isinstance(s.num_groups, int) and s.num_groups >= 1):
         raise ValueError(
             "model.grpo.num_groups: must be an integer >= 1 (prompts per step; default "
@@ -65,6 +69,8 @@ def grpo_settings(cfg) -> GRPOSettings:
     if s.std not in ("population", "sample"):
         raise ValueError(f"model.grpo.std: population or sample, got {s.std!r}")
     if s.reward != "math":
-        raise ValueError(f"model.grpo.reward: only 'math' (verifiable answers) is built in, got {s.reward!r}")
-    s.loss  # GRPOLossConfig validates clip_low, clip_high, dual_clip, kl_coef
+        raise ValueError(
+            f"model.grpo.reward: only 'math' (verifiable answers) is built in, got {s.reward!r}"
+        )
+    _ = s.loss  # GRPOLossConfig validates clip_low, clip_high, dual_clip, kl_coef
     return s

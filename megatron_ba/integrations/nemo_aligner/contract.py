@@ -84,94 +84,256 @@ TRAINER = "ReinforceTrainer"
 
 CONTRACT: tuple = (
     # --- the actor ----------------------------------------------------------------------------
-    Bases(A, ACTOR, ("NLPAdapterModelMixin", "MegatronGPTModel", "AlignableGenerativeInterface"),
-          "our actor is a MegatronGPTModel (model building, tokenizer, optimizer set-up)"),
-    Method(A, f"{ACTOR}.__init__", ("self", "cfg", "trainer"), "we call super().__init__(cfg, trainer)"),
-    Method(A, f"{ACTOR}.get_loss_and_metrics", ("self", "batch", "forward_only"),
-           "we override it; ReinforceTrainer.run_training calls it by these keywords"),
-    Method(A, f"{ACTOR}.get_actor_forward_output_and_loss_func", ("self",),
-           "we override it (our loss replaces the per-micro-batch REINFORCE mean)"),
-    Method(A, f"{ACTOR}.get_ltor_masks_and_position_ids", ("self", "tokens"),
-           "we build attention masks and position ids with it, like the parent"),
+    Bases(
+        A,
+        ACTOR,
+        ("NLPAdapterModelMixin", "MegatronGPTModel", "AlignableGenerativeInterface"),
+        "our actor is a MegatronGPTModel (model building, tokenizer, optimizer set-up)",
+    ),
+    Method(
+        A, f"{ACTOR}.__init__", ("self", "cfg", "trainer"), "we call super().__init__(cfg, trainer)"
+    ),
+    Method(
+        A,
+        f"{ACTOR}.get_loss_and_metrics",
+        ("self", "batch", "forward_only"),
+        "we override it; ReinforceTrainer.run_training calls it by these keywords",
+    ),
+    Method(
+        A,
+        f"{ACTOR}.get_actor_forward_output_and_loss_func",
+        ("self",),
+        "we override it (our loss replaces the per-micro-batch REINFORCE mean)",
+    ),
+    Method(
+        A,
+        f"{ACTOR}.get_ltor_masks_and_position_ids",
+        ("self", "tokens"),
+        "we build attention masks and position ids with it, like the parent",
+    ),
     Method(A, f"{ACTOR}.prepare_for_training", ("self",), "the trainer calls it before updates"),
-    Method(A, f"{ACTOR}.finish_training_step", ("self",),
-           "its grad_reductions averages gradients over DP: the DP factor our loss cancels"),
-    Method(A, f"{ACTOR}.get_inference_log_probs", ("self", "response_tokens", "forward_micro_batch_size"),
-           "our trainer computes the old (rollout-policy) log-probs with it"),
-    Method(A, f"{ACTOR}.get_init_policy_logprobs", ("self", "response_tokens"),
-           "our trainer's optional KL reads the reference log-probs from it"),
+    Method(
+        A,
+        f"{ACTOR}.finish_training_step",
+        ("self",),
+        "its grad_reductions averages gradients over DP: the DP factor our loss cancels",
+    ),
+    Method(
+        A,
+        f"{ACTOR}.get_inference_log_probs",
+        ("self", "response_tokens", "forward_micro_batch_size"),
+        "our trainer computes the old (rollout-policy) log-probs with it",
+    ),
+    Method(
+        A,
+        f"{ACTOR}.get_init_policy_logprobs",
+        ("self", "response_tokens"),
+        "our trainer's optional KL reads the reference log-probs from it",
+    ),
     Method(A, f"{ACTOR}.infer", ("self", "inference_batch"), "our trainer generates with it"),
     Method(A, f"{ACTOR}.prepare_for_inference", ("self",), "called around generation"),
     Method(A, f"{ACTOR}.finish_inference", ("self",), "called around generation"),
-    Keys(A, f"{ACTOR}.infer", ("text", "length", "response_tokens", "response_lengths", "prompt_lengths", "is_end"),
-         "the prompt batch it reads and the rollout batch it returns (our trainer's inputs)"),
-    Calls(A, f"{ACTOR}.get_loss_and_metrics", "get_iterator_k_split",
-          why="the parent splits the batch into micro-batches by rows (we keep that layout)"),
-    Calls(A, f"{ACTOR}.get_loss_and_metrics", "set_sync_funcs",
-          why="our override keeps the parent's sync-function set-up"),
-    Calls(A, f"{ACTOR}.get_loss_and_metrics", "fwd_bwd_function",
-          ("forward_step_func", "data_iterator", "model", "num_microbatches", "forward_only",
-           "seq_length", "micro_batch_size"),
-          "the megatron-core schedule call our override makes the same way"),
-    Calls(A, f"{ACTOR}.get_loss_and_metrics", "_make_data_iterator_list",
-          why="virtual-pipeline-aware data iterators, as the parent uses them"),
-    ConfigKeys(A, f"{ACTOR}.__init__",
-               ("self.cfg.reinforce.length_params", "self.cfg.reinforce.sampling_params",
-                "self.cfg.reinforce.offload_adam_states", "self.cfg.reinforce.forward_micro_batch_size"),
-               "model.reinforce.* keys conf/gpt_grpo_balanced.yaml must provide"),
-    ConfigKeys(A, f"{ACTOR}.prepare_for_training",
-               ("self.cfg.micro_batch_size", "self.cfg.global_batch_size"),
-               "the micro-batch calculator is configured from these"),
+    Keys(
+        A,
+        f"{ACTOR}.infer",
+        ("text", "length", "response_tokens", "response_lengths", "prompt_lengths", "is_end"),
+        "the prompt batch it reads and the rollout batch it returns (our trainer's inputs)",
+    ),
+    Calls(
+        A,
+        f"{ACTOR}.get_loss_and_metrics",
+        "get_iterator_k_split",
+        why="the parent splits the batch into micro-batches by rows (we keep that layout)",
+    ),
+    Calls(
+        A,
+        f"{ACTOR}.get_loss_and_metrics",
+        "set_sync_funcs",
+        why="our override keeps the parent's sync-function set-up",
+    ),
+    Calls(
+        A,
+        f"{ACTOR}.get_loss_and_metrics",
+        "fwd_bwd_function",
+        (
+            "forward_step_func",
+            "data_iterator",
+            "model",
+            "num_microbatches",
+            "forward_only",
+            "seq_length",
+            "micro_batch_size",
+        ),
+        "the megatron-core schedule call our override makes the same way",
+    ),
+    Calls(
+        A,
+        f"{ACTOR}.get_loss_and_metrics",
+        "_make_data_iterator_list",
+        why="virtual-pipeline-aware data iterators, as the parent uses them",
+    ),
+    ConfigKeys(
+        A,
+        f"{ACTOR}.__init__",
+        (
+            "self.cfg.reinforce.length_params",
+            "self.cfg.reinforce.sampling_params",
+            "self.cfg.reinforce.offload_adam_states",
+            "self.cfg.reinforce.forward_micro_batch_size",
+        ),
+        "model.reinforce.* keys conf/gpt_grpo_balanced.yaml must provide",
+    ),
+    ConfigKeys(
+        A,
+        f"{ACTOR}.prepare_for_training",
+        ("self.cfg.micro_batch_size", "self.cfg.global_batch_size"),
+        "the micro-batch calculator is configured from these",
+    ),
     # --- the trainer --------------------------------------------------------------------------
-    Method(T, f"{TRAINER}.__init__",
-           ("self", "cfg", "model", "optimizer", "scheduler", "train_dataloader_builder",
-            "val_dataloader_builder", "collate_fn", "rm", "batch_iterator_cls", "logger",
-            "ckpt_callback", "run_timer"),
-           "our trainer passes these through super().__init__"),
-    Method(T, f"{TRAINER}.generate_reinforce_data", ("self", "rollout_batch"),
-           "we override it: group-normalised advantages from explicit group ids"),
-    Method(T, f"{TRAINER}._run_inference", ("self", "dataloader_builder", "consumed_samples", "is_validation"),
-           "we override it: local rollouts per DP rank, in-process rewards"),
-    Method(T, f"{TRAINER}.run_training", ("self", "dataloader_iter"), "the parent's update loop we reuse"),
+    Method(
+        T,
+        f"{TRAINER}.__init__",
+        (
+            "self",
+            "cfg",
+            "model",
+            "optimizer",
+            "scheduler",
+            "train_dataloader_builder",
+            "val_dataloader_builder",
+            "collate_fn",
+            "rm",
+            "batch_iterator_cls",
+            "logger",
+            "ckpt_callback",
+            "run_timer",
+        ),
+        "our trainer passes these through super().__init__",
+    ),
+    Method(
+        T,
+        f"{TRAINER}.generate_reinforce_data",
+        ("self", "rollout_batch"),
+        "we override it: group-normalised advantages from explicit group ids",
+    ),
+    Method(
+        T,
+        f"{TRAINER}._run_inference",
+        ("self", "dataloader_builder", "consumed_samples", "is_validation"),
+        "we override it: local rollouts per DP rank, in-process rewards",
+    ),
+    Method(
+        T,
+        f"{TRAINER}.run_training",
+        ("self", "dataloader_iter"),
+        "the parent's update loop we reuse",
+    ),
     Method(T, f"{TRAINER}.generate_rollouts", ("self",), "the parent's rollout step we reuse"),
     Method(T, f"{TRAINER}.fit", ("self",), "the parent's outer loop we reuse"),
     Method(T, "compute_num_rollout_microbatches", ("dataloader",), "our _run_inference calls it"),
-    Method(T, "ReinforceRolloutBatch.from_rollout_batches",
-           ("cls", "rollout_batches", "eos_id", "rollout_batch_seq_length"),
-           "our _run_inference stacks and pads the local rollouts with it"),
-    Method(T, f"{TRAINER}.compute_rollout_metrics", ("self", "rollout_batch"),
-           "our _run_inference takes the logging table from it"),
-    Keys(T, f"{TRAINER}.compute_rollout_metrics", ("table",), "the logging table the parent's fit pops"),
+    Method(
+        T,
+        "ReinforceRolloutBatch.from_rollout_batches",
+        ("cls", "rollout_batches", "eos_id", "rollout_batch_seq_length"),
+        "our _run_inference stacks and pads the local rollouts with it",
+    ),
+    Method(
+        T,
+        f"{TRAINER}.compute_rollout_metrics",
+        ("self", "rollout_batch"),
+        "our _run_inference takes the logging table from it",
+    ),
+    Keys(
+        T,
+        f"{TRAINER}.compute_rollout_metrics",
+        ("table",),
+        "the logging table the parent's fit pops",
+    ),
     Calls(T, f"{TRAINER}.generate_rollouts", "_run_inference", why="our override must be called"),
-    Calls(T, f"{TRAINER}.generate_rollouts", "generate_reinforce_data", why="our override must be called"),
+    Calls(
+        T,
+        f"{TRAINER}.generate_rollouts",
+        "generate_reinforce_data",
+        why="our override must be called",
+    ),
     Calls(T, f"{TRAINER}.run_validation", "_run_inference", why="validation uses our rollouts too"),
-    Calls(T, f"{TRAINER}.run_training", "get_loss_and_metrics", ("batch", "forward_only"),
-          "our actor's loss is reached through this call"),
-    Calls(T, f"{TRAINER}.run_training", "log_metrics", ("step", "prefix"), "metrics go to NeMo's logger"),
-    Keys(T, f"{TRAINER}.generate_rollouts", ("rollout_size",),
-         "the parent counts consumed samples from our rollout metrics' rollout_size"),
-    Keys(T, f"{TRAINER}.fit", ("response_tokens", "table"),
-         "the parent sizes the update from response_tokens and pops a logging table"),
-    Keys(T, f"{TRAINER}.compute_rollout_metrics",
-         ("prompt_lengths", "response_lengths", "response_tokens", "rewards", "is_end"),
-         "our rollout batch provides what the parent's rollout metrics read"),
-    ConfigKeys(T, f"{TRAINER}.__init__",
-               ("self.cfg.initial_policy_kl_penalty", "self.cfg.rollout_batch_seq_length", "self.cfg.max_epochs"),
-               "trainer.reinforce.* keys conf/gpt_grpo_balanced.yaml must provide"),
-    ConfigKeys(T, f"{TRAINER}.fit", ("self.cfg.model_gbs", "self.cfg.val_check_interval", "self.cfg.save_interval"),
-               "trainer.reinforce.* keys the parent's loop reads"),
-    ConfigKeys(T, f"{TRAINER}._run_inference", ("self.cfg.num_rollouts_per_prompt",),
-               "the group size G (our override reads the same key)"),
+    Calls(
+        T,
+        f"{TRAINER}.run_training",
+        "get_loss_and_metrics",
+        ("batch", "forward_only"),
+        "our actor's loss is reached through this call",
+    ),
+    Calls(
+        T,
+        f"{TRAINER}.run_training",
+        "log_metrics",
+        ("step", "prefix"),
+        "metrics go to NeMo's logger",
+    ),
+    Keys(
+        T,
+        f"{TRAINER}.generate_rollouts",
+        ("rollout_size",),
+        "the parent counts consumed samples from our rollout metrics' rollout_size",
+    ),
+    Keys(
+        T,
+        f"{TRAINER}.fit",
+        ("response_tokens", "table"),
+        "the parent sizes the update from response_tokens and pops a logging table",
+    ),
+    Keys(
+        T,
+        f"{TRAINER}.compute_rollout_metrics",
+        ("prompt_lengths", "response_lengths", "response_tokens", "rewards", "is_end"),
+        "our rollout batch provides what the parent's rollout metrics read",
+    ),
+    ConfigKeys(
+        T,
+        f"{TRAINER}.__init__",
+        (
+            "self.cfg.initial_policy_kl_penalty",
+            "self.cfg.rollout_batch_seq_length",
+            "self.cfg.max_epochs",
+        ),
+        "trainer.reinforce.* keys conf/gpt_grpo_balanced.yaml must provide",
+    ),
+    ConfigKeys(
+        T,
+        f"{TRAINER}.fit",
+        ("self.cfg.model_gbs", "self.cfg.val_check_interval", "self.cfg.save_interval"),
+        "trainer.reinforce.* keys the parent's loop reads",
+    ),
+    ConfigKeys(
+        T,
+        f"{TRAINER}._run_inference",
+        ("self.cfg.num_rollouts_per_prompt",),
+        "the group size G (our override reads the same key)",
+    ),
     # --- helpers ------------------------------------------------------------------------------
     Method(TRAIN_UTILS, "set_sync_funcs", ("ptl_model", "forward_only"), "called by our actor"),
-    Method(TRAIN_UTILS, "grad_reductions", ("ptl_model",), "averages gradients over DP (factor cancelled)"),
-    Calls(TRAIN_UTILS, "grad_reductions", "allreduce_gradients",
-          why="the plain (no distributed Adam, no O2) path: NeMo's DP mean of the gradients"),
+    Method(
+        TRAIN_UTILS,
+        "grad_reductions",
+        ("ptl_model",),
+        "averages gradients over DP (factor cancelled)",
+    ),
+    Calls(
+        TRAIN_UTILS,
+        "grad_reductions",
+        "allreduce_gradients",
+        why="the plain (no distributed Adam, no O2) path: NeMo's DP mean of the gradients",
+    ),
     Method(PARALLEL_STATE, "get_data_parallel_world_size", (), "DP size for sharding and scaling"),
     Method(PARALLEL_STATE, "get_data_parallel_rank", (), "this rank's rollout share"),
     Method(PARALLEL_STATE, "get_pipeline_model_parallel_world_size", (), "PP-safe batch keys"),
-    Method(PPO_UTILS, "create_mask", ("values", "prompt_lengths", "response_lengths"),
-           "the response mask of log-prob positions, as the parent builds it"),
+    Method(
+        PPO_UTILS,
+        "create_mask",
+        ("values", "prompt_lengths", "response_lengths"),
+        "the response mask of log-prob positions, as the parent builds it",
+    ),
 )
 
 
@@ -183,8 +345,10 @@ def _find(tree: ast.Module, qualname: str):
     for part in qualname.split("."):
         body = getattr(node, "body", [])
         found = [
-            n for n in body
-            if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and n.name == part
+            n
+            for n in body
+            if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.name == part
         ]
         if not found:
             return None
@@ -227,16 +391,15 @@ def _check(item, tree: ast.Module) -> str | None:
             len(got) > len(item.params) and len(args.defaults) < len(got) - len(item.params)
         ):
             return (
-                f"{where}{item.qualname} has parameters {got}, expected {item.params} "
-                f"({item.why})"
+                f"{where}{item.qualname} has parameters {got}, expected {item.params} ({item.why})"
             )
         return None
     body = list(ast.walk(node))
     if isinstance(item, Calls):
         calls = [
-            n for n in body
-            if isinstance(n, ast.Call)
-            and (_dotted(n.func) or "").split(".")[-1] == item.callee
+            n
+            for n in body
+            if isinstance(n, ast.Call) and (_dotted(n.func) or "").split(".")[-1] == item.callee
         ]
         if not calls:
             return f"{where}{item.qualname} no longer calls {item.callee}(...) ({item.why})"
@@ -248,7 +411,9 @@ def _check(item, tree: ast.Module) -> str | None:
             f"{item.keywords} ({item.why})"
         )
     if isinstance(item, Keys):
-        strings = {n.value for n in body if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        strings = {
+            n.value for n in body if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        }
         missing = [k for k in item.keys if k not in strings]
         if missing:
             return f"{where}{item.qualname} no longer uses the keys {missing} ({item.why})"
@@ -257,7 +422,11 @@ def _check(item, tree: ast.Module) -> str | None:
         seen = {_dotted(n) for n in body if isinstance(n, ast.Attribute)}
         # cfg.get("x") counts as reading cfg.x
         for n in body:
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get":
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "get"
+            ):
                 base = _dotted(n.func.value)
                 if base and n.args and isinstance(n.args[0], ast.Constant):
                     seen.add(f"{base}.{n.args[0].value}")

@@ -20,7 +20,9 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def recipe_to_nemo_overrides(recipe, *, num_nodes: int = 1, devices: int | None = None) -> list[str]:
+def recipe_to_nemo_overrides(
+    recipe, *, num_nodes: int = 1, devices: int | None = None
+) -> list[str]:
     """The overrides of `python -m megatron_ba.integrations.nemo_aligner.train_grpo` for `recipe`.
 
     devices: GPUs per node (default TP x PP: one data-parallel replica per node).
@@ -31,7 +33,9 @@ def recipe_to_nemo_overrides(recipe, *, num_nodes: int = 1, devices: int | None 
             f"parallel.cp: NeMo-Aligner's actor has no context parallelism, got cp={p.cp}"
         )
     if loss.entropy_coef != 0:
-        raise ValueError("loss.entropy_coef: the NeMo-Aligner GRPO actor has no entropy bonus (use 0)")
+        raise ValueError(
+            "loss.entropy_coef: the NeMo-Aligner GRPO actor has no entropy bonus (use 0)"
+        )
     devices = p.tp * p.pp if devices is None else devices
     if not (isinstance(num_nodes, int) and num_nodes >= 1):
         raise ValueError(f"num_nodes: must be an integer >= 1, got {num_nodes!r}")
@@ -92,7 +96,10 @@ def recipe_to_nemo_overrides(recipe, *, num_nodes: int = 1, devices: int | None 
         ("model.grpo.clip_high", loss.clip_high),
         ("model.grpo.dual_clip", loss.dual_clip),
         ("model.grpo.kl_coef", loss.kl_coef),
-        ("model.grpo.max_length", loss.max_length if loss.max_length is not None else g.max_new_tokens),
+        (
+            "model.grpo.max_length",
+            loss.max_length if loss.max_length is not None else g.max_new_tokens,
+        ),
         ("model.grpo.normalize_std", g.normalize_std),
         ("model.grpo.std", g.std),
         ("model.grpo.drop_zero_variance", g.drop_zero_variance),

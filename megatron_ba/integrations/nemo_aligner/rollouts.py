@@ -31,7 +31,9 @@ def global_group_ids(num_local_prompts: int, prompts_per_rank: int, dp_rank: int
     return dp_rank * prompts_per_rank + torch.arange(num_local_prompts)
 
 
-def response_mask(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+def response_mask(
+    prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, seq_len: int
+) -> torch.Tensor:
     """[B, seq_len - 1] float mask of the log-prob positions of response tokens.
 
     Log-prob position p scores token p + 1, so response tokens [prompt_len, response_len) are
@@ -43,7 +45,9 @@ def response_mask(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, 
     return ((pos >= lo) & (pos < hi)).float()
 
 
-def response_texts(tokens: torch.Tensor, prompt_lengths, response_lengths, ids_to_text) -> list[str]:
+def response_texts(
+    tokens: torch.Tensor, prompt_lengths, response_lengths, ids_to_text
+) -> list[str]:
     """The generated part of each row, decoded with the tokenizer's `ids_to_text`."""
     return [
         ids_to_text(tokens[i, int(prompt_lengths[i]) : int(response_lengths[i])].tolist())
@@ -71,11 +75,19 @@ def grpo_training_data(
     b, s = tokens.shape
     for key in ("prompt_lengths", "response_lengths"):
         if tuple(rollout[key].shape) != (b,):
-            raise ValueError(f"rollout[{key!r}]: must be [B] = ({b},), got {tuple(rollout[key].shape)}")
+            raise ValueError(
+                f"rollout[{key!r}]: must be [B] = ({b},), got {tuple(rollout[key].shape)}"
+            )
     if tuple(rewards.shape) != (b,) or tuple(group_ids.shape) != (b,):
-        raise ValueError(f"rewards, group_ids: must be [B] = ({b},), got {tuple(rewards.shape)}, {tuple(group_ids.shape)}")
+        raise ValueError(
+            f"rewards, group_ids: must be [B] = ({b},), got {tuple(rewards.shape)}, "
+            f"{tuple(group_ids.shape)}"
+        )
     report = group_advantages(
-        rewards.double(), group_ids, normalize_std=normalize_std, std=std,
+        rewards.double(),
+        group_ids,
+        normalize_std=normalize_std,
+        std=std,
         drop_zero_variance=drop_zero_variance,
     )
     mask = response_mask(rollout["prompt_lengths"], rollout["response_lengths"], s)

@@ -31,7 +31,6 @@ docs/nemo-aligner.md):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import types
@@ -108,7 +107,9 @@ def install() -> list[str]:
     from nemo.collections.nlp.modules.common.megatron import utils as megatron_nemo_utils
 
     if not hasattr(megatron_nemo_utils, "listify_model"):
-        megatron_nemo_utils.listify_model = lambda model: model if isinstance(model, list) else [model]
+        megatron_nemo_utils.listify_model = lambda model: (
+            model if isinstance(model, list) else [model]
+        )
         done.append("megatron.utils.listify_model")
     for name in ("FusedLayerNorm", "FastLayerNorm", "MixedFusedRMSNorm"):
         if not hasattr(megatron_nemo_utils, name):

@@ -27,8 +27,12 @@ class MathPromptDataset(torch.utils.data.Dataset):
         with open(path) as f:
             self.rows = [json.loads(line) for line in f if line.strip()]
         for i, row in enumerate(self.rows):
-            if not isinstance(row.get("prompt"), str) or not isinstance(row.get("ground_truth"), str):
-                raise ValueError(f"{path}: line {i + 1} needs string fields 'prompt' and 'ground_truth'")
+            if not isinstance(row.get("prompt"), str) or not isinstance(
+                row.get("ground_truth"), str
+            ):
+                raise ValueError(
+                    f"{path}: line {i + 1} needs string fields 'prompt' and 'ground_truth'"
+                )
         self.tokenizer, self.max_prompt_tokens = tokenizer, max_prompt_tokens
 
     def __len__(self) -> int:
@@ -36,15 +40,23 @@ class MathPromptDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         ids = self.tokenizer.text_to_ids(self.rows[i]["prompt"])[: self.max_prompt_tokens]
-        return {"text": torch.tensor(ids, dtype=torch.long), "length": len(ids),
-                "ground_truth": self.rows[i]["ground_truth"]}
+        return {
+            "text": torch.tensor(ids, dtype=torch.long),
+            "length": len(ids),
+            "ground_truth": self.rows[i]["ground_truth"],
+        }
 
 
 def collate(samples: list[dict], *, eos_id: int) -> dict:
-    """NeMo-Aligner's prompt batch (text [b, L] right-padded with EOS, length [b]) + ground_truth."""
-    texts = torch.nn.utils.rnn.pad_sequence([s["text"] for s in samples], batch_first=True, padding_value=eos_id)
-    return {"text": texts, "length": torch.tensor([s["length"] for s in samples]),
-            "ground_truth": [s["ground_truth"] for s in samples]}
+    """NeMo-Aligner's prompt batch (text [b, L] padded with EOS, length [b]) + ground_truth."""
+    texts = torch.nn.utils.rnn.pad_sequence(
+        [s["text"] for s in samples], batch_first=True, padding_value=eos_id
+    )
+    return {
+        "text": texts,
+        "length": torch.tensor([s["length"] for s in samples]),
+        "ground_truth": [s["ground_truth"] for s in samples],
+    }
 
 
 def _main(cfg) -> None:
@@ -69,13 +81,18 @@ def _main(cfg) -> None:
     from megatron_ba.integrations.nemo_aligner.config import grpo_settings
     from megatron_ba.integrations.nemo_aligner.trainer import GRPOTrainer
 
-    cfg.model = load_and_override_model_config(cfg.pretrained_checkpoint.restore_from_path, cfg.model)
+    cfg.model = load_and_override_model_config(
+        cfg.pretrained_checkpoint.restore_from_path, cfg.model
+    )
     grpo_settings(cfg.model)  # fail on a bad model.grpo before building anything
     trainer = resolve_and_create_trainer(cfg, "reinforce")
     exp_manager(trainer, cfg.exp_manager)
     logger = CustomLoggerWrapper(trainer.loggers)
     actor = load_from_nemo(
-        MegatronGPTGRPOActorModel, cfg.model, trainer, strict=True,
+        MegatronGPTGRPOActorModel,
+        cfg.model,
+        trainer,
+        strict=True,
         restore_path=cfg.pretrained_checkpoint.restore_from_path,
     )
     init_distributed(trainer, actor, cfg.model.get("transformer_engine", False))
@@ -86,22 +103,39 @@ def _main(cfg) -> None:
     collate_fn = partial(collate, eos_id=actor.tokenizer.eos_id)
     rc = cfg.model.reinforce
     train_builder = partial(
-        build_dataloader, cfg=cfg, dataset=train_ds, mbs=rc.rollout_micro_batch_size,
-        gbs=rc.num_rollout_samples, collate_fn=collate_fn, load_gbs=False,
+        build_dataloader,
+        cfg=cfg,
+        dataset=train_ds,
+        mbs=rc.rollout_micro_batch_size,
+        gbs=rc.num_rollout_samples,
+        collate_fn=collate_fn,
+        load_gbs=False,
     )
     val_builder = partial(
-        build_dataloader, cfg=cfg, dataset=val_ds, mbs=rc.val_rollout_micro_batch_size,
-        gbs=rc.num_val_samples, collate_fn=collate_fn, load_gbs=False, use_random_sampler=False,
+        build_dataloader,
+        cfg=cfg,
+        dataset=val_ds,
+        mbs=rc.val_rollout_micro_batch_size,
+        gbs=rc.num_val_samples,
+        collate_fn=collate_fn,
+        load_gbs=False,
+        use_random_sampler=False,
     )
     divide(rc.num_rollout_samples, dp)  # every DP rank generates for its own prompts
     init_using_ptl(trainer, actor, train_builder(consumed_samples=0), train_ds)
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
     grpo = GRPOTrainer(
-        cfg=cfg.trainer.reinforce, model=actor, optimizer=optimizer, scheduler=scheduler,
-        train_dataloader_builder=train_builder, val_dataloader_builder=val_builder,
-        collate_fn=collate_fn, rm=None,
+        cfg=cfg.trainer.reinforce,
+        model=actor,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_dataloader_builder=train_builder,
+        val_dataloader_builder=val_builder,
+        collate_fn=collate_fn,
+        rm=None,
         batch_iterator_cls=get_batch_iterator_cls(cfg.trainer.reinforce.batch_iterator),
-        logger=logger, ckpt_callback=add_custom_checkpoint_callback(trainer, actor),
+        logger=logger,
+        ckpt_callback=add_custom_checkpoint_callback(trainer, actor),
         run_timer=Timer(cfg.exp_manager.get("max_time_per_run")),
     )
     state = retrieve_custom_trainer_state_dict(trainer)

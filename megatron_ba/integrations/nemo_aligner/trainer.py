@@ -1,4 +1,4 @@
-"""The GRPO trainer: NeMo-Aligner's ReinforceTrainer with GRPO rollouts (explicit groups, DP shards).
+"""The GRPO trainer: NeMo-Aligner's ReinforceTrainer with GRPO rollouts (explicit groups).
 
 `GRPOTrainer` subclasses nemo-aligner 0.7.0's `ReinforceTrainer` and overrides two methods; its
 loop (`fit`, `generate_rollouts`, `run_training`, validation, checkpoints, NeMo's logger) is
@@ -61,16 +61,24 @@ class GRPOTrainer(ReinforceTrainer):
         num_microbatches = compute_num_rollout_microbatches(dataloader)
         with self.timer("batch_iterator_init"):
             batches = self.batch_iterator_cls(
-                iter(dataloader.batch_sampler), num_microbatches, dataloader.dataset, self.collate_fn
+                iter(dataloader.batch_sampler),
+                num_microbatches,
+                dataloader.dataset,
+                self.collate_fn,
             )
-        dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        dp, dp_rank = (
+            parallel_state.get_data_parallel_world_size(),
+            parallel_state.get_data_parallel_rank(),
+        )
         prompts_per_rank = dataloader.batch_sampler.global_batch_size // dp
         group_size = 1 if is_validation else int(self.cfg.num_rollouts_per_prompt)
         rollouts, truths, seen = [], [], 0
         with self.timer("generate"):
             for batch in batches:
                 if "ground_truth" not in batch:
-                    raise ValueError("batch['ground_truth']: the GRPO trainer's prompt batches need it")
+                    raise ValueError(
+                        "batch['ground_truth']: the GRPO trainer's prompt batches need it"
+                    )
                 n = batch["text"].size(0)
                 ids = global_group_ids(seen + n, prompts_per_rank, dp_rank)[seen:]
                 seen += n
@@ -81,10 +89,14 @@ class GRPOTrainer(ReinforceTrainer):
                     rollouts.append(rollout)
                     truths.extend(batch["ground_truth"])
         local = ReinforceRolloutBatch.from_rollout_batches(
-            rollouts, eos_id=self.model.tokenizer.eos_id, rollout_batch_seq_length=self.cfg.rollout_batch_seq_length
+            rollouts,
+            eos_id=self.model.tokenizer.eos_id,
+            rollout_batch_seq_length=self.cfg.rollout_batch_seq_length,
         )
         texts = response_texts(
-            local["response_tokens"].cpu(), local["prompt_lengths"], local["response_lengths"],
+            local["response_tokens"].cpu(),
+            local["prompt_lengths"],
+            local["response_lengths"],
             self.model.tokenizer.ids_to_text,
         )
         local["rewards"] = self.reward_fn(texts, truths).to(local["response_lengths"].device)
@@ -92,7 +104,9 @@ class GRPOTrainer(ReinforceTrainer):
             local["logprobs"] = self.model.get_inference_log_probs(local["response_tokens"])
         if not is_validation and self.grpo.kl_coef > 0:
             with self.timer("init_logprobs"):
-                local["init_logprobs"] = self.model.get_init_policy_logprobs(local["response_tokens"])
+                local["init_logprobs"] = self.model.get_init_policy_logprobs(
+                    local["response_tokens"]
+                )
         return local, self._global_rollout_metrics(local, seen)
 
     def _global_rollout_metrics(self, local, num_prompts: int) -> dict:
@@ -135,7 +149,8 @@ class GRPOTrainer(ReinforceTrainer):
         )
         keys = sorted(metrics)
         total = collectives.all_reduce_sum(
-            torch.tensor([metrics[k] for k in keys], dtype=torch.float64), group=mcore_ps.get_data_parallel_group()
+            torch.tensor([metrics[k] for k in keys], dtype=torch.float64),
+            group=mcore_ps.get_data_parallel_group(),
         )
         g = dict(zip(keys, total.tolist(), strict=True))
         out = {
