@@ -53,6 +53,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--negative-control", action="store_true", help=argparse.SUPPRESS)
 
 
+def unsupported_megatron_core() -> str | None:
+    """Why the installed megatron-core cannot run the layout check, or None.
+
+    The check builds its model with megatron-core's process-group collections
+    (`megatron.core.process_groups_config`, absent in 0.10) and is tested with 0.16.1.
+    """
+    import importlib.util
+
+    from megatron.core import package_info
+
+    if importlib.util.find_spec("megatron.core.process_groups_config") is None:
+        return (
+            f"megatron-core {package_info.__version__} is not supported: the layout check needs "
+            "megatron.core.process_groups_config (megatron-core 0.16.1 is tested; 0.10, "
+            "NeMo-Aligner 0.7.0's, lacks it). Under megatron-core 0.10 the GRPO loss is checked "
+            "inside NeMo-Aligner by tests/nemo/ (bash scripts/run_nemo_tests.sh)"
+        )
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_ba.megatron.layout_check import (
         TOLERANCE,
@@ -63,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
         run_layout,
     )
 
+    unsupported = unsupported_megatron_core()
+    if unsupported:
+        print(f"check-layout: {unsupported}", file=sys.stderr)
+        return 2
     layout = Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp)
     case = Case(
         rule=args.rule,

@@ -17,7 +17,8 @@ merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
 3. RNG: `seed_model_parallel_rng(seed)` calls megatron-core's
    `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`, whose tracker never
    touches CUDA generators (the default tracker calls torch.cuda.manual_seed and
-   torch.cuda.get_rng_state). Call it after `initialize_model_parallel`.
+   torch.cuda.get_rng_state). Call it after `initialize_model_parallel`. megatron-core 0.10 has
+   no such argument: there a tracker with a null `fork()` is installed instead (same effect).
 4. `TransformerConfig(batch_p2p_sync=False)`: the batched p2p path otherwise calls
    torch.cuda.synchronize(); see `CPU_CONFIG_OVERRIDES`.
 
@@ -95,7 +96,44 @@ def installed() -> list[str]:
 
 def seed_model_parallel_rng(seed: int) -> None:
     """megatron-core's model-parallel RNG set-up without CUDA generators (shim 3)."""
+    import inspect
+
     from megatron.core import tensor_parallel
 
-    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+    seed_fn = tensor_parallel.model_parallel_cuda_manual_seed
+    if "inference_rng_tracker" in inspect.signature(seed_fn).parameters:
+        seed_fn(seed, inference_rng_tracker=True)
+    else:
+        # megatron-core 0.10 (NeMo-Aligner 0.7.0's) has no CUDA-free tracker: its
+        # CudaRNGStatesTracker.add calls torch.cuda.get_rng_state. Install one whose fork() is a
+        # null context, as 0.16.1's inference tracker is: TP-region dropout then draws from
+        # torch's default (CPU) generator, seeded below.
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        mcore_random._CUDA_RNG_STATE_TRACKER = _CpuRNGTracker()
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.manual_seed(seed)
+
+
+class _CpuRNGTracker:
+    """megatron-core's RNG-tracker interface with no CUDA state (megatron-core 0.10 on CPU)."""
+
+    def reset(self) -> None:
+        pass
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_states(self) -> dict:
+        return {}
+
+    def set_states(self, states) -> None:
+        pass
+
+    def add(self, name, seed) -> None:
+        pass
+
+    def fork(self, name=None):
+        import contextlib
+
+        return contextlib.nullcontext()

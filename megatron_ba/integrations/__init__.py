@@ -1,0 +1,1 @@
+"""Adapters that run megatron-ba's GRPO core inside other training frameworks."""

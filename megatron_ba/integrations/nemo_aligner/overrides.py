@@ -1,0 +1,107 @@
+"""Our recipe (megatron_ba.recipe.Recipe) as NeMo-Aligner `++key=value` overrides of train_grpo.
+
+    recipe_to_nemo_overrides(recipe, num_nodes=2, devices=8)
+    # ['++trainer.num_nodes=2', '++trainer.devices=8', '++model.tensor_model_parallel_size=2', ...]
+
+The keys are those of conf/gpt_grpo_balanced.yaml (NeMo-Aligner's REINFORCE layout plus our
+`model.grpo` section). What does not carry over fails with the recipe key named: context
+parallelism (NeMo-Aligner's actor does not shard sequences), the entropy bonus (not wired in the
+actor), a Hugging Face checkpoint (convert it to `.nemo` first, docs/nemo-aligner.md).
+"""
+
+from __future__ import annotations
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def recipe_to_nemo_overrides(
+    recipe, *, num_nodes: int = 1, devices: int | None = None
+) -> list[str]:
+    """The overrides of `python -m megatron_ba.integrations.nemo_aligner.train_grpo` for `recipe`.
+
+    devices: GPUs per node (default TP x PP: one data-parallel replica per node).
+    """
+    p, g, loss, opt = recipe.parallel, recipe.grpo, recipe.loss, recipe.optimizer
+    if p.cp != 1:
+        raise ValueError(
+            f"parallel.cp: NeMo-Aligner's actor has no context parallelism, got cp={p.cp}"
+        )
+    if loss.entropy_coef != 0:
+        raise ValueError(
+            "loss.entropy_coef: the NeMo-Aligner GRPO actor has no entropy bonus (use 0)"
+        )
+    devices = p.tp * p.pp if devices is None else devices
+    if not (isinstance(num_nodes, int) and num_nodes >= 1):
+        raise ValueError(f"num_nodes: must be an integer >= 1, got {num_nodes!r}")
+    world = num_nodes * devices
+    if world % (p.tp * p.pp):
+        raise ValueError(
+            f"devices: num_nodes x devices = {world} is not a multiple of TP x PP = {p.tp * p.pp}"
+        )
+    dp = world // (p.tp * p.pp)
+    if g.prompts_per_step % dp:
+        raise ValueError(
+            f"grpo.prompts_per_step: {g.prompts_per_step} prompts do not split over {dp} "
+            "data-parallel ranks (each rank generates and trains on its own prompts)"
+        )
+    sequences = g.prompts_per_step * g.group_size
+    step_sequences = sequences // g.mini_batches  # per optimizer step, all DP ranks
+    if step_sequences % (dp * p.micro_batch_size):
+        raise ValueError(
+            f"parallel.micro_batch_size: {step_sequences} sequences per optimizer step do not "
+            f"split into micro-batches of {p.micro_batch_size} on {dp} DP ranks"
+        )
+    restore = recipe.model.pretrained
+    if restore is None:
+        restore = "???"  # OmegaConf's "mandatory, missing": train_grpo fails until it is given
+    elif not str(restore).endswith(".nemo"):
+        raise ValueError(
+            f"model.pretrained: NeMo-Aligner restores a .nemo checkpoint, got {restore!r}; "
+            "convert a Hugging Face model with NeMo's converter first (docs/nemo-aligner.md)"
+        )
+    pairs = [
+        ("trainer.num_nodes", num_nodes),
+        ("trainer.devices", devices),
+        ("model.tensor_model_parallel_size", p.tp),
+        ("model.pipeline_model_parallel_size", p.pp),
+        ("model.sequence_parallel", p.sequence_parallel),
+        ("pretrained_checkpoint.restore_from_path", restore),
+        ("model.seed", recipe.seed),
+        ("trainer.reinforce.max_steps", g.steps),
+        ("trainer.reinforce.num_rollouts_per_prompt", g.group_size),
+        ("model.reinforce.num_rollout_samples", g.prompts_per_step),
+        ("model.reinforce.length_params.max_length", g.max_new_tokens),
+        ("model.reinforce.sampling_params.temperature", g.temperature),
+        ("model.micro_batch_size", p.micro_batch_size),
+        ("model.global_batch_size", step_sequences),
+        ("trainer.reinforce.model_gbs", step_sequences),
+        ("trainer.reinforce.model_mbs", p.micro_batch_size),
+        ("model.optim.lr", opt.lr),
+        ("model.optim.weight_decay", opt.weight_decay),
+        ("model.optim.betas", f"[{opt.beta1},{opt.beta2}]"),
+        ("model.optim.eps", opt.eps),
+        ("trainer.reinforce.gradient_clip_val", opt.grad_clip),
+        ("model.grpo.rule", loss.rule),
+        ("model.grpo.scope", loss.scope),
+        ("model.grpo.reg_rule", loss.reg_rule),
+        ("model.grpo.reg_scope", loss.reg_scope),
+        ("model.grpo.neutral_eps", loss.neutral_eps),
+        ("model.grpo.clip_low", loss.clip_low),
+        ("model.grpo.clip_high", loss.clip_high),
+        ("model.grpo.dual_clip", loss.dual_clip),
+        ("model.grpo.kl_coef", loss.kl_coef),
+        (
+            "model.grpo.max_length",
+            loss.max_length if loss.max_length is not None else g.max_new_tokens,
+        ),
+        ("model.grpo.normalize_std", g.normalize_std),
+        ("model.grpo.std", g.std),
+        ("model.grpo.drop_zero_variance", g.drop_zero_variance),
+    ]
+    return [f"++{k}={_fmt(v)}" for k, v in pairs]

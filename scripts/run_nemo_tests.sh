@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The NeMo-Aligner integration's tests (tests/nemo/) in their own environment:
+#
+#   bash scripts/run_nemo_tests.sh [pytest args]
+#
+# Sets up .venv-nemo (scripts/setup_nemo_env.sh: NeMo 2.1.0, megatron-core 0.10.0, nemo-aligner
+# 0.7.0, torch 2.13 CPU; ~4 min and ~2.3 GB the first time), then runs tests/nemo/ there. CI runs
+# it after the main suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_nemo_env.sh
+. "${MEGATRON_BA_NEMO_VENV:-.venv-nemo}/bin/activate"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python -m pytest tests/nemo -p no:cacheprovider "$@"

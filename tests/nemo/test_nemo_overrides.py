@@ -1,0 +1,137 @@
+"""Recipe -> NeMo-Aligner overrides (`--print-overrides`) and the shipped Hydra config.
+
+The translation runs anywhere (no NeMo import); the Hydra composition test runs in .venv-nemo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO, needs_nemo
+
+from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
+from megatron_ba.recipe import load_recipe
+
+CONF = REPO / "megatron_ba/integrations/nemo_aligner/conf/gpt_grpo_balanced.yaml"
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def _as_dict(overrides: list[str]) -> dict[str, str]:
+    assert all(o.startswith("++") and "=" in o for o in overrides), overrides
+    return dict(o[2:].split("=", 1) for o in overrides)
+
+
+def _has_key(tree: dict, dotted: str) -> bool:
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_translates_to_keys_of_the_shipped_config(path):
+    recipe = load_recipe(path)
+    got = _as_dict(recipe_to_nemo_overrides(recipe))
+    conf = yaml.safe_load(CONF.read_text())
+    missing = [k for k in got if not _has_key(conf, k)]
+    assert missing == [], f"overrides for keys absent from {CONF.name}: {missing}"
+    assert got["model.tensor_model_parallel_size"] == str(recipe.parallel.tp)
+    assert got["trainer.devices"] == str(recipe.parallel.tp * recipe.parallel.pp)
+    assert got["model.grpo.rule"] == recipe.loss.rule
+    assert got["pretrained_checkpoint.restore_from_path"] == "???"  # tiny recipes: no .nemo
+
+
+def test_layout_nodes_checkpoint_and_batch_sizes():
+    recipe = load_recipe(
+        RECIPES[0],
+        [
+            "parallel.tp=2",
+            "parallel.micro_batch_size=4",
+            "model.pretrained=/ckpt/m.nemo",
+            "grpo.prompts_per_step=32",
+            "grpo.group_size=8",
+            "grpo.mini_batches=2",
+        ],
+    )
+    got = _as_dict(recipe_to_nemo_overrides(recipe, num_nodes=2, devices=8))
+    assert got["trainer.num_nodes"] == "2" and got["trainer.devices"] == "8"
+    assert got["pretrained_checkpoint.restore_from_path"] == "/ckpt/m.nemo"
+    assert got["model.global_batch_size"] == "128"  # 32 x 8 / 2 mini-batches
+    assert got["model.reinforce.num_rollout_samples"] == "32"
+    assert got["trainer.reinforce.num_rollouts_per_prompt"] == "8"
+
+
+def test_what_does_not_carry_over_fails_with_the_key_named():
+    recipe = load_recipe(RECIPES[0])
+    bad = [
+        (
+            dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, cp=2)),
+            "parallel.cp",
+        ),
+        (
+            dataclasses.replace(recipe, loss=dataclasses.replace(recipe.loss, entropy_coef=0.1)),
+            "loss.entropy_coef",
+        ),
+        (
+            dataclasses.replace(
+                recipe, model=dataclasses.replace(recipe.model, pretrained="/hf/qwen")
+            ),
+            "model.pretrained",
+        ),
+    ]
+    for r, key in bad:
+        with pytest.raises(ValueError, match=key):
+            recipe_to_nemo_overrides(r)
+    with pytest.raises(ValueError, match=r"grpo\.prompts_per_step"):
+        recipe_to_nemo_overrides(
+            dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, tp=2, pp=1)),
+            num_nodes=1,
+            devices=6,
+        )
+
+
+@needs_nemo
+@pytest.mark.slow
+def test_train_grpo_composes_the_config_with_overrides(tmp_path):
+    """Hydra + NeMo's hydra_runner compose conf/gpt_grpo_balanced.yaml with `++` overrides."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_ba.integrations.nemo_aligner.train_grpo",
+            "++model.grpo.rule=token",
+            "++trainer.num_nodes=3",
+            "--cfg",
+            "job",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cfg = yaml.safe_load(proc.stdout[proc.stdout.index("trainer:") :])
+    assert cfg["trainer"]["num_nodes"] == 3 and cfg["model"]["grpo"]["rule"] == "token"
+
+
+@needs_nemo
+def test_check_layout_says_which_megatron_core_it_supports():
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ba.cli", "check-layout"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "megatron-core 0.10.0 is not supported" in proc.stderr and "0.16.1" in proc.stderr
