@@ -38,6 +38,14 @@ def _has_key(tree: dict, dotted: str) -> bool:
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
 def test_every_recipe_translates_to_keys_of_the_shipped_config(path):
     recipe = load_recipe(path)
+    if recipe.model.pretrained and not recipe.model.pretrained.endswith(".nemo"):
+        # A Hugging Face checkpoint: NeMo-Aligner needs it converted to .nemo first.
+        with pytest.raises(ValueError, match=r"^model\.pretrained: NeMo-Aligner restores a .nemo"):
+            recipe_to_nemo_overrides(recipe)
+        recipe = load_recipe(path, [f"model.pretrained={recipe.model.pretrained}.nemo"])
+        got = _as_dict(recipe_to_nemo_overrides(recipe))
+        assert got["pretrained_checkpoint.restore_from_path"].endswith(".nemo")
+        return
     got = _as_dict(recipe_to_nemo_overrides(recipe))
     conf = yaml.safe_load(CONF.read_text())
     missing = [k for k in got if not _has_key(conf, k)]
@@ -55,6 +63,8 @@ def test_layout_nodes_checkpoint_and_batch_sizes():
             "parallel.tp=2",
             "parallel.micro_batch_size=4",
             "model.pretrained=/ckpt/m.nemo",
+            "warmstart.enabled=false",
+            "tokenizer.kind=hf",
             "grpo.prompts_per_step=32",
             "grpo.group_size=8",
             "grpo.mini_batches=2",

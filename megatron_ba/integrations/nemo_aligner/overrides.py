@@ -70,7 +70,7 @@ def recipe_to_nemo_overrides(
         ("trainer.devices", devices),
         ("model.tensor_model_parallel_size", p.tp),
         ("model.pipeline_model_parallel_size", p.pp),
-        ("model.sequence_parallel", p.sequence_parallel),
+        ("model.sequence_parallel", False),  # not a recipe key yet: megatron-ba runs without it
         ("pretrained_checkpoint.restore_from_path", restore),
         ("model.seed", recipe.seed),
         ("trainer.reinforce.max_steps", g.steps),
