@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.eval",
         "Acc@k / Best@k of a Hugging Face model folder on the paper's six benchmarks (vLLM)",
     ),
+    "layout": (
+        "megatron_ba.commands.layout",
+        "propose TP/PP/CP/DP and micro-batches that fit a cluster, with a per-GPU memory estimate",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",

@@ -3,6 +3,7 @@
     megatron-ba train recipes/tiny-cpu.yaml                       # the CPU main job (~2.5 min)
     megatron-ba train recipes/tiny-cpu.yaml loss.rule=token grpo.steps=20 --run-dir runs/tok
     megatron-ba train recipes/tiny-cpu.yaml --resume runs/tiny-cpu-balanced
+    kill -USR1 PID    # or touch RUN_DIR/PREEMPT: checkpoint at the next step, exit 75
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
 
 The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
@@ -52,11 +53,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from megatron_ba.train import preemption
     from megatron_ba.train.driver import Trainer
 
+    preemption.install()  # SIGUSR1: checkpoint at the next step boundary and stop
     trainer = Trainer(recipe, run_dir, resume=bool(args.resume), cache_dir=Path(args.cache_dir))
     try:
         summary = trainer.run()
+    except preemption.Preempted as e:
+        print(f"train: {e}; continue with --resume {run_dir}", file=sys.stderr)
+        return preemption.PREEMPTED_EXIT_CODE
     finally:
         trainer.close()
     if summary:

@@ -24,7 +24,7 @@ import torch
 from megatron_ba.diagnostics import batch_diagnostics
 from megatron_ba.recipe import Recipe
 from megatron_ba.tasks.arithmetic import answer_of
-from megatron_ba.train import checkpoint
+from megatron_ba.train import checkpoint, preemption  # [preemption hook 1/2]
 from megatron_ba.train.experience import build_experience
 from megatron_ba.train.run_log import MetricsLog
 from megatron_ba.train.update import grpo_update
@@ -335,6 +335,9 @@ class Trainer:
             every = r.checkpoint.every
             if done == steps or (every and done % every == 0):
                 self._checkpoint(done)
+            # [preemption hook 2/2] asked to stop (SIGUSR1 / RUN_DIR/PREEMPT): checkpoint, raise
+            if done < steps and preemption.should_stop(ctx, self.run_dir):
+                preemption.stop(self, done)
         if progress is not None:
             progress.close()
         summary = {}
