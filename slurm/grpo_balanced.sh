@@ -23,7 +23,7 @@ set -euo pipefail
 
 # Under sbatch this file is a spooled copy: find the checkout from the submitted script's path.
 if [[ -z ${MBA_HOME:-} && -n ${SLURM_JOB_ID:-} && ${DRY_RUN:-0} != 1 ]]; then
-    submitted=$(scontrol show job "$SLURM_JOB_ID" | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+    submitted=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p') || true
     [[ -f $submitted ]] && MBA_HOME=$(cd "$(dirname "$submitted")/.." && pwd)
 fi
 MBA_HOME=${MBA_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}

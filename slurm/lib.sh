@@ -143,7 +143,11 @@ mba_plan() {
     local -a launcher
     case $RECIPE_BACKEND in
     local)
-        launcher=("${MBA_TORCHRUN[@]}" --nnodes="$MBA_NODES" --nproc-per-node="$MBA_GPUS"
+        # torchrun's agent dies of SIGUSR1 (it handles TERM/INT/HUP/QUIT), and srun forwards
+        # one sent to the job (scancel --signal=USR1) to the whole step: the agent ignores it,
+        # the training processes catch it (megatron_ba/train/preemption.py).
+        launcher=(bash -c 'trap "" USR1; exec "$@"' megatron-ba-node
+            "${MBA_TORCHRUN[@]}" --nnodes="$MBA_NODES" --nproc-per-node="$MBA_GPUS"
             --rdzv-backend=c10d --rdzv-endpoint="$MBA_HEAD:$MBA_PORT"
             --rdzv-id="${SLURM_JOB_ID:-local}" --max-restarts=0
             --log-dir="$MBA_LOG_DIR/ranks" --redirects=3 --tee=3
@@ -215,17 +219,18 @@ mba_run() {
     mv "$MBA_RESOLVED" "$MBA_LOG_DIR/recipe.yaml" # the resolved recipe this job was launched with
     mba_describe >"$MBA_LOG_DIR/launch.sh"
     rm -f "$MBA_RUN_DIR/PREEMPT" "$MBA_RUN_DIR/preempted.json"
-    trap 'mba_say "SIGUSR1: asking training to checkpoint at the next step and stop"; touch "$MBA_RUN_DIR/PREEMPT"' USR1
+    MBA_SIGNALS=0
+    trap 'MBA_SIGNALS=$((MBA_SIGNALS + 1)); mba_say "SIGUSR1: asking training to checkpoint at the next step and stop"; touch "$MBA_RUN_DIR/PREEMPT"' USR1
     mba_say "launching: $(printf '%q ' "${MBA_CMD[@]}")"
     "${MBA_CMD[@]}" &
-    local pid=$!
+    local pid=$! seen
     while true; do
-        wait "$pid"
-        MBA_RC=$?
-        # wait returns >128 when a trapped signal interrupts it; the command still runs then.
-        if ((MBA_RC > 128)) && kill -0 "$pid" 2>/dev/null; then
-            continue
-        fi
+        seen=$MBA_SIGNALS
+        MBA_RC=0
+        wait "$pid" || MBA_RC=$? # (set -e: a failed run is a status to act on, not an exit)
+        # A trapped signal interrupts wait (status > 128) while the command still runs: wait
+        # again (bash keeps the status of a child that ended meanwhile).
+        ((MBA_SIGNALS != seen)) && continue
         break
     done
     trap - USR1

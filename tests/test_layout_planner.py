@@ -27,7 +27,8 @@ Q7_LAYER = (
     3584 * 3584  # q
     + 2 * 3584 * 512  # k, v (4 KV heads x 128)
     + 3584 * 3584  # o
-    + 3584 + 2 * 512  # q, k, v biases
+    + 3584
+    + 2 * 512  # q, k, v biases
     + 3 * 3584 * 18944  # gate, up, down
     + 2 * 3584  # two RMSNorms
 )

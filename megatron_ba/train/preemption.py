@@ -5,12 +5,13 @@ no step lost or repeated.
     if should_stop(ctx, run_dir): ...      # every rank, after each step: the ranks' agreed answer
     stop(trainer, step)                    # checkpoint at `step` unless just saved; raise Preempted
 
-Two ways to ask: SIGUSR1 to a training process (`kill -USR1 PID`, `srun --signal`), or the file
-RUN_DIR/PREEMPT (slurm/lib.sh writes it when its batch shell receives `--signal=B:USR1@s`).
-The file is how the Slurm launcher forwards the signal: the training processes sit under torchrun,
-whose agent is killed by SIGUSR1 (it handles TERM/INT/HUP/QUIT only), and signalling the whole
-step would also reach the vLLM engine and reward worker processes, which die on it. The run
-folder is on the file system every node shares anyway (checkpoints are written there).
+Two ways to ask: SIGUSR1 to the training processes (`kill -USR1 PID`, or `scancel
+--signal=USR1` on the job, which srun forwards to every process of the step), or the file
+RUN_DIR/PREEMPT, which slurm/lib.sh writes when its batch shell receives `--signal=B:USR1@s`
+(Slurm then signals that shell alone). The file is how the launcher forwards the signal to
+every node: the run folder is on the file system all nodes share (checkpoints go there). The
+launcher starts torchrun with SIGUSR1 ignored (its agent would die of it) and install() keeps the
+signal from killing the vLLM engine and reward worker processes (see there).
 
 Ranks must stop at the same step: a rank that stopped alone would leave the others blocked in the
 next step's collectives. So each rank's local answer (flag or file) is summed over the world once
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 from pathlib import Path
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which a requeue does
@@ -47,12 +49,31 @@ def _on_signal(signum, frame) -> None:  # the signal module's signature
     _requested = True  # only a flag: the step in flight finishes, the check below acts on it
 
 
+def _wait_for(signals) -> None:
+    global _requested
+    while True:
+        signal.sigwait(signals)
+        _requested = True
+
+
 def install(signals=(signal.SIGUSR1,)) -> None:
-    """Route `signals` to this process's flag (call once per process, before training)."""
+    """Route `signals` to this process's flag, and keep them from killing its children.
+
+    Call once per process, before the rollout engine and reward workers start. The signals are
+    blocked in the calling (main) thread, so every process started from it inherits them
+    blocked: a signal sent to the whole Slurm step (`scancel --signal=USR1`, which srun forwards
+    to every process of the step) then cannot kill the vLLM engine or a reward worker, whose
+    default action for SIGUSR1 is to terminate. Here a thread waits for them (sigwait) and a
+    handler catches them in any thread started before; both only set the flag.
+    """
     global _requested
     _requested = False
     for s in signals:
         signal.signal(s, _on_signal)
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    threading.Thread(
+        target=_wait_for, args=(set(signals),), name="preemption-signals", daemon=True
+    ).start()
 
 
 def requested_here(run_dir: Path) -> bool:
