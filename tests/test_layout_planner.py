@@ -93,7 +93,7 @@ def test_activations_and_logits_by_hand():
     assert e.activations_full_recompute == 28 * 3584 * 2 * T / 2 + per_token_layer * 2 * T / 2
     assert e.activations == e.activations_no_recompute  # recompute=False
     v_local = 152064 / 2
-    assert e.logits_naive == T * v_local * (2 + 8 + 4)
+    assert e.logits_naive == T * v_local * (2 + 20)  # 20: measured, docs/performance.md
     assert e.logits_chunked == T * v_local * 4 + 2 * 1024 * v_local * 4
     assert e.logits == e.logits_chunked
     assert e.train_phase == e.weights + e.grads + e.optimizer + e.activations + e.logits
@@ -154,7 +154,7 @@ def test_proposal_fits_and_prefers_data_parallelism():
 
 
 def test_nothing_fits_says_what_came_closest():
-    with pytest.raises(NoLayoutFits, match="closest layout .* add nodes"):
+    with pytest.raises(NoLayoutFits, match=r"closest layout .* add nodes"):
         propose(PRESETS["Qwen2.5-32B"], nodes=1, gpus_per_node=2, gpu_mem_gib=24,
                 max_response_len=16384)  # fmt: skip
     with pytest.raises(ValueError, match="--nodes"):

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--headroom", type=float, default=0.1, help="fraction of the GPU kept free (default 0.1)"
     )
+    for name in ("tp", "pp", "cp"):
+        p.add_argument(f"--{name}", type=int, help=f"pin {name} (estimate a given layout)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -73,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             prompts_per_step=args.prompts_per_step,
             vllm=vllm,
             headroom=args.headroom,
+            only={"tp": args.tp, "pp": args.pp, "cp": args.cp},
         )
     except NoLayoutFits as e:
         print(f"layout: {e}", file=sys.stderr)

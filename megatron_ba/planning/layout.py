@@ -157,7 +157,10 @@ def propose(
     vllm: VLLMShare | None = DEFAULT_VLLM,
     headroom: float = 0.1,
     max_micro_batch: int = 64,
+    only: dict[str, int] | None = None,
 ) -> Plan:
+    """The proposal (see the module docstring); `only` pins some of tp/pp/cp (e.g. {"tp": 2})
+    to estimate a given layout instead of searching over it."""
     for name, value in (
         ("--nodes", nodes),
         ("--gpus-per-node", gpus_per_node),
@@ -179,7 +182,10 @@ def propose(
     world = nodes * gpus_per_node
     budget = (1 - headroom) * gpu_mem_gib * GIB
     fits, closest = [], None
+    only = {k: v for k, v in (only or {}).items() if v is not None}
     for tp, pp, cp, dp in candidate_layouts(shape, world, gpus_per_node, seq_len):
+        if any({"tp": tp, "pp": pp, "cp": cp}[k] != v for k, v in only.items()):
+            continue
         if sequences is not None and sequences % dp:
             continue  # each data-parallel rank takes an equal share of the step's sequences
         limit = (

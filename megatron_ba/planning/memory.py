@@ -254,10 +254,12 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
     logits_naive = logits_chunked = 0.0
     if stage == p - 1:
         v_local = shape.vocab_size / t
-        # naive: the bf16 logits, two fp32 [T, V/t] tensors saved (scaled logits, softmax) and the
-        # fp32 gradient written in the backward.
-        logits_naive = tokens * v_local * (prec.logits_bytes + 2 * 4 + 4)
-        # chunked: the bf16 logits and their gradient, two fp32 chunk buffers of C x V/t.
+        # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
+        # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
+        # "Vocab-parallel log-prob": 5935 MiB extra at T 16,384 x V/TP 18,992).
+        logits_naive = tokens * v_local * (prec.logits_bytes + 20)
+        # chunked: the bf16 logits and their gradient, two fp32 chunk buffers of C x V/t (742 MiB
+        # extra measured at C 1024 there: 594 MiB gradient + 2 x 1024 x 18,992 x 4 bytes).
         chunk = min(layout.logprob_chunk, tokens)
         logits_chunked = tokens * v_local * 2 * prec.logits_bytes + 2 * chunk * v_local * 4
     logits = logits_chunked if layout.chunked_logprobs else logits_naive
