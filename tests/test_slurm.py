@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -266,3 +267,37 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     a, b = _comparable(pre), _comparable(ref)
     assert a == b  # bit for bit on CPU, but for the timings
     assert not (pre / "preempted.json").exists()  # cleared on relaunch; the finished run adds none
+
+
+# -- the training side of preemption (megatron_ba/train/preemption.py) -------------------------
+def _child_blocks_usr1() -> bool:
+    """Whether a process started now from this thread has SIGUSR1 blocked (its SigBlk mask)."""
+    out = subprocess.run(["grep", "SigBlk", "/proc/self/status"], capture_output=True, text=True)
+    return bool(int(out.stdout.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)))
+
+
+def test_preemption_flag_file_and_children(tmp_path):
+    from megatron_ba.train import preemption
+
+    class World1:
+        world = 1
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    old_handler = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert not _child_blocks_usr1()  # negative control: nothing installed yet
+        preemption.install()
+        assert not preemption.should_stop(World1(), tmp_path)
+        (tmp_path / preemption.REQUEST_FILE).touch()  # what the batch shell writes on B:USR1
+        assert preemption.should_stop(World1(), tmp_path)
+        preemption.clear(tmp_path)
+        assert not preemption.should_stop(World1(), tmp_path)
+        assert _child_blocks_usr1()  # vLLM / reward workers started now cannot die of it
+        os.kill(os.getpid(), signal.SIGUSR1)  # blocked here: the waiting thread takes it
+        _wait(
+            lambda: preemption.should_stop(World1(), tmp_path), "the flag", timeout=10, every=0.05
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        signal.signal(signal.SIGUSR1, old_handler)
+        preemption._requested = False
