@@ -118,10 +118,8 @@ mba_plan() {
     fi
     MBA_NODES=${#MBA_HOSTS[@]}
     MBA_GPUS=$RECIPE_GPUS_PER_NODE
-    if [[ -z $MBA_RUN_DIR ]]; then
-        MBA_RUN_DIR=runs/$RECIPE_RUN_NAME
-        [[ -f $MBA_RUN_DIR/recipe.yaml ]] && recipe=$MBA_RUN_DIR/recipe.yaml
-    fi
+    # Default run folder: megatron-ba train's (runs/<name>-<rule>).
+    [[ -n $MBA_RUN_DIR ]] || MBA_RUN_DIR=runs/$RECIPE_RUN_NAME
     MBA_JOB_NAME=$(basename "$MBA_RUN_DIR")
     MBA_LOG_DIR=$MBA_RUN_DIR/logs/job-${SLURM_JOB_ID:-local}-restart-${SLURM_RESTART_COUNT:-0}
     MBA_RESUME=0
