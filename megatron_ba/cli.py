@@ -44,6 +44,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.tiny_model",
         "write a tiny random Qwen3 / Qwen2 Hugging Face checkpoint and tokenizer (offline)",
     ),
+    "layout": (
+        "megatron_ba.commands.layout",
+        "propose TP/PP/CP/DP and micro-batches that fit a cluster, with a per-GPU memory estimate",
+    ),
     "bench": (
         "megatron_ba.commands.bench",
         "run a benchmark (aggregation, ...) and print its measurements",

@@ -3,6 +3,7 @@
     megatron-ba train recipes/tiny-cpu.yaml                       # the CPU main job (~2.5 min)
     megatron-ba train recipes/tiny-cpu.yaml loss.rule=token grpo.steps=20 --run-dir runs/tok
     megatron-ba train recipes/tiny-cpu.yaml --resume runs/tiny-cpu-balanced
+    kill -USR1 PID    # or touch RUN_DIR/PREEMPT: checkpoint at the next step, exit 75
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
 
 The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
@@ -61,10 +62,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from megatron_ba.train import preemption
     from megatron_ba.train.console import Console
 
     rank = int(os.environ.get("RANK", "0"))
     console = Console(run_dir / "logs", rank=rank, verbose=args.verbose)
+    preemption.install()  # SIGUSR1: checkpoint at the next step boundary and stop
     with console:  # before the heavy imports: their warnings go to the log file too
         from megatron_ba.train.driver import Trainer
 
@@ -74,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             summary = trainer.run(progress_stream=console.stream)
+        except preemption.Preempted as e:
+            console.log(f"train: {e}; continue with --resume {run_dir}")
+            return preemption.PREEMPTED_EXIT_CODE
         finally:
             trainer.close()
     if summary:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from megatron_ba.recipe import Recipe
+from megatron_ba.train import preemption
 
 
 def _seed_for(seed: int, step: int, purpose: str) -> int:
@@ -230,6 +231,9 @@ class Trainer:
             every = r.checkpoint.every
             if done == steps or (every and done % every == 0):
                 self._checkpoint(done)
+            # [preemption hook 2/2] asked to stop (SIGUSR1 / RUN_DIR/PREEMPT): checkpoint, raise
+            if done < steps and preemption.should_stop(ctx, self.run_dir):
+                preemption.stop(self, done)
         if progress is not None:
             progress.close()
         self.policy.export_hf(self.run_dir / "hf", self.tokenizer)  # the last step (collective)

@@ -1,0 +1,176 @@
+"""What the Slurm launchers ask of a recipe, answered by the project's own recipe loader.
+
+    python -m megatron_ba.planning.launch fit RECIPE --nodes 4 --gpus-per-node 8 [key=value ...]
+    python -m megatron_ba.planning.launch fit RECIPE --hostlist 'gpu[01-04]' --gpus-per-node 8
+    python -m megatron_ba.planning.launch hosts 'gpu[01-04],cpu7'
+
+`fit` loads the recipe with its overrides (strictly, as `megatron-ba train` does), checks that
+nodes x GPUs per node holds the recipe's TP x PP x CP a whole number of times (DP is what is
+left), and prints shell assignments (NAME=..., TP=..., DP=..., RUN_NAME=...) for slurm/lib.sh to
+`eval`. When it does not fit it exits 2 with a message saying what to change. `--gpus-per-node 0`
+means "not given and no GPU here": the CPU default, one gloo process per model-parallel rank.
+`--write-recipe PATH` saves the resolved recipe. `hosts` expands a Slurm host list (the fallback
+when `scontrol show hostnames` cannot run, e.g. a DRY_RUN away from any cluster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from megatron_ba.recipe import RecipeError, load_recipe
+
+
+class FitError(ValueError):
+    """The allocation cannot hold the recipe's layout; the message says what to change."""
+
+
+def check_fit(tp: int, pp: int, cp: int, nodes: int, gpus_per_node: int) -> dict:
+    """DP and the world of `nodes` x `gpus_per_node` ranks for a TP x PP x CP model layout."""
+    if nodes < 1:
+        raise FitError(f"nodes: must be >= 1, got {nodes}")
+    if gpus_per_node < 1:
+        raise FitError(f"GPUS_PER_NODE: must be >= 1, got {gpus_per_node}")
+    if tp > gpus_per_node:
+        raise FitError(
+            f"parallel.tp={tp} is larger than GPUS_PER_NODE={gpus_per_node}: tensor parallelism "
+            f"must stay inside a node (NVLink); use parallel.tp<={gpus_per_node} and more "
+            f"parallel.pp instead"
+        )
+    if gpus_per_node % tp:
+        raise FitError(
+            f"parallel.tp={tp} does not divide GPUS_PER_NODE={gpus_per_node}: a TP group would "
+            f"straddle two nodes; use a parallel.tp that divides {gpus_per_node}"
+        )
+    mp = tp * pp * cp
+    world = nodes * gpus_per_node
+    if world % mp:
+        need_nodes = mp // math.gcd(mp, gpus_per_node)  # smallest node count that fits
+        raise FitError(
+            f"{nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks is not a multiple of "
+            f"parallel.tp x pp x cp = {tp} x {pp} x {cp} = {mp}: submit with --nodes a multiple "
+            f"of {need_nodes}, or change parallel.tp/pp/cp so that their product divides {world}"
+        )
+    return {"mp": mp, "world": world, "dp": world // mp}
+
+
+_RANGE = re.compile(r"\[([^\]]+)\]")
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """`gpu[01-03,07],cpu1` -> gpu01 gpu02 gpu03 gpu07 cpu1 (Slurm's grammar, zero padding kept)."""
+    hosts: list[str] = []
+    for item in _split_top_level(text.strip()):
+        parts = [item]
+        while any(_RANGE.search(p) for p in parts):
+            expanded = []
+            for p in parts:
+                m = _RANGE.search(p)
+                if m is None:
+                    expanded.append(p)
+                    continue
+                head, tail = p[: m.start()], p[m.end() :]
+                for piece in m.group(1).split(","):
+                    lo, _, hi = piece.partition("-")
+                    if not lo.isdigit() or (hi and not hi.isdigit()):
+                        raise ValueError(f"SLURM_JOB_NODELIST: bad range {piece!r} in {text!r}")
+                    width = len(lo)
+                    for i in range(int(lo), int(hi or lo) + 1):
+                        expanded.append(f"{head}{i:0{width}d}{tail}")
+            parts = expanded
+        hosts += parts
+    if not hosts:
+        raise ValueError(f"SLURM_JOB_NODELIST: no host in {text!r}")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [x for x in out if x]
+
+
+def _fit(args: argparse.Namespace) -> int:
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    hosts = []
+    if args.hostlist is not None:
+        try:
+            hosts = expand_hostlist(args.hostlist)
+        except ValueError as e:
+            print(f"launch: {e}", file=sys.stderr)
+            return 2
+    nodes = args.nodes if args.nodes is not None else len(hosts)
+    p = recipe.parallel
+    gpus = args.gpus_per_node or p.tp * p.pp * p.cp  # CPU: the processes the recipe needs
+    try:
+        fit = check_fit(p.tp, p.pp, p.cp, nodes, gpus)
+    except FitError as e:
+        print(f"launch: {args.recipe}: {e}", file=sys.stderr)
+        return 2
+    if args.write_recipe:
+        Path(args.write_recipe).parent.mkdir(parents=True, exist_ok=True)
+        recipe.dump(args.write_recipe)
+    values = {
+        "NAME": recipe.name,
+        "RULE": recipe.loss.rule,
+        "BACKEND": recipe.backend,
+        "STEPS": recipe.grpo.steps,
+        "TP": p.tp,
+        "PP": p.pp,
+        "CP": p.cp,
+        "DP": fit["dp"],
+        "WORLD": fit["world"],
+        "GPUS_PER_NODE": gpus,
+        "RUN_NAME": f"{recipe.name}-{recipe.loss.rule}",  # megatron-ba train's default folder
+        "NODES": nodes,
+    }
+    if hosts:
+        values["HOSTS"] = " ".join(hosts)
+    for k, v in values.items():
+        print(f"RECIPE_{k}={shlex.quote(str(v))}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["hosts"] and len(argv) == 2:
+        try:
+            print("\n".join(expand_hostlist(argv[1])))
+        except ValueError as e:
+            print(f"launch: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if argv[:1] != ["fit"]:
+        print(__doc__, file=sys.stderr)
+        return 2
+    ap = argparse.ArgumentParser(prog="python -m megatron_ba.planning.launch fit")
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*", help="key.path=value, as for megatron-ba train")
+    ap.add_argument("--nodes", type=int, help="default: the hosts of --hostlist")
+    ap.add_argument("--hostlist", help="a Slurm host list, expanded into RECIPE_HOSTS")
+    ap.add_argument("--gpus-per-node", type=int, default=0, help="0: CPU, tp*pp*cp processes")
+    ap.add_argument("--write-recipe", help="save the resolved recipe here")
+    args = ap.parse_intermixed_args(argv[1:])
+    if args.nodes is None and args.hostlist is None:
+        ap.error("give --nodes or --hostlist")
+    return _fit(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

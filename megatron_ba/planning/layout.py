@@ -1,0 +1,237 @@
+"""Propose a TP x PP x CP x DP layout and a micro-batch size that fit a cluster, for GRPO.
+
+    plan = propose(load_model("Qwen2.5-32B"), nodes=8, gpus_per_node=8, gpu_mem_gib=80,
+                   max_response_len=12288, group_size=16, prompts_per_step=32)
+    plan.layout, plan.estimate.peak_gib, plan.overrides(), plan.to_json()
+
+Search: every tp dividing the GPUs of a node and the KV heads (megatron-core shards query groups
+whole, and TP stays inside a node, on NVLink), every pp dividing the layers, cp a power of two,
+dp what is left of the world; for each, the largest micro-batch (whole sequences of
+prompt_len + max_response_len tokens, padded) whose estimate leaves `headroom` of the GPU free,
+first without activation recomputation, then with it. Among the layouts that fit one sequence
+per micro-batch the proposal is the one with the most data parallelism (the least model
+parallelism), then the smallest pp and cp (TP is the cheapest split inside a node), then no
+recomputation, then the largest micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from megatron_ba.planning.memory import (
+    GIB,
+    Layout,
+    MemoryEstimate,
+    ModelShape,
+    VLLMShare,
+    estimate,
+    kv_cache_bytes_per_token,
+)
+
+DEFAULT_VLLM = VLLMShare()  # colocated, 0.6 of the GPU while generating, asleep while training
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    layout: Layout
+    estimate: MemoryEstimate
+    micro_batch_size: int  # sequences per micro-batch per model replica
+    seq_len: int
+    sequences_per_step: int | None
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_gib: float
+    alternatives: list[dict] = field(default_factory=list)
+
+    def overrides(self) -> list[str]:
+        """Recipe keys (docs/recipes.md) that select this layout."""
+        lo = self.layout
+        out = [
+            f"parallel.tp={lo.tp}",
+            f"parallel.pp={lo.pp}",
+            f"parallel.cp={lo.cp}",
+            f"parallel.micro_batch_size={self.micro_batch_size}",
+        ]
+        if lo.tp > 1:
+            out.append(f"parallel.sequence_parallel={str(lo.sequence_parallel).lower()}")
+        return out
+
+    def requires(self) -> list[str]:
+        """What the estimate assumes that no recipe key selects yet (megatron-core settings)."""
+        out = []
+        if self.layout.recompute:
+            out.append("full activation recomputation (megatron-core recompute_granularity=full)")
+        if self.layout.chunked_logprobs:
+            out.append(
+                f"chunked vocab-parallel log-probs (grpo_step logprob_chunk_size="
+                f"{self.layout.logprob_chunk})"
+            )
+        return out
+
+    def to_json(self) -> dict:
+        lo = self.layout
+        return {
+            "model": self.shape.name,
+            "params_billion": round(self.shape.total_params() / 1e9, 3),
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node,
+            "gpu_mem_gib": self.gpu_mem_gib,
+            "tp": lo.tp,
+            "pp": lo.pp,
+            "cp": lo.cp,
+            "dp": lo.dp,
+            "seq_len": self.seq_len,
+            "micro_batch_size": self.micro_batch_size,
+            "micro_batch_tokens": lo.micro_batch_tokens,
+            "micro_batch_tokens_per_gpu": lo.micro_batch_tokens // lo.cp,
+            "recompute": lo.recompute,
+            "chunked_logprobs": lo.chunked_logprobs,
+            "memory_gib_per_gpu": round(self.estimate.peak_gib, 2),
+            "worst_stage": self.estimate.worst_stage,
+            "breakdown_gib": self.estimate.breakdown_gib(),
+            "sequences_per_step": self.sequences_per_step,
+            "overrides": self.overrides(),
+            "requires": self.requires(),
+            "alternatives": self.alternatives,
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+class NoLayoutFits(ValueError):
+    """No layout holds one sequence per micro-batch; the message says what came closest."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int):
+    """(tp, pp, cp, dp) of every layout megatron-core can build on `world` GPUs."""
+    for tp in _divisors(gpus_per_node):
+        if shape.num_key_value_heads % tp or shape.num_attention_heads % tp:
+            continue
+        for pp in _divisors(shape.num_layers):
+            for cp in (1, 2, 4, 8, 16, 32):
+                mp = tp * pp * cp
+                if mp > world or world % mp or seq_len % (2 * cp):
+                    continue
+                yield tp, pp, cp, world // mp
+
+
+def _fit_micro_batch(shape, base: Layout, seq_len, budget, gpu_mem_gib, vllm, max_mbs):
+    """The largest micro-batch size (1..max_mbs) whose estimate is within budget, or 0."""
+    kv_per_seq = kv_cache_bytes_per_token(shape, base.tp) * seq_len
+
+    def est(mbs):
+        lo = Layout(**{**asdict(base), "micro_batch_tokens": mbs * seq_len})
+        return lo, estimate(shape, lo, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
+
+    lo, e = est(1)
+    if e.peak > budget or (vllm is not None and e.vllm_kv_cache < kv_per_seq):
+        return 0, lo, e  # the trainer does not fit, or vLLM cannot hold one sequence's KV cache
+    good = (1, lo, e)
+    mbs = 2
+    while mbs <= max_mbs:  # memory grows linearly in the micro-batch: doubling then stop
+        lo, e = est(mbs)
+        if e.peak > budget:
+            break
+        good = (mbs, lo, e)
+        mbs *= 2
+    return good
+
+
+def propose(
+    shape: ModelShape,
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    gpu_mem_gib: float,
+    max_response_len: int,
+    prompt_len: int = 512,
+    group_size: int | None = None,
+    prompts_per_step: int | None = None,
+    vllm: VLLMShare | None = DEFAULT_VLLM,
+    headroom: float = 0.1,
+    max_micro_batch: int = 64,
+    only: dict[str, int] | None = None,
+) -> Plan:
+    """The proposal (see the module docstring); `only` pins some of tp/pp/cp (e.g. {"tp": 2})
+    to estimate a given layout instead of searching over it."""
+    for name, value in (
+        ("--nodes", nodes),
+        ("--gpus-per-node", gpus_per_node),
+        ("--max-response-len", max_response_len),
+    ):
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    if gpu_mem_gib <= 0:
+        raise ValueError(f"--gpu-mem: must be > 0 GiB, got {gpu_mem_gib}")
+    if prompt_len < 0:
+        raise ValueError(f"--prompt-len: must be >= 0, got {prompt_len}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom: must be in [0, 1), got {headroom}")
+    sequences = None
+    if group_size is not None and prompts_per_step is not None:
+        sequences = group_size * prompts_per_step
+    seq_len = prompt_len + max_response_len
+    seq_len += -seq_len % 64  # padded as megatron_ba's batching pads (and a multiple of 2 cp)
+    world = nodes * gpus_per_node
+    budget = (1 - headroom) * gpu_mem_gib * GIB
+    fits, closest = [], None
+    only = {k: v for k, v in (only or {}).items() if v is not None}
+    for tp, pp, cp, dp in candidate_layouts(shape, world, gpus_per_node, seq_len):
+        if any({"tp": tp, "pp": pp, "cp": cp}[k] != v for k, v in only.items()):
+            continue
+        if sequences is not None and sequences % dp:
+            continue  # each data-parallel rank takes an equal share of the step's sequences
+        limit = (
+            max_micro_batch if sequences is None else max(1, min(max_micro_batch, sequences // dp))
+        )
+        for recompute in (False, True):
+            base = Layout(tp, pp, cp, dp, seq_len, recompute=recompute, sequence_parallel=tp > 1)
+            mbs, lo, e = _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, limit)
+            if closest is None or e.peak < closest[1].peak:
+                closest = (lo, e)
+            if mbs:
+                fits.append((lo, e, mbs))
+                break  # recomputation only when a layout cannot fit without it
+    if not fits:
+        if closest is None:
+            raise NoLayoutFits(
+                f"no TP x PP x CP layout divides {world} GPUs for {shape.name} "
+                f"(tp must divide {gpus_per_node} and the {shape.num_key_value_heads} KV heads)"
+            )
+        lo, e = closest
+        raise NoLayoutFits(
+            f"{shape.name} at {seq_len} tokens per sequence does not fit {nodes} x "
+            f"{gpus_per_node} GPUs of {gpu_mem_gib} GiB: the closest layout (tp={lo.tp} pp={lo.pp} "
+            f"cp={lo.cp}, recompute={lo.recompute}) needs {e.peak_gib:.1f} GiB per GPU against "
+            f"{budget / GIB:.1f} GiB usable; add nodes, use GPUs with more memory or shorten "
+            f"--max-response-len"
+        )
+
+    def rank(item):
+        lo, _, mbs = item
+        return (lo.tp * lo.pp * lo.cp, lo.pp, lo.cp, lo.recompute, -mbs)
+
+    fits.sort(key=rank)
+    lo, e, mbs = fits[0]
+    alternatives = [
+        {
+            "tp": a.tp,
+            "pp": a.pp,
+            "cp": a.cp,
+            "dp": a.dp,
+            "micro_batch_size": m,
+            "recompute": a.recompute,
+            "memory_gib_per_gpu": round(ae.peak_gib, 2),
+        }
+        for a, ae, m in fits[1:6]
+    ]
+    return Plan(
+        shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib, alternatives
+    )

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# A real one-node Slurm on this machine, for the tests and CI (tests/test_slurm.py, .ci/run).
+#
+#   eval "$(bash scripts/slurm_up.sh)"     # starts munge + slurmctld + slurmd; prints `export SLURM_CONF=...`
+#   sbatch slurm/grpo_balanced.sh recipes/tiny-cpu.yaml grpo.steps=2
+#   bash scripts/slurm_down.sh             # stops what slurm_up.sh started, by its PID files
+#
+# Settings (environment): SLURM_CI_DIR (config, state, logs, PID files; default
+# /tmp/megatron-ba-slurm), SLURM_CI_CTLD_PORT / SLURM_CI_D_PORT (6817 / 6818),
+# SLURM_CI_NO_INSTALL=1 (fail instead of `apt-get install`ing the Debian packages).
+# Needs root (the daemons run as root, no systemd). Idempotent: when its daemons already answer it
+# only prints the export line. Stdout carries nothing but that line; progress goes to stderr.
+set -euo pipefail
+
+DIR=${SLURM_CI_DIR:-/tmp/megatron-ba-slurm}
+CTLD_PORT=${SLURM_CI_CTLD_PORT:-6817}
+D_PORT=${SLURM_CI_D_PORT:-6818}
+CONF=$DIR/slurm.conf
+NODE=$(hostname -s)
+
+say() { echo "slurm_up: $*" >&2; }
+die() { say "$*"; exit 1; }
+alive() { [[ -f $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+install_packages() {
+    local missing=()
+    for bin in slurmctld slurmd sbatch munged; do
+        command -v "$bin" >/dev/null || missing+=("$bin")
+    done
+    ((${#missing[@]} == 0)) && return 0
+    [[ ${SLURM_CI_NO_INSTALL:-0} == 1 ]] && die "missing ${missing[*]} and SLURM_CI_NO_INSTALL=1"
+    command -v apt-get >/dev/null || die "missing ${missing[*]} and no apt-get to install them"
+    [[ $(id -u) == 0 ]] || die "missing ${missing[*]}; installing them needs root"
+    say "installing slurmctld slurmd slurm-client munge (apt-get)"
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        slurmctld slurmd slurm-client munge >&2
+}
+
+start_munge() {
+    if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+        return 0 # a munged already answers (this script's or the system's): leave it alone
+    fi
+    [[ -f /etc/munge/munge.key ]] || mungekey --create >&2
+    chown munge:munge /etc/munge/munge.key
+    chmod 600 /etc/munge/munge.key
+    mkdir -p /run/munge /var/lib/munge /var/log/munge
+    chown munge:munge /run/munge /var/lib/munge /var/log/munge
+    runuser -u munge -- /usr/sbin/munged
+    # Ours to stop: slurm_down.sh stops munged only when this file names it.
+    cp /run/munge/munged.pid "$DIR/run/munged.pid"
+    for _ in $(seq 50); do
+        munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return 0
+        sleep 0.1
+    done
+    die "munged did not answer (munge -n | unmunge)"
+}
+
+write_conf() {
+    local cpus mem_mib
+    cpus=$(nproc)
+    mem_mib=$(awk '/MemTotal/ {printf "%d", $2 / 1024 * 0.85}' /proc/meminfo)
+    cat >"$CONF" <<CONF
+# Written by scripts/slurm_up.sh: one node on loopback for tests and CI.
+ClusterName=megatron-ba-ci
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+SlurmctldPort=$CTLD_PORT
+SlurmdPort=$D_PORT
+StateSaveLocation=$DIR/state/ctld
+SlurmdSpoolDir=$DIR/state/d/%n
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+SwitchType=switch/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc=$DIR/log/jobcomp.log
+SchedulerType=sched/backfill
+ReturnToService=2
+# An impossible request fails at once instead of queueing forever.
+EnforcePartLimits=ALL
+SlurmdTimeout=30
+KillWait=5
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mib State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+}
+
+wait_registered() {
+    # After `slurmd` forks, sinfo can say idle before slurmd registered (saved state): wait for
+    # the registration line of this slurmd in its own log, then for the node to be idle.
+    local log=$DIR/log/slurmd-$NODE.log
+    for _ in $(seq 150); do
+        if grep -q "slurmd started" "$log" 2>/dev/null &&
+            [[ $(SLURM_CONF=$CONF sinfo -h -N -n "$NODE" -o %T 2>/dev/null) == idle ]]; then
+            return 0
+        fi
+        sleep 0.2
+    done
+    die "node $NODE did not register as idle in 30 s; see $DIR/log/"
+}
+
+main() {
+    if alive "$DIR/run/slurmctld.pid" && alive "$DIR/run/slurmd-$NODE.pid" &&
+        SLURM_CONF=$CONF sinfo -h >/dev/null 2>&1; then
+        say "already running ($DIR)"
+        echo "export SLURM_CONF=$CONF"
+        return 0
+    fi
+    [[ $(id -u) == 0 ]] || die "needs root (slurmctld and slurmd run as root here)"
+    install_packages
+    # A fresh state every time: no jobs or node states left from an earlier cluster.
+    bash "$(dirname "$0")/slurm_down.sh" >/dev/null 2>&1 || true
+    rm -rf "$DIR/state" "$DIR/log"
+    mkdir -p "$DIR/state/ctld" "$DIR/state/d/$NODE" "$DIR/run" "$DIR/log"
+    start_munge
+    write_conf
+    SLURM_CONF=$CONF slurmctld -f "$CONF"
+    SLURM_CONF=$CONF slurmd -f "$CONF"
+    wait_registered
+    say "up: node $NODE, partition debug, logs in $DIR/log"
+    echo "export SLURM_CONF=$CONF"
+}
+
+main "$@"

@@ -1,0 +1,240 @@
+# shellcheck shell=bash
+# shellcheck disable=SC2034  # MBA_* globals are read by the scripts that source this file
+# The shared logic of slurm/grpo_balanced.sh (sbatch) and slurm/interactive.sh (an allocated node).
+# Sourced, not run. Every setting comes from the environment (slurm/README.md lists them):
+#   RUN_DIR CACHE_DIR CONTAINER MOUNTS GPUS_PER_NODE MASTER_ADDR MASTER_PORT SRUN_ARGS TORCHRUN
+#   PYTHON DRY_RUN MBA_IB_ENV NEMO_ALIGNER_CHECK MBA_HOME
+# The recipe is read by the project's own loader (python -m megatron_ba.planning.launch fit), so the
+# launcher and `megatron-ba train` agree on TP/PP/CP, the run name and every override.
+
+mba_say() { echo "[megatron-ba] $*" >&2; }
+mba_die() {
+    mba_say "$*"
+    exit 2
+}
+
+# The checkout this launcher belongs to. Under sbatch the script runs from a spooled copy, so ask
+# Slurm for the submitted path; elsewhere it is next to this file.
+mba_home() {
+    if [[ -n ${MBA_HOME:-} ]]; then
+        echo "$MBA_HOME"
+        return
+    fi
+    local here
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    echo "$here"
+}
+
+# Hosts of SLURM_JOB_NODELIST, one a line, from scontrol when it can run (a cluster); empty
+# when it cannot (a DRY_RUN away from any cluster, no slurm.conf to read): the fit helper below
+# expands the list then.
+mba_scontrol_hosts() {
+    if command -v scontrol >/dev/null; then
+        scontrol show hostnames "$1" 2>/dev/null || true
+    fi
+}
+
+# GPUs on this node when GPUS_PER_NODE is not given: Slurm's count, else nvidia-smi's, else 0
+# (CPU: the fit helper then uses tp*pp*cp gloo processes, what the recipe needs).
+mba_detect_gpus() {
+    if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+        echo "$SLURM_GPUS_ON_NODE"
+    elif command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+        nvidia-smi -L | grep -c '^GPU'
+    else
+        echo 0
+    fi
+}
+
+# The environment NCCL and torch expect on InfiniBand clusters. Each line only sets a variable
+# that is not set already, so `export NCCL_IB_HCA=mlx5_0 sbatch ...` wins; MBA_IB_ENV=0 sets none.
+mba_ib_env() {
+    [[ ${MBA_IB_ENV:-1} == 0 ]] && return 0
+    : "${NCCL_IB_DISABLE:=0}"                     # use the IB verbs transport, not TCP sockets
+    : "${NCCL_SOCKET_IFNAME:=^lo,docker}"         # NCCL's bootstrap: any interface but these
+    : "${NCCL_IB_TIMEOUT:=22}"                    # IB retry timeout exponent: ride out link flaps
+    : "${NCCL_DEBUG:=WARN}"                       # INFO prints the chosen transports (debugging)
+    : "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=1}"     # a failed collective aborts, never hangs
+    : "${TORCH_NCCL_AVOID_RECORD_STREAMS:=1}"     # frees P2P buffers promptly (less fragmentation)
+    : "${CUDA_DEVICE_MAX_CONNECTIONS:=1}"         # megatron-core's TP comm/compute overlap order
+    export NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_IB_TIMEOUT NCCL_DEBUG \
+        TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_AVOID_RECORD_STREAMS CUDA_DEVICE_MAX_CONNECTIONS
+    MBA_ENV_NAMES+=(NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_IB_TIMEOUT NCCL_DEBUG
+        TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_NCCL_AVOID_RECORD_STREAMS CUDA_DEVICE_MAX_CONNECTIONS)
+    # Cluster-specific, left to the user: NCCL_IB_HCA (which HCAs), NCCL_IB_GID_INDEX (RoCE).
+}
+
+# mba_plan MODE RECIPE [overrides...]   MODE: batch (srun on every node) | interactive (this node)
+# Sets MBA_CMD (the command to run), MBA_RUN_DIR, MBA_LOG_DIR, MBA_JOB_NAME, MBA_RESUME and the
+# RECIPE_* values, after checking that the allocation holds the recipe's layout.
+mba_plan() {
+    local mode=$1
+    shift
+    (($# >= 1)) || mba_die "usage: $(basename "$0") RECIPE [key=value ...]"
+    MBA_RECIPE=$1
+    shift
+    MBA_OVERRIDES=("$@")
+    local home
+    home=$(mba_home)
+    # The code next to this launcher wins over any installed copy (the same path in a container
+    # when MOUNTS maps the checkout onto itself).
+    case ":${PYTHONPATH:-}:" in
+    *":$home:"*) ;;
+    *) export PYTHONPATH="$home${PYTHONPATH:+:$PYTHONPATH}" ;;
+    esac
+    read -r -a MBA_PYTHON <<<"${PYTHON:-python3}"
+    read -r -a MBA_TORCHRUN <<<"${TORCHRUN:-torchrun}"
+    MBA_ENV_NAMES=(PYTHONPATH)
+
+    local nodelist
+    if [[ $mode == batch ]]; then
+        nodelist=${SLURM_JOB_NODELIST:-}
+        [[ -n $nodelist ]] || mba_die "SLURM_JOB_NODELIST is empty: submit with sbatch, or set it (with DRY_RUN=1) to preview, e.g. SLURM_JOB_NODELIST='gpu[01-04]'"
+    else
+        nodelist=$(hostname -s)
+    fi
+    mapfile -t MBA_HOSTS < <(mba_scontrol_hosts "$nodelist")
+
+    local gpus=${GPUS_PER_NODE:-}
+    [[ -n $gpus ]] || gpus=$(mba_detect_gpus)
+    [[ $gpus =~ ^[0-9]+$ ]] || mba_die "GPUS_PER_NODE=$gpus: expected a whole number"
+
+    # A run being resumed is described by its saved recipe (what `train --resume` loads).
+    local recipe=$MBA_RECIPE
+    MBA_RUN_DIR=${RUN_DIR:-}
+    if [[ -n $MBA_RUN_DIR && -f $MBA_RUN_DIR/recipe.yaml ]]; then
+        recipe=$MBA_RUN_DIR/recipe.yaml
+    fi
+    local fit
+    MBA_RESOLVED=$(mktemp "${TMPDIR:-/tmp}/megatron-ba-recipe.XXXXXX")
+    fit=$("${MBA_PYTHON[@]}" -m megatron_ba.planning.launch fit "$recipe" "${MBA_OVERRIDES[@]}" \
+        --hostlist "$nodelist" --gpus-per-node "$gpus" --write-recipe "$MBA_RESOLVED") ||
+        mba_die "the allocation does not fit (above); nothing launched"
+    eval "$fit"
+    if ((${#MBA_HOSTS[@]} == 0)); then
+        read -r -a MBA_HOSTS <<<"$RECIPE_HOSTS"
+    elif [[ ${MBA_HOSTS[*]} != "$RECIPE_HOSTS" ]]; then
+        mba_die "SLURM_JOB_NODELIST=$nodelist: scontrol gives ${MBA_HOSTS[*]}, the project's expander $RECIPE_HOSTS"
+    fi
+    MBA_NODES=${#MBA_HOSTS[@]}
+    MBA_GPUS=$RECIPE_GPUS_PER_NODE
+    # Default run folder: megatron-ba train's (runs/<name>-<rule>).
+    [[ -n $MBA_RUN_DIR ]] || MBA_RUN_DIR=runs/$RECIPE_RUN_NAME
+    MBA_JOB_NAME=$(basename "$MBA_RUN_DIR")
+    MBA_LOG_DIR=$MBA_RUN_DIR/logs/job-${SLURM_JOB_ID:-local}-restart-${SLURM_RESTART_COUNT:-0}
+    MBA_RESUME=0
+    [[ -f $MBA_RUN_DIR/checkpoints/latest ]] && MBA_RESUME=1
+    MBA_FIT_RECIPE=$recipe
+
+    MBA_HEAD=${MASTER_ADDR:-${MBA_HOSTS[0]}}
+    MBA_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-0} % 20000))}
+    mba_ib_env
+
+    local -a train=(train "$MBA_RECIPE" "${MBA_OVERRIDES[@]}")
+    if ((MBA_RESUME)); then
+        train+=(--resume "$MBA_RUN_DIR")
+    else
+        train+=(--run-dir "$MBA_RUN_DIR")
+    fi
+    [[ -n ${CACHE_DIR:-} ]] && train+=(--cache-dir "$CACHE_DIR")
+
+    local -a launcher
+    case $RECIPE_BACKEND in
+    local)
+        # torchrun's agent dies of SIGUSR1 (it handles TERM/INT/HUP/QUIT), and srun forwards
+        # one sent to the job (scancel --signal=USR1) to the whole step: the agent ignores it,
+        # the training processes catch it (megatron_ba/train/preemption.py).
+        launcher=(bash -c 'trap "" USR1; exec "$@"' megatron-ba-node
+            "${MBA_TORCHRUN[@]}" --nnodes="$MBA_NODES" --nproc-per-node="$MBA_GPUS"
+            --rdzv-backend=c10d --rdzv-endpoint="$MBA_HEAD:$MBA_PORT"
+            --rdzv-id="${SLURM_JOB_ID:-local}" --max-restarts=0
+            --log-dir="$MBA_LOG_DIR/ranks" --redirects=3 --tee=3
+            -m megatron_ba.cli "${train[@]}")
+        MBA_TASKS_PER_NODE=1 # one torchrun agent per node starts the node's GPU processes
+        MBA_TASK_LOG=node-%n.log # the node's ranks, prefixed; per rank files under ranks/
+        ;;
+    nemo_aligner)
+        # NeMo-Aligner's entry reads the recipe plus Hydra overrides; one task per GPU, as
+        # Lightning's SLURM environment expects (it takes its ranks from srun).
+        launcher=("${MBA_PYTHON[@]}" -m megatron_ba.integrations.nemo_aligner.train_grpo
+            "$MBA_RECIPE" "trainer.num_nodes=$MBA_NODES" "trainer.devices=$MBA_GPUS"
+            "${MBA_OVERRIDES[@]}")
+        MBA_TASKS_PER_NODE=$MBA_GPUS
+        MBA_TASK_LOG=rank-%t.log # one task per rank: Slurm's task id is the global rank
+        ;;
+    *) mba_die "backend $RECIPE_BACKEND: no launcher for it" ;;
+    esac
+
+    if [[ $mode == batch ]]; then
+        local -a srun=(srun --nodes="$MBA_NODES" --ntasks-per-node="$MBA_TASKS_PER_NODE"
+            --kill-on-bad-exit=1 --output="$MBA_LOG_DIR/$MBA_TASK_LOG")
+        if [[ -n ${CONTAINER:-} ]]; then
+            # pyxis/enroot: the image, the checkout and data mounts, the submit folder as cwd.
+            srun+=(--container-image="$CONTAINER" --container-workdir="$PWD")
+            [[ -n ${MOUNTS:-} ]] && srun+=(--container-mounts="$MOUNTS")
+        fi
+        if [[ -n ${SRUN_ARGS:-} ]]; then
+            local -a extra
+            read -r -a extra <<<"$SRUN_ARGS" # e.g. SRUN_ARGS='--mpi=pmix --cpu-bind=none'
+            srun+=("${extra[@]}")
+        fi
+        MBA_CMD=("${srun[@]}" "${launcher[@]}")
+    else
+        MBA_CMD=("${launcher[@]}")
+    fi
+}
+
+# What would run, exactly: the layout, the environment and the command (shell-quoted).
+mba_describe() {
+    echo "# megatron-ba launch: recipe $MBA_RECIPE (layout read from $MBA_FIT_RECIPE)"
+    echo "# backend $RECIPE_BACKEND, $MBA_NODES node(s) x $MBA_GPUS process(es):" \
+        "tp=$RECIPE_TP pp=$RECIPE_PP cp=$RECIPE_CP dp=$RECIPE_DP (world $RECIPE_WORLD)"
+    echo "# nodes: ${MBA_HOSTS[*]}"
+    echo "# rendezvous: $MBA_HEAD:$MBA_PORT; run folder: $MBA_RUN_DIR; job name: $MBA_JOB_NAME;" \
+        "resume: $([[ $MBA_RESUME == 1 ]] && echo yes || echo no)"
+    echo "# logs: $MBA_LOG_DIR"
+    local name
+    for name in "${MBA_ENV_NAMES[@]}"; do
+        printf 'export %s=%q\n' "$name" "${!name}"
+    done
+    printf '%q ' "${MBA_CMD[@]}"
+    echo
+}
+
+# The NeMo-Aligner backend is launched only when its module is there (it has not landed yet).
+mba_check_backend() {
+    [[ $RECIPE_BACKEND == nemo_aligner ]] || return 0
+    [[ ${NEMO_ALIGNER_CHECK:-1} == 0 ]] && return 0
+    if ! "${MBA_PYTHON[@]}" -c 'import megatron_ba.integrations.nemo_aligner.train_grpo' 2>/dev/null; then
+        mba_die "backend nemo_aligner: megatron_ba.integrations.nemo_aligner is not installed (the NeMo-Aligner backend has not landed in this checkout); nothing launched. DRY_RUN=1 shows the command it would run; NEMO_ALIGNER_CHECK=0 skips this check (e.g. when only the container has it)"
+    fi
+}
+
+# Run MBA_CMD with SIGUSR1 forwarded to training as RUN_DIR/PREEMPT (megatron_ba/train/preemption.py
+# says why a file and not the signal itself). Sets MBA_RC and MBA_PREEMPTED (0/1).
+mba_run() {
+    mkdir -p "$MBA_LOG_DIR"
+    mv "$MBA_RESOLVED" "$MBA_LOG_DIR/recipe.yaml" # the resolved recipe this job was launched with
+    mba_describe >"$MBA_LOG_DIR/launch.sh"
+    rm -f "$MBA_RUN_DIR/PREEMPT" "$MBA_RUN_DIR/preempted.json"
+    MBA_SIGNALS=0
+    trap 'MBA_SIGNALS=$((MBA_SIGNALS + 1)); mba_say "SIGUSR1: asking training to checkpoint at the next step and stop"; touch "$MBA_RUN_DIR/PREEMPT"' USR1
+    mba_say "launching: $(printf '%q ' "${MBA_CMD[@]}")"
+    "${MBA_CMD[@]}" &
+    local pid=$! seen
+    while true; do
+        seen=$MBA_SIGNALS
+        MBA_RC=0
+        wait "$pid" || MBA_RC=$? # (set -e: a failed run is a status to act on, not an exit)
+        # A trapped signal interrupts wait (status > 128) while the command still runs: wait
+        # again (bash keeps the status of a child that ended meanwhile).
+        ((MBA_SIGNALS != seen)) && continue
+        break
+    done
+    trap - USR1
+    MBA_PREEMPTED=0
+    # torchrun reports any worker's exit as 1, so the marker file is the sure sign.
+    if [[ -f $MBA_RUN_DIR/preempted.json ]] || ((MBA_RC == 75)); then
+        MBA_PREEMPTED=1
+    fi
+}

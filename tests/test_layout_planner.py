@@ -1,0 +1,177 @@
+"""The layout planner's arithmetic against hand computations (megatron_ba/planning/)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ba.cli import main as cli_main
+from megatron_ba.planning.layout import NoLayoutFits, propose
+from megatron_ba.planning.memory import (
+    GIB,
+    PRESETS,
+    Layout,
+    ModelShape,
+    VLLMShare,
+    estimate,
+    kv_cache_bytes_per_token,
+    load_model,
+    stage_params,
+)
+
+Q7 = PRESETS["Qwen2.5-Math-7B"]
+
+# Qwen2.5-Math-7B by hand: h 3584, 28 heads of 128, 4 KV heads, MLP 18944, vocab 152064, untied.
+Q7_LAYER = (
+    3584 * 3584  # q
+    + 2 * 3584 * 512  # k, v (4 KV heads x 128)
+    + 3584 * 3584  # o
+    + 3584
+    + 2 * 512  # q, k, v biases
+    + 3 * 3584 * 18944  # gate, up, down
+    + 2 * 3584  # two RMSNorms
+)
+Q7_TOTAL = 28 * Q7_LAYER + 2 * 152064 * 3584 + 3584
+
+
+def test_parameter_counts_by_hand():
+    assert Q7_LAYER == 233_057_792
+    assert Q7.layer_params() == Q7_LAYER
+    assert Q7.total_params() == Q7_TOTAL == 7_615_616_512  # the model card's "7.61B"
+    # Qwen3-1.7B: no qkv bias, q/k norms, tied embeddings (the card's 1.7B; 1.4B non-embedding)
+    q3 = PRESETS["Qwen3-1.7B"]
+    layer = 2048 * 2048 + 2 * 2048 * 1024 + 2048 * 2048 + 2 * 128 + 3 * 2048 * 6144 + 2 * 2048
+    assert q3.layer_params() == layer
+    assert q3.total_params() == 28 * layer + 151936 * 2048 + 2048
+    assert round(PRESETS["Qwen2.5-32B"].total_params() / 1e9, 2) == 32.76  # card: 32.5B / 32.8B
+
+
+def test_hf_config_gives_the_preset(tmp_path):
+    cfg = {
+        "model_type": "qwen3",
+        "hidden_size": 2048,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 6144,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = load_model(str(tmp_path))
+    assert shape == ModelShape(**{**PRESETS["Qwen3-1.7B"].__dict__, "name": str(tmp_path)})
+    assert load_model("Qwen/Qwen2.5-32B") is PRESETS["Qwen2.5-32B"]
+    del cfg["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_model(str(tmp_path / "config.json"))
+    with pytest.raises(ValueError, match="neither a preset"):
+        load_model("Qwen-does-not-exist")
+
+
+def test_static_terms_by_hand():
+    lo = Layout(tp=2, pp=1, cp=1, dp=16, micro_batch_tokens=4096)
+    e = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
+    assert e.weights == Q7_TOTAL / 2 * 2  # bf16, halved by TP
+    assert e.grads == Q7_TOTAL / 2 * 4  # fp32 gradient buffer
+    assert e.optimizer == Q7_TOTAL / 2 * 12 / 16  # fp32 master + 2 moments over 16 DP ranks
+    # CP joins the optimiser's sharding group: dp 8 x cp 2 shards as dp 16 does
+    e_cp = estimate(Q7, Layout(2, 1, 2, 8, 4096), gpu_mem_gib=80, vllm=None)
+    assert e_cp.optimizer == e.optimizer
+
+
+def test_activations_and_logits_by_hand():
+    T = 4096
+    lo = Layout(tp=2, pp=1, cp=1, dp=16, micro_batch_tokens=T)
+    e = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
+    per_token_layer = 4 * 3584 + (3584 + 2 * 512) + 3584 + 3 * 18944  # elements
+    assert per_token_layer == Q7.layer_activation_elements() == 79360
+    assert e.activations_no_recompute == 28 * per_token_layer * 2 * T / 2
+    assert e.activations_full_recompute == 28 * 3584 * 2 * T / 2 + per_token_layer * 2 * T / 2
+    assert e.activations == e.activations_no_recompute  # recompute=False
+    v_local = 152064 / 2
+    assert e.logits_naive == T * v_local * (2 + 20)  # 20: measured, docs/performance.md
+    assert e.logits_chunked == T * v_local * 4 + 2 * 1024 * v_local * 4
+    assert e.logits == e.logits_chunked
+    assert e.train_phase == e.weights + e.grads + e.optimizer + e.activations + e.logits
+    # CP halves the tokens of every activation term; recompute picks the other variant
+    half = estimate(Q7, Layout(2, 1, 2, 8, T, recompute=True), gpu_mem_gib=80, vllm=None)
+    assert half.activations == half.activations_full_recompute
+    assert half.activations_full_recompute == e.activations_full_recompute / 2
+
+
+def test_pipeline_stages_by_hand():
+    assert stage_params(Q7, 2, 0) == 14 * Q7_LAYER + 152064 * 3584
+    assert stage_params(Q7, 2, 1) == 14 * Q7_LAYER + 152064 * 3584 + 3584
+    q3 = PRESETS["Qwen3-1.7B"]  # tied: the last stage holds its copy of the embedding
+    assert stage_params(q3, 2, 1) == 14 * q3.layer_params() + 151936 * 2048 + 2048
+    assert stage_params(q3, 1, 0) == q3.total_params()
+    lo = Layout(tp=1, pp=2, cp=1, dp=4, micro_batch_tokens=8192)
+    e = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
+    # 1F1B: stage 0 holds 2 micro-batches of its 14 layers, stage 1 one, plus the logits
+    per_layer = Q7.layer_activation_elements() * 2 * 8192
+    assert e.worst_stage == 0
+    assert e.activations_no_recompute == 2 * 14 * per_layer
+    with pytest.raises(ValueError, match="does not divide"):
+        estimate(Q7, Layout(1, 3, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
+
+
+def test_vllm_share():
+    lo = Layout(tp=2, pp=1, cp=1, dp=16, micro_batch_tokens=4096)
+    alone = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
+    asleep = estimate(Q7, lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=True))
+    awake = estimate(Q7, lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=False))
+    assert asleep.train_phase == alone.train_phase
+    assert asleep.generate_phase == alone.weights + 40 * GIB
+    assert asleep.vllm_kv_cache == 40 * GIB - Q7_TOTAL / 2 * 2
+    assert awake.train_phase == alone.train_phase + 40 * GIB
+    assert awake.peak == awake.train_phase
+    # KV cache per token, per GPU of a TP-2 engine: K and V x 28 layers x 2 heads x 128 x bf16
+    assert kv_cache_bytes_per_token(Q7, 2) == 2 * 28 * 2 * 128 * 2
+    assert kv_cache_bytes_per_token(Q7, 8) == 2 * 28 * 1 * 128 * 2  # heads replicated past 4
+
+
+def test_proposal_fits_and_prefers_data_parallelism():
+    plan = propose(Q7, nodes=4, gpus_per_node=8, gpu_mem_gib=80, max_response_len=3584,
+                   group_size=16, prompts_per_step=32, vllm=None)  # fmt: skip
+    j = plan.to_json()
+    assert j["tp"] * j["pp"] * j["cp"] * j["dp"] == 32
+    assert j["memory_gib_per_gpu"] <= 0.9 * 80
+    assert 512 % j["dp"] == 0
+    # nothing with more DP (less model parallelism) fits: checked by estimating each of them
+    for alt in j["alternatives"]:
+        assert alt["dp"] <= j["dp"]
+    assert f"parallel.tp={j['tp']}" in j["overrides"]
+    assert f"parallel.micro_batch_size={j['micro_batch_size']}" in j["overrides"]
+    # the micro-batch is the largest power of two within the budget
+    lo = plan.layout
+    bigger = Layout(**{**lo.__dict__, "micro_batch_tokens": 2 * lo.micro_batch_tokens})
+    if j["micro_batch_size"] < 32:
+        assert estimate(Q7, bigger, gpu_mem_gib=80, vllm=None).peak > 0.9 * 80 * GIB
+
+
+def test_nothing_fits_says_what_came_closest():
+    with pytest.raises(NoLayoutFits, match=r"closest layout .* add nodes"):
+        propose(PRESETS["Qwen2.5-32B"], nodes=1, gpus_per_node=2, gpu_mem_gib=24,
+                max_response_len=16384)  # fmt: skip
+    with pytest.raises(ValueError, match="--nodes"):
+        propose(Q7, nodes=0, gpus_per_node=8, gpu_mem_gib=80, max_response_len=100)
+
+
+def test_layout_command_json(capsys):
+    args = ["layout", "--model", "Qwen3-1.7B", "--nodes", "1", "--gpus-per-node", "8",
+            "--gpu-mem", "80", "--max-response-len", "8192", "--group-size", "8",
+            "--prompts-per-step", "16", "--json"]  # fmt: skip
+    assert cli_main(args) == 0
+    j = json.loads(capsys.readouterr().out)
+    for key in ("tp", "pp", "cp", "dp", "memory_gib_per_gpu", "overrides", "breakdown_gib"):
+        assert key in j
+    assert j["tp"] * j["pp"] * j["cp"] * j["dp"] == 8
+    assert cli_main(args[:-1]) == 0
+    text = capsys.readouterr().out
+    assert "recipe overrides: parallel.tp=" in text and "optimizer (distributed)" in text
+    assert cli_main([*args[:-1], "--group-size", "0"]) == 2
+    assert "--group-size: must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,303 @@
+"""The Slurm launchers: the fit helper, DRY_RUN commands for 1, 4 and 16 nodes and both backends,
+shellcheck, and (slow) real jobs on a one-node Slurm that scripts/slurm_up.sh starts: a run that
+completes, and one that is preempted, requeued and resumed with no step lost or repeated."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_ba.planning.launch import FitError, check_fit, expand_hostlist
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = ROOT / "slurm/grpo_balanced.sh"
+INTERACTIVE = ROOT / "slurm/interactive.sh"
+TINY = ROOT / "recipes/tiny-cpu.yaml"
+TP2 = ROOT / "recipes/tiny-cpu-tp2.yaml"
+# recipes/tiny-cpu.yaml cut to seconds per step (the launcher, not the learning, is under test)
+SMALL = [
+    "warmstart.steps=20",
+    "warmstart.batch_size=32",
+    "data.eval_prompts=8",
+    "eval.samples=2",
+    "grpo.prompts_per_step=4",
+    "grpo.group_size=4",
+    "grpo.max_new_tokens=24",
+    "parallel.micro_batch_size=8",
+    "logging.progress=false",
+]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_JOB")}
+    env["PYTHONPATH"] = str(ROOT) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _dry(script: Path, *args: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(script), *args],
+        cwd=cwd,
+        env=_env(DRY_RUN=1, **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# -- the fit helper ---------------------------------------------------------------------------
+def test_check_fit():
+    assert check_fit(2, 2, 1, nodes=4, gpus_per_node=8) == {"mp": 4, "world": 32, "dp": 8}
+    with pytest.raises(FitError, match="--nodes a multiple of 3"):
+        check_fit(2, 3, 1, nodes=2, gpus_per_node=4)  # 8 ranks, model parallel 6
+    with pytest.raises(FitError, match=r"parallel\.tp<=4"):
+        check_fit(8, 1, 1, nodes=4, gpus_per_node=4)
+    with pytest.raises(FitError, match="straddle"):
+        check_fit(4, 1, 1, nodes=2, gpus_per_node=6)
+
+
+def test_expand_hostlist_matches_slurm_grammar():
+    assert expand_hostlist("gpu[01-03,10],cpu7") == ["gpu01", "gpu02", "gpu03", "gpu10", "cpu7"]
+    assert expand_hostlist("a[1-2]b[8-9]") == ["a1b8", "a1b9", "a2b8", "a2b9"]
+    assert expand_hostlist("n[098-101]") == ["n098", "n099", "n100", "n101"]
+    with pytest.raises(ValueError, match="bad range"):
+        expand_hostlist("gpu[a-b]")
+
+
+# -- DRY_RUN ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("nodes", [1, 4, 16])
+@pytest.mark.parametrize("backend", ["local", "nemo_aligner"])
+def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
+    nodelist = "gpu01" if nodes == 1 else f"gpu[01-{nodes:02d}]"
+    p = _dry(BATCH, str(TP2), f"backend={backend}", "parallel.pp=2", cwd=tmp_path,
+             SLURM_JOB_NODELIST=nodelist, SLURM_JOB_ID=77, GPUS_PER_NODE=8,
+             CONTAINER="nvcr.io/nvidia/nemo:24.07", MOUNTS="/data:/data", NCCL_IB_HCA="mlx5_0",
+             NCCL_DEBUG="INFO")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    world = nodes * 8
+    assert f"tp=2 pp=2 cp=1 dp={world // 4} (world {world})" in out
+    assert "# nodes: " + " ".join(f"gpu{i:02d}" for i in range(1, nodes + 1)) in out
+    assert "rendezvous: gpu01:20077" in out
+    assert "export NCCL_DEBUG=INFO" in out  # the user's value wins over the default (WARN)
+    assert "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in out
+    cmd = out.strip().splitlines()[-1]
+    assert cmd.startswith(f"srun --nodes={nodes} ")
+    assert "--container-image=nvcr.io/nvidia/nemo:24.07 " in cmd
+    assert "--container-mounts=/data:/data " in cmd
+    if backend == "local":
+        assert "--ntasks-per-node=1 " in cmd
+        assert f"torchrun --nnodes={nodes} --nproc-per-node=8 --rdzv-backend=c10d" in cmd
+        assert f"-m megatron_ba.cli train {TP2} backend=local parallel.pp=2 --run-dir" in cmd
+        assert "logs/job-77-restart-0/node-%n.log" in cmd
+    else:
+        assert "--ntasks-per-node=8 " in cmd
+        assert (
+            f"-m megatron_ba.integrations.nemo_aligner.train_grpo {TP2} "
+            f"trainer.num_nodes={nodes} trainer.devices=8 backend=nemo_aligner parallel.pp=2"
+        ) in cmd
+        assert "logs/job-77-restart-0/rank-%t.log" in cmd
+    assert not (tmp_path / "runs").exists()  # nothing written, nothing launched
+
+
+def test_dry_run_on_cpu_uses_the_recipes_processes(tmp_path):
+    p = _dry(BATCH, str(TP2), cwd=tmp_path, SLURM_JOB_NODELIST="vm", GPUS_PER_NODE="")
+    assert p.returncode == 0, p.stderr
+    assert "--nproc-per-node=2 " in p.stdout  # tp 2: two gloo processes
+    p = _dry(INTERACTIVE, str(TINY), "grpo.steps=2", cwd=tmp_path, GPUS_PER_NODE="")
+    assert p.returncode == 0, p.stderr
+    cmd = p.stdout.strip().splitlines()[-1]
+    assert cmd.startswith("bash -c") and "torchrun --nnodes=1 --nproc-per-node=1 " in cmd
+    assert "srun" not in cmd
+
+
+def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):
+    p = _dry(BATCH, str(TP2), "parallel.pp=2", cwd=tmp_path, SLURM_JOB_NODELIST="gpu[1-3]",
+             GPUS_PER_NODE=2)  # fmt: skip
+    assert p.returncode == 2
+    assert "is not a multiple of parallel.tp x pp x cp = 2 x 2 x 1 = 4" in p.stderr
+    assert "--nodes a multiple of 2" in p.stderr and "nothing launched" in p.stderr
+
+
+def test_nemo_aligner_launch_says_it_is_not_installed(tmp_path):
+    p = subprocess.run(
+        ["bash", str(BATCH), str(TINY), "backend=nemo_aligner"],
+        cwd=tmp_path,
+        env=_env(SLURM_JOB_ID="999999", SLURM_JOB_NODELIST="vm", GPUS_PER_NODE="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2
+    assert (
+        "backend nemo_aligner: megatron_ba.integrations.nemo_aligner is not installed" in p.stderr
+    )
+
+
+def test_shellcheck_clean():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    scripts = [*sorted((ROOT / "slurm").glob("*.sh")), ROOT / "scripts/slurm_up.sh",
+               ROOT / "scripts/slurm_down.sh"]  # fmt: skip
+    p = subprocess.run(["shellcheck", "-x", *map(str, scripts)], cwd=ROOT, capture_output=True,
+                       text=True)  # fmt: skip
+    assert p.returncode == 0, p.stdout
+
+
+# -- a real Slurm -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slurm():
+    """SLURM_CONF of a running one-node cluster: the caller's, or one slurm_up.sh starts."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and shutil.which("sinfo"):
+        if subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
+            yield conf
+            return
+    if os.geteuid() != 0 and shutil.which("sbatch") is None:
+        pytest.skip("Slurm is not installed and installing it needs root")
+    up = subprocess.run(["bash", str(ROOT / "scripts/slurm_up.sh")], capture_output=True,
+                        text=True, timeout=300)  # fmt: skip
+    if up.returncode != 0:
+        pytest.skip(f"could not start a Slurm here: {up.stderr.strip()[-500:]}")
+    conf = up.stdout.strip().split("=", 1)[1]
+    yield conf
+    if "already running" not in up.stderr:  # stop only what this fixture started
+        subprocess.run(["bash", str(ROOT / "scripts/slurm_down.sh")], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("warmstart-cache")  # shared: one warm start for the module
+
+
+def _sbatch(conf, cwd, run_dir, cache, *overrides) -> int:
+    p = subprocess.run(
+        ["sbatch", "--parsable", str(BATCH), str(TINY), *SMALL, *overrides],
+        cwd=cwd,
+        env=_env(SLURM_CONF=conf, RUN_DIR=run_dir, CACHE_DIR=cache),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    return int(p.stdout.strip().split(";")[0])
+
+
+def _job(conf, job) -> dict:
+    p = subprocess.run(["scontrol", "-o", "show", "job", str(job)], capture_output=True,
+                       text=True, env=_env(SLURM_CONF=conf))  # fmt: skip
+    return dict(re.findall(r"(\w+)=(\S*)", p.stdout))
+
+
+def _wait(cond, what, timeout=900.0, every=1.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if r["step"] > 0]
+
+
+def _comparable(run_dir: Path) -> list[dict]:
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def _slurm_log(cwd: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted(cwd.glob("slurm-*.out")))
+
+
+@pytest.mark.slow
+def test_sbatch_runs_the_tiny_recipe(slurm, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    job = _sbatch(slurm, tmp_path, run, cache_dir, "grpo.steps=2")
+    info = _wait(lambda: (j := _job(slurm, job)).get("JobState") in ("COMPLETED", "FAILED") and j,
+                 "the job to end")  # fmt: skip
+    assert info["JobState"] == "COMPLETED", _slurm_log(tmp_path)
+    assert info["JobName"] == "run"  # renamed after the run folder: singleton keys on it
+    assert _train_steps(run) == [1, 2]
+    assert (run / "checkpoints" / "step-000002" / "meta.json").is_file()
+    logs = run / "logs" / f"job-{job}-restart-0"
+    assert (logs / "recipe.yaml").is_file() and (logs / "node-0.log").is_file()
+    assert list((logs / "ranks").glob("*/attempt_0/0/stdout.log"))  # per-rank logs
+
+
+@pytest.mark.slow
+def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_dir, tmp_path):
+    steps = ["grpo.steps=5", "checkpoint.every=0", "eval.every=0"]  # a checkpoint only at the end
+    pre, ref = tmp_path / "pre", tmp_path / "ref"
+    job = _sbatch(slurm, tmp_path, pre, cache_dir, *steps)
+    ref_job = _sbatch(slurm, tmp_path, ref, cache_dir, *steps)  # the uninterrupted twin
+    _wait(lambda: len(_train_steps(pre)) >= 1, "the first step", every=0.2)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True,
+                   env=_env(SLURM_CONF=slurm))  # fmt: skip
+    held = _wait(lambda: (j := _job(slurm, job)).get("JobState") == "PENDING" and j,
+                 "the requeue")  # fmt: skip
+    assert held["Restarts"] == "1"
+    stopped = json.loads((pre / "preempted.json").read_text())["step"]
+    assert 1 <= stopped < 5
+    assert (pre / "checkpoints" / f"step-{stopped:06d}" / "meta.json").is_file()
+    assert _train_steps(pre) == list(range(1, stopped + 1))
+    assert "requeueing job" in _slurm_log(tmp_path)
+    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True,
+                   env=_env(SLURM_CONF=slurm))  # fmt: skip
+    for j in (job, ref_job):
+        info = _wait(lambda j=j: (i := _job(slurm, j)).get("JobState") in ("COMPLETED", "FAILED")
+                     and i, f"job {j} to end")  # fmt: skip
+        assert info["JobState"] == "COMPLETED", _slurm_log(tmp_path)
+    assert (pre / "logs" / f"job-{job}-restart-1" / "launch.sh").read_text().count("--resume")
+    assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated
+    a, b = _comparable(pre), _comparable(ref)
+    assert a == b  # bit for bit on CPU, but for the timings
+    assert not (pre / "preempted.json").exists()  # cleared on relaunch; the finished run adds none
+
+
+# -- the training side of preemption (megatron_ba/train/preemption.py) -------------------------
+def _child_blocks_usr1() -> bool:
+    """Whether a process started now from this thread has SIGUSR1 blocked (its SigBlk mask)."""
+    out = subprocess.run(["grep", "SigBlk", "/proc/self/status"], capture_output=True, text=True)
+    return bool(int(out.stdout.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)))
+
+
+def test_preemption_flag_file_and_children(tmp_path):
+    from megatron_ba.train import preemption
+
+    class World1:
+        world = 1
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    old_handler = signal.getsignal(signal.SIGUSR1)
+    try:
+        assert not _child_blocks_usr1()  # negative control: nothing installed yet
+        preemption.install()
+        assert not preemption.should_stop(World1(), tmp_path)
+        (tmp_path / preemption.REQUEST_FILE).touch()  # what the batch shell writes on B:USR1
+        assert preemption.should_stop(World1(), tmp_path)
+        preemption.clear(tmp_path)
+        assert not preemption.should_stop(World1(), tmp_path)
+        assert _child_blocks_usr1()  # vLLM / reward workers started now cannot die of it
+        os.kill(os.getpid(), signal.SIGUSR1)  # blocked here: the waiting thread takes it
+        _wait(
+            lambda: preemption.should_stop(World1(), tmp_path), "the flag", timeout=10, every=0.05
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        signal.signal(signal.SIGUSR1, old_handler)
+        preemption._requested = False
