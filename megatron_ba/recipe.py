@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BACKENDS = ("local",)
+BACKENDS = ("local", "nemo_aligner")
 TASKS = ("arithmetic", "math")
 TOKENIZERS = ("trained-bpe", "hf")
 DATASETS = ("dapo-math-17k", "polaris")
@@ -344,7 +344,7 @@ def validate(recipe: Recipe) -> Recipe:
     need(
         recipe.backend in BACKENDS,
         "backend",
-        f"must be one of {', '.join(BACKENDS)} (no other backend is implemented yet)",
+        f"must be one of {', '.join(BACKENDS)}",
     )
     need(recipe.loss.rule in RULES, "loss.rule", f"must be one of {', '.join(RULES)}")
     need(recipe.loss.reg_rule in RULES, "loss.reg_rule", f"must be one of {', '.join(RULES)}")

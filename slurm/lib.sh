@@ -156,9 +156,16 @@ mba_plan() {
     nemo_aligner)
         # NeMo-Aligner's entry reads the recipe plus Hydra overrides; one task per GPU, as
         # Lightning's SLURM environment expects (it takes its ranks from srun).
+        # The recipe becomes NeMo-style ++key=value overrides (megatron_ba.integrations.
+        # nemo_aligner.overrides, through `megatron-ba train ... --print-overrides`).
+        local translated
+        translated=$("${MBA_PYTHON[@]}" -m megatron_ba.cli train "$MBA_RECIPE" \
+            "${MBA_OVERRIDES[@]}" --print-overrides --nodes "$MBA_NODES" --devices "$MBA_GPUS") ||
+            mba_die "backend nemo_aligner: the recipe does not translate (above); nothing launched"
+        local -a nemo
+        mapfile -t nemo <<<"$translated"
         launcher=("${MBA_PYTHON[@]}" -m megatron_ba.integrations.nemo_aligner.train_grpo
-            "$MBA_RECIPE" "trainer.num_nodes=$MBA_NODES" "trainer.devices=$MBA_GPUS"
-            "${MBA_OVERRIDES[@]}")
+            "${nemo[@]}")
         MBA_TASKS_PER_NODE=$MBA_GPUS
         MBA_TASK_LOG=rank-%t.log # one task per rank: Slurm's task id is the global rank
         ;;
@@ -201,12 +208,12 @@ mba_describe() {
     echo
 }
 
-# The NeMo-Aligner backend is launched only when its module is there (it has not landed yet).
+# The NeMo-Aligner backend is launched only where NeMo-Aligner itself imports.
 mba_check_backend() {
     [[ $RECIPE_BACKEND == nemo_aligner ]] || return 0
     [[ ${NEMO_ALIGNER_CHECK:-1} == 0 ]] && return 0
-    if ! "${MBA_PYTHON[@]}" -c 'import megatron_ba.integrations.nemo_aligner.train_grpo' 2>/dev/null; then
-        mba_die "backend nemo_aligner: megatron_ba.integrations.nemo_aligner is not installed (the NeMo-Aligner backend has not landed in this checkout); nothing launched. DRY_RUN=1 shows the command it would run; NEMO_ALIGNER_CHECK=0 skips this check (e.g. when only the container has it)"
+    if ! "${MBA_PYTHON[@]}" -c 'import nemo_aligner' 2>/dev/null; then
+        mba_die "backend nemo_aligner: NeMo-Aligner 0.7.0 (nemo_aligner) is not installed in this environment (its container on GPU clusters: set CONTAINER); nothing launched. DRY_RUN=1 shows the command it would run; NEMO_ALIGNER_CHECK=0 skips this check (e.g. when only the container has it)"
     fi
 }
 

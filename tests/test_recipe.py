@@ -163,5 +163,35 @@ def test_eval_benchmarks_from_the_command_line():
 
 
 def test_only_implemented_backends_load():
-    with pytest.raises(RecipeError, match=r"^backend: must be one of local \(no other"):
-        load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["backend=nemo_aligner"])
+    with pytest.raises(RecipeError, match=r"^backend: must be one of local, nemo_aligner$"):
+        load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["backend=verl"])
+
+
+def test_nemo_aligner_backend_prints_its_overrides():
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "megatron_ba.cli", "train", "recipes/tiny-cpu-tp2.yaml"]
+    out = subprocess.run(
+        [
+            *cmd,
+            "backend=nemo_aligner",
+            "parallel.micro_batch_size=8",
+            "--print-overrides",
+            "--nodes",
+            "2",
+            "--devices",
+            "8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "++trainer.num_nodes=2" in lines and "++trainer.devices=8" in lines
+    assert "++model.tensor_model_parallel_size=2" in lines and "++model.grpo.rule=balanced" in lines
+    # The local backend has no overrides to print.
+    local = subprocess.run([*cmd, "--print-overrides"], cwd=ROOT, capture_output=True, text=True)
+    assert local.returncode == 2 and "is for backend=nemo_aligner" in local.stderr

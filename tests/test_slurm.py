@@ -78,7 +78,8 @@ def test_expand_hostlist_matches_slurm_grammar():
 @pytest.mark.parametrize("backend", ["local", "nemo_aligner"])
 def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
     nodelist = "gpu01" if nodes == 1 else f"gpu[01-{nodes:02d}]"
-    p = _dry(BATCH, str(TP2), f"backend={backend}", "parallel.pp=2", cwd=tmp_path,
+    mbs = "parallel.micro_batch_size=2"  # 256 sequences split over up to 32 DP ranks
+    p = _dry(BATCH, str(TP2), f"backend={backend}", "parallel.pp=2", mbs, cwd=tmp_path,
              SLURM_JOB_NODELIST=nodelist, SLURM_JOB_ID=77, GPUS_PER_NODE=8,
              CONTAINER="nvcr.io/nvidia/nemo:24.07", MOUNTS="/data:/data", NCCL_IB_HCA="mlx5_0",
              NCCL_DEBUG="INFO")  # fmt: skip
@@ -97,13 +98,17 @@ def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
     if backend == "local":
         assert "--ntasks-per-node=1 " in cmd
         assert f"torchrun --nnodes={nodes} --nproc-per-node=8 --rdzv-backend=c10d" in cmd
-        assert f"-m megatron_ba.cli train {TP2} backend=local parallel.pp=2 --run-dir" in cmd
+        assert (
+            f"-m megatron_ba.cli train {TP2} backend=local parallel.pp=2 "
+            "parallel.micro_batch_size=2 --run-dir"
+        ) in cmd
         assert "logs/job-77-restart-0/node-%n.log" in cmd
     else:
         assert "--ntasks-per-node=8 " in cmd
         assert (
-            f"-m megatron_ba.integrations.nemo_aligner.train_grpo {TP2} "
-            f"trainer.num_nodes={nodes} trainer.devices=8 backend=nemo_aligner parallel.pp=2"
+            f"-m megatron_ba.integrations.nemo_aligner.train_grpo ++trainer.num_nodes={nodes} "
+            "++trainer.devices=8 ++model.tensor_model_parallel_size=2 "
+            "++model.pipeline_model_parallel_size=2 "
         ) in cmd
         assert "logs/job-77-restart-0/rank-%t.log" in cmd
     assert not (tmp_path / "runs").exists()  # nothing written, nothing launched
@@ -138,9 +143,7 @@ def test_nemo_aligner_launch_says_it_is_not_installed(tmp_path):
         timeout=120,
     )
     assert p.returncode == 2
-    assert (
-        "backend nemo_aligner: megatron_ba.integrations.nemo_aligner is not installed" in p.stderr
-    )
+    assert "backend nemo_aligner: NeMo-Aligner 0.7.0 (nemo_aligner) is not installed" in p.stderr
 
 
 def test_shellcheck_clean():

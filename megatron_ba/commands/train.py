@@ -35,10 +35,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cache-dir", default="runs/.cache", help="warm-start cache (default runs/.cache)"
     )
     p.add_argument(
+        "--print-overrides",
+        action="store_true",
+        help="backend=nemo_aligner: print the NeMo-Aligner overrides of the recipe, launch nothing",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="backend=nemo_aligner: trainer.num_nodes")
+    p.add_argument(
+        "--devices", type=int, default=None, help="nemo_aligner: trainer.devices (default TP x PP)"
+    )
+    p.add_argument(
         "--verbose",
         action="store_true",
         help="show every library's output on the terminal (default: RUN_DIR/logs/rank-<r>.log)",
     )
+
+
+def _nemo_aligner(recipe, args: argparse.Namespace) -> int:
+    """backend=nemo_aligner: the recipe as NeMo-Aligner overrides; print them, or launch its entry
+    point (`python -m megatron_ba.integrations.nemo_aligner.train_grpo`) in this environment."""
+    import importlib.util
+    import subprocess
+
+    from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
+
+    try:
+        overrides = recipe_to_nemo_overrides(recipe, num_nodes=args.nodes, devices=args.devices)
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    if args.print_overrides:
+        print("\n".join(overrides))
+        return 0
+    if importlib.util.find_spec("nemo_aligner") is None:
+        print(
+            "train: backend nemo_aligner needs NeMo-Aligner 0.7.0 in this environment (its "
+            "container on GPUs; on CPU `bash scripts/setup_nemo_env.sh` makes .venv-nemo); "
+            "--print-overrides shows what would be launched",
+            file=sys.stderr,
+        )
+        return 2
+    entry = [sys.executable, "-m", "megatron_ba.integrations.nemo_aligner.train_grpo"]
+    return subprocess.call([*entry, *overrides])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,11 +93,10 @@ def run(args: argparse.Namespace) -> int:
     except RecipeError as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
-    if recipe.backend != "local":
-        print(
-            f"train: backend {recipe.backend!r} is launched by its own launcher (see docs/)",
-            file=sys.stderr,
-        )
+    if recipe.backend == "nemo_aligner":
+        return _nemo_aligner(recipe, args)
+    if args.print_overrides:
+        print("train: --print-overrides is for backend=nemo_aligner", file=sys.stderr)
         return 2
     from megatron_ba.train import preemption
     from megatron_ba.train.console import Console
