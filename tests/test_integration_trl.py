@@ -1,0 +1,213 @@
+"""BalancedGRPOTrainer against the real `trl` package (CPU, a tiny Qwen2 built here).
+
+- it trains a few steps end to end (TRL's own transformers generation) and logs the diagnostics;
+- the gradient under gradient accumulation equals the one-step gradient, for the core's rules;
+  negative control: TRL's `bnpo` (a per-micro-batch token mean) does not add up;
+- TRL's `dapo` / `grpo` / `dr_grpo` equal the core's token / sequence / dr_grpo rules where their
+  definitions agree (batch scope, equal group sizes), and `grpo` differs from `token` (control).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
+
+from megatron_ba.aggregation import sequence_weights  # noqa: E402
+from megatron_ba.integrations.trl import BalancedGRPOTrainer  # noqa: E402
+from megatron_ba.testing.tiny_hf import build_tiny_qwen2  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+G, NUM_PROMPTS, MAX_LEN, PROMPT_LEN, GA = 4, 2, 6, 3, 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), num_layers=1)
+
+
+def _config(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=GA,
+        num_generations=G,
+        max_completion_length=MAX_LEN,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        use_bias_correction_kl=False,
+    )
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c) % 2) for c in completions]
+
+
+def _trainer(cls, model_dir, tmp_path, *, extra=None, dtype=torch.float64, **config):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # float64 so that equalities are tested tightly (Qwen2's RMSNorm still rounds through
+    # float32, which bounds the agreement at ~1e-7); the training test runs in float32.
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(dtype)
+    ds = Dataset.from_dict({"prompt": [f"What is {i} + {i}?" for i in range(16)]})
+    return cls(
+        model=model,
+        reward_funcs=_reward,
+        args=_config(tmp_path, **config),
+        train_dataset=ds,
+        processing_class=tok,
+        **(extra or {}),
+    )
+
+
+def _generation_batch(seed=0):
+    """A scored generation batch as TRL builds it, with varied completion lengths and old
+    log-probs off the current policy (so clipping is active)."""
+    g = torch.Generator().manual_seed(seed)
+    n = G * NUM_PROMPTS
+    lengths = torch.tensor([1, 6, 2, 5, 3, 3, 6, 4])
+    completion_mask = (torch.arange(MAX_LEN)[None, :] < lengths[:, None]).long()
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    grouped = rewards.view(-1, G)
+    adv = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)
+    return {
+        "prompt_ids": torch.randint(3, 400, (n, PROMPT_LEN), generator=g),
+        "prompt_mask": torch.ones(n, PROMPT_LEN, dtype=torch.long),
+        "completion_ids": torch.randint(3, 400, (n, MAX_LEN), generator=g),
+        "completion_mask": completion_mask,
+        "advantages": adv.reshape(-1),
+        "num_items_in_batch": completion_mask.sum(),
+        "_noise": 0.3 * torch.randn(n, MAX_LEN, generator=g, dtype=torch.float64),
+    }
+
+
+def _with_old_logps(trainer, batch):
+    """old log-probs = current ones + fixed noise; ref log-probs = current - noise/2."""
+    out = {k: v for k, v in batch.items() if k != "_noise"}
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, MAX_LEN)
+    out["old_per_token_logps"] = logps + batch["_noise"]
+    out["ref_per_token_logps"] = logps - 0.5 * batch["_noise"]
+    return out
+
+
+def _gradient(trainer, batches, *, ga, spg):
+    trainer.model.train()
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = ga
+    trainer.args.steps_per_generation = spg
+    total = 0.0
+    for b in batches:
+        loss = trainer._compute_loss(trainer.model, b)
+        loss.backward()
+        total += float(loss.detach())
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    return total, grads
+
+
+def _one_step_and_accumulated(trainer, batch):
+    """(loss, grads) of the whole generation batch in one step, and in GA micro-batches."""
+    one = _gradient(trainer, [batch], ga=1, spg=1)
+    torch.manual_seed(1)
+    parts = split_tensor_dict(shuffle_sequence_dict(dict(batch)), GA)
+    acc = _gradient(trainer, parts, ga=GA, spg=GA)
+    return one, acc
+
+
+def _max_rel_diff(a, b):
+    """||a - b|| / ||a|| over all parameters' gradients."""
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a)
+    return (num / sum(float(a[k].pow(2).sum()) for k in a)) ** 0.5
+
+
+def test_trains_a_few_steps_and_logs_diagnostics(model_dir, tmp_path):
+    trainer = _trainer(
+        BalancedGRPOTrainer,
+        model_dir,
+        tmp_path,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        dtype=torch.float32,
+        extra={"aggregation": "balanced"},
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert all(k in h for k in ("ba/balanced/weight_share_pos", "ba/length_gap_pos_minus_neg"))
+        assert torch.isfinite(torch.tensor(h["loss"]))
+    params = trainer.model.named_parameters()
+    moved = sum(float((p.detach() - before[n]).abs().sum()) for n, p in params)
+    assert moved > 0
+
+
+@pytest.mark.parametrize("rule", ["balanced", "token", "sequence"])
+def test_accumulated_gradient_equals_one_step(model_dir, tmp_path, rule):
+    trainer = _trainer(
+        BalancedGRPOTrainer, model_dir, tmp_path, beta=0.04, extra={"aggregation": rule}
+    )
+    batch = trainer.attach_plan(_with_old_logps(trainer, _generation_batch()))
+    # The attached plan is the core's, computed on the whole generation batch.
+    group_ids = torch.arange(G * NUM_PROMPTS) // G
+    lengths = batch["completion_mask"].sum(1)
+    expected = sequence_weights(rule, lengths, batch["advantages"].double(), group_ids)
+    torch.testing.assert_close(batch["ba_weights"], expected, rtol=1e-12, atol=0)
+    (loss1, g1), (loss4, g4) = _one_step_and_accumulated(trainer, batch)
+    assert abs(loss1 - loss4) < 1e-9
+    assert _max_rel_diff(g1, g4) < 1e-6
+
+
+def test_trl_bnpo_accumulation_does_not_add_up(model_dir, tmp_path):
+    """Negative control: TRL's per-micro-batch token mean differs from its one-step value,
+    while TRL's `dapo` (normalised by the generation batch's token count) adds up."""
+    bnpo = _trainer(GRPOTrainer, model_dir, tmp_path, loss_type="bnpo")
+    batch = _with_old_logps(bnpo, _generation_batch())
+    (_, g1), (_, g4) = _one_step_and_accumulated(bnpo, batch)
+    assert _max_rel_diff(g1, g4) > 1e-2
+    dapo = _trainer(GRPOTrainer, model_dir, tmp_path, loss_type="dapo")
+    (_, g1), (_, g4) = _one_step_and_accumulated(dapo, batch)
+    assert _max_rel_diff(g1, g4) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("trl_loss", "rule", "same"),
+    [
+        ("dapo", "token", True),
+        ("grpo", "sequence", True),
+        ("dr_grpo", "dr_grpo", True),
+        ("grpo", "token", False),
+    ],
+)
+def test_trl_loss_types_match_core_rules(model_dir, tmp_path, trl_loss, rule, same):
+    ref = _trainer(GRPOTrainer, model_dir, tmp_path, loss_type=trl_loss)
+    ours = _trainer(
+        BalancedGRPOTrainer, model_dir, tmp_path, extra={"aggregation": rule, "scope": "batch"}
+    )
+    batch = _with_old_logps(ref, _generation_batch(seed=3))
+    loss_ref, g_ref = _gradient(ref, [batch], ga=1, spg=1)
+    loss_ours, g_ours = _gradient(ours, [ours.attach_plan(copy.copy(batch))], ga=1, spg=1)
+    if same:
+        assert abs(loss_ref - loss_ours) < 1e-6 * max(1.0, abs(loss_ref))
+        assert _max_rel_diff(g_ref, g_ours) < 1e-6
+    else:
+        assert _max_rel_diff(g_ref, g_ours) > 1e-2
