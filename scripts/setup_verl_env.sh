@@ -9,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${MEGATRON_BA_VERL_VENV:-.venv-verl}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the import check runs elsewhere
 PY=${PYTHON:-python3}
 
 stamp_of() { cat requirements/torch-cpu.txt requirements/verl.txt | sha256sum | cut -d' ' -f1; }
