@@ -24,6 +24,13 @@ FIXTURE = Path(__file__).parent / "fixtures" / "nemo_rl" / "contract.json"
 MIRROR = "/work/.mirror/NVIDIA-NeMo+RL/repo"
 
 
+def _doc_snippet(name: str) -> str:
+    """The ```python block of docs/integrations.md that starts with `# docs snippet: NAME`."""
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    start = text.index(f"```python\n# docs snippet: {name}\n") + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
 def _facts():
     return json.loads(FIXTURE.read_text())
 
@@ -250,3 +257,11 @@ def test_entry_script_swaps_the_loss_and_plans_before_train():
     master["policy"]["train_global_batch_size"] = 6 * G
     with pytest.raises(ValueError, match="train_global_batch_size"):
         balanced_setup(setup)()
+
+
+def test_docs_snippet_runs():
+    namespace: dict = {}
+    exec(compile(_doc_snippet("nemo_rl"), "docs/integrations.md", "exec"), namespace)
+    loss, data = namespace["loss"], namespace["data"]
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert data["ba_weights"].shape == (4,)

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,13 @@ from megatron_ba.testing.tiny_hf import build_tiny_qwen2  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 G, NUM_PROMPTS, MAX_LEN, PROMPT_LEN, GA = 4, 2, 6, 3, 4
+
+
+def _doc_snippet(name: str) -> str:
+    """The ```python block of docs/integrations.md that starts with `# docs snippet: NAME`."""
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    start = text.index(f"```python\n# docs snippet: {name}\n") + len("```python\n")
+    return text[start : text.index("```", start)]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +82,24 @@ def _trainer(cls, model_dir, tmp_path, *, extra=None, dtype=torch.float64, **con
         processing_class=tok,
         **(extra or {}),
     )
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir, tmp_path_factory):
+    """One BalancedGRPOTrainer (float64) for the numerical tests; they switch its rule."""
+    return _trainer(BalancedGRPOTrainer, model_dir, tmp_path_factory.mktemp("ours"))
+
+
+@pytest.fixture(scope="module")
+def theirs(model_dir, tmp_path_factory):
+    """One plain trl.GRPOTrainer (float64) with the same weights; tests switch its loss_type."""
+    return _trainer(GRPOTrainer, model_dir, tmp_path_factory.mktemp("theirs"))
+
+
+def _use(trainer, **attributes):
+    for k, v in attributes.items():
+        setattr(trainer, k, v)
+    return trainer
 
 
 def _generation_batch(seed=0):
@@ -137,18 +164,12 @@ def _max_rel_diff(a, b):
     return (num / sum(float(a[k].pow(2).sum()) for k in a)) ** 0.5
 
 
-def test_trains_a_few_steps_and_logs_diagnostics(model_dir, tmp_path):
-    trainer = _trainer(
-        BalancedGRPOTrainer,
-        model_dir,
-        tmp_path,
-        max_steps=2,
-        gradient_accumulation_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        dtype=torch.float32,
-        extra={"aggregation": "balanced"},
-    )
+def test_docs_snippet_trains_a_few_steps_and_logs_diagnostics(tmp_path):
+    """The TRL snippet of docs/integrations.md, as written: two steps with real TRL generation."""
+    code = _doc_snippet("trl").replace("trainer.train()\n", "")
+    namespace = {"work_dir": tmp_path}
+    exec(compile(code, "docs/integrations.md", "exec"), namespace)
+    trainer = namespace["trainer"]
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -162,10 +183,10 @@ def test_trains_a_few_steps_and_logs_diagnostics(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("rule", ["balanced", "token", "sequence"])
-def test_accumulated_gradient_equals_one_step(model_dir, tmp_path, rule):
-    trainer = _trainer(
-        BalancedGRPOTrainer, model_dir, tmp_path, beta=0.04, extra={"aggregation": rule}
-    )
+def test_accumulated_gradient_equals_one_step(ours, rule):
+    # with a KL term (the core's k3, aggregated by the regulariser plan)
+    kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.04)
+    trainer = _use(ours, aggregation=rule, scope="group", ba_loss_config=kl)
     batch = trainer.attach_plan(_with_old_logps(trainer, _generation_batch()))
     # The attached plan is the core's, computed on the whole generation batch.
     group_ids = torch.arange(G * NUM_PROMPTS) // G
@@ -177,14 +198,14 @@ def test_accumulated_gradient_equals_one_step(model_dir, tmp_path, rule):
     assert _max_rel_diff(g1, g4) < 1e-6
 
 
-def test_trl_bnpo_accumulation_does_not_add_up(model_dir, tmp_path):
+def test_trl_bnpo_accumulation_does_not_add_up(theirs):
     """Negative control: TRL's per-micro-batch token mean differs from its one-step value,
     while TRL's `dapo` (normalised by the generation batch's token count) adds up."""
-    bnpo = _trainer(GRPOTrainer, model_dir, tmp_path, loss_type="bnpo")
+    bnpo = _use(theirs, loss_type="bnpo")
     batch = _with_old_logps(bnpo, _generation_batch())
     (_, g1), (_, g4) = _one_step_and_accumulated(bnpo, batch)
     assert _max_rel_diff(g1, g4) > 1e-2
-    dapo = _trainer(GRPOTrainer, model_dir, tmp_path, loss_type="dapo")
+    dapo = _use(theirs, loss_type="dapo")
     (_, g1), (_, g4) = _one_step_and_accumulated(dapo, batch)
     assert _max_rel_diff(g1, g4) < 1e-6
 
@@ -198,11 +219,10 @@ def test_trl_bnpo_accumulation_does_not_add_up(model_dir, tmp_path):
         ("grpo", "token", False),
     ],
 )
-def test_trl_loss_types_match_core_rules(model_dir, tmp_path, trl_loss, rule, same):
-    ref = _trainer(GRPOTrainer, model_dir, tmp_path, loss_type=trl_loss)
-    ours = _trainer(
-        BalancedGRPOTrainer, model_dir, tmp_path, extra={"aggregation": rule, "scope": "batch"}
-    )
+def test_trl_loss_types_match_core_rules(ours, theirs, trl_loss, rule, same):
+    ref = _use(theirs, loss_type=trl_loss)
+    no_kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.0)  # TRL's beta is 0 here
+    ours = _use(ours, aggregation=rule, scope="batch", ba_loss_config=no_kl)
     batch = _with_old_logps(ref, _generation_batch(seed=3))
     loss_ref, g_ref = _gradient(ref, [batch], ga=1, spg=1)
     loss_ours, g_ours = _gradient(ours, [ours.attach_plan(copy.copy(batch))], ga=1, spg=1)

@@ -14,6 +14,8 @@ Runs inside .venv-verl (`bash scripts/run_verl_tests.sh`); in the main venv it s
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +36,13 @@ from megatron_ba.aggregation import apply_weights, sequence_weights  # noqa: E40
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss  # noqa: E402
 
 T_MAX, DP = 12, 2
+
+
+def _doc_snippet(name: str) -> str:
+    """The ```python block of docs/integrations.md that starts with `# docs snippet: NAME`."""
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    start = text.index(f"```python\n# docs snippet: {name}\n") + len("```python\n")
+    return text[start : text.index("```", start)]
 
 
 def _batch(seed, num_groups=4, group_size=4):
@@ -197,3 +206,10 @@ def test_agg_loss_modes_match_core_rules(mode, rule, num_micro):
         # deviation of ~1e-8 / T_i from the exact sequence mean, hence the looser tolerance there.
         rtol = 1e-7 if mode == "seq-mean-token-mean" else 1e-12
         torch.testing.assert_close(theirs, ours, rtol=rtol, atol=1e-14)
+
+
+def test_docs_snippet_runs():
+    namespace: dict = {}
+    exec(compile(_doc_snippet("verl"), "docs/integrations.md", "exec"), namespace)
+    assert namespace["loss"].dim() == 0 and torch.isfinite(namespace["loss"])
+    assert "actor/ba_weight_pos_share" in namespace["metrics"]
