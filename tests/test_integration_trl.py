@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
+import types
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 trl = pytest.importorskip("trl")
 
@@ -26,6 +31,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: 
 
 from megatron_ba.aggregation import sequence_weights  # noqa: E402
 from megatron_ba.integrations.trl import BalancedGRPOTrainer  # noqa: E402
+from megatron_ba.parallel.collectives import StatisticsReducer  # noqa: E402
 from megatron_ba.testing.tiny_hf import build_tiny_qwen2  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -231,3 +237,77 @@ def test_trl_loss_types_match_core_rules(ours, theirs, trl_loss, rule, same):
         assert _max_rel_diff(g_ref, g_ours) < 1e-6
     else:
         assert _max_rel_diff(g_ref, g_ours) > 1e-2
+
+
+# --- two processes (gloo): the plan of each process's share is the single-process plan ----------
+
+PROCS, ROWS = 2, 16  # 4 groups of G=4, 8 completions per process
+
+
+def _two_process_batch():
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(1, MAX_LEN + 1, (ROWS,), generator=g)
+    mask = (torch.arange(MAX_LEN)[None, :] < lengths[:, None]).long()
+    adv = torch.randn(ROWS, generator=g)
+    adv[: G // 2] = 0.0  # some neutral responses
+    return mask, adv
+
+
+def _plan_worker(rank: int, store: str, out_dir: str, reduce: bool) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=PROCS)
+    try:
+        mask, adv = _two_process_batch()
+        rows = slice(rank * ROWS // PROCS, (rank + 1) * ROWS // PROCS)
+        out = {}
+        for rule in ("balanced", "balanced_mass", "token", "sequence"):
+            # The trainer's attributes that attach_plan reads; TRL's accelerator in 2 processes.
+            me = types.SimpleNamespace(
+                accelerator=types.SimpleNamespace(process_index=rank, num_processes=PROCS),
+                num_generations=G,
+                num_generations_eval=G,
+                aggregation=rule,
+                scope="group",
+                reg_rule="token",
+                reg_scope="batch",
+                max_completion_length=MAX_LEN,
+                neutral_eps=0.0,
+                ba_reducer=StatisticsReducer(group=dist.group.WORLD if reduce else None),
+                _metrics={"train": defaultdict(list)},
+            )
+            me._log_plan_diagnostics = types.MethodType(
+                BalancedGRPOTrainer._log_plan_diagnostics, me
+            )
+            batch = {"completion_mask": mask[rows], "advantages": adv[rows]}
+            BalancedGRPOTrainer.attach_plan(me, batch, "train")
+            out[rule] = batch["ba_weights"].tolist()
+            out[f"{rule}/num_sequences"] = me._metrics["train"]["ba/num_sequences"][0]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_plan_across_two_processes_equals_single_process(tmp_path):
+    mask, adv = _two_process_batch()
+    group_ids = torch.arange(ROWS) // G
+    for reduce in (True, False):  # False: the negative control, each process plans alone
+        run = tmp_path / str(reduce)
+        run.mkdir()
+        # fork: the children inherit the imported trl/transformers instead of importing them again
+        mp.start_processes(
+            _plan_worker,
+            args=(str(run / "store"), str(run), reduce),
+            nprocs=PROCS,
+            start_method="fork",
+        )
+        parts = [json.loads((run / f"rank{r}.json").read_text()) for r in range(PROCS)]
+        for rule in ("balanced", "balanced_mass", "token", "sequence"):
+            got = torch.tensor(parts[0][rule] + parts[1][rule], dtype=torch.float64)
+            want = sequence_weights(rule, mask.sum(1), adv.double(), group_ids)
+            if reduce:
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+                assert all(p[f"{rule}/num_sequences"] == ROWS for p in parts)
+            else:
+                assert float((got - want).abs().max()) > 1e-3 * float(want.abs().max())
