@@ -225,6 +225,8 @@ def test_loss_without_plan_and_bad_config_are_refused():
         loss_fn(data["prev_logprobs"][:, 1:], data)
     with pytest.raises(ValueError, match=r"loss_fn\.ba_rule"):
         BalancedPGLossFn(CFG | {"ba_rule": "mean"}, group_size=G)
+    with pytest.raises(ValueError, match="reference_policy_kl_type"):
+        BalancedPGLossFn(CFG | {"reference_policy_kl_type": "k1"}, group_size=G)
     with pytest.raises(ValueError, match="whole groups"):
         BalancedPGLossFn(CFG, group_size=5).attach_plan(data)
 

@@ -75,13 +75,20 @@ class BalancedPGLossFn:
             raise ValueError("loss_fn.sequence_level_importance_ratios: not a token plan (GSPO)")
         if get("use_importance_sampling_correction", False):
             raise ValueError("loss_fn.use_importance_sampling_correction: not supported")
+        # As in ClippedPGLossFn: with use_kl_in_reward the KL is in the reward, not the loss.
+        kl_coef = 0.0 if get("use_kl_in_reward", False) else get("reference_policy_kl_penalty", 0.0)
+        if kl_coef and get("reference_policy_kl_type", "k3") != "k3":
+            raise ValueError(
+                f"loss_fn.reference_policy_kl_type: the core's KL term is k3, got "
+                f"{get('reference_policy_kl_type')!r}"
+            )
         self.group_size = group_size
         self.max_length = get("ba_max_length", None)
         self.config = GRPOLossConfig(
             clip_low=get("ratio_clip_min", 0.2),
             clip_high=get("ratio_clip_max", 0.2),
             dual_clip=get("ratio_clip_c", None),
-            kl_coef=get("reference_policy_kl_penalty", 0.0) or 0.0,
+            kl_coef=kl_coef or 0.0,
         )
 
     @staticmethod
