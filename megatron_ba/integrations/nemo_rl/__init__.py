@@ -1,0 +1,16 @@
+"""NeMo-RL integration: `BalancedPGLossFn` (its LossFunction protocol) and a GRPO entry script.
+
+    from megatron_ba.integrations.nemo_rl import BalancedPGLossFn
+    loss_fn = BalancedPGLossFn({"ba_rule": "balanced", "ratio_clip_min": 0.2,
+                                "ratio_clip_max": 0.28}, group_size=8)
+    loss_fn.attach_plan(train_data)            # the global batch, before policy.train
+    policy.train(train_data, loss_fn)
+
+`python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ...` does the swap inside
+NeMo-RL's own GRPO script. NeMo-RL is not installed here: the protocol and call sites relied on
+are checked against its source (v0.7.0) by `megatron_ba.integrations.nemo_rl.contract`.
+"""
+
+from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn
+
+__all__ = ["BalancedPGLossFn"]

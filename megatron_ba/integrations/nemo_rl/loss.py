@@ -1,0 +1,158 @@
+"""`BalancedPGLossFn`: a NeMo-RL `LossFunction` whose policy-gradient term is a megatron-ba plan.
+
+NeMo-RL (read at v0.7.0, commit 81aa43dd; the contract is checked in tests) calls a loss function on
+each micro-batch as `loss_fn(next_token_logprobs=..., data=mb, global_valid_seqs=...,
+global_valid_toks=...)`, sums the returned losses over micro-batches and cancels the
+data-parallel gradient mean (`loss = result * dp_size * cp_size` in its DTensor/automodel path,
+`* num_microbatches / cp_size` against Megatron's averaging): each call must return its
+micro-batch's additive share of the global loss. Its own `ClippedPGLossFn` gets that share by
+dividing by the global token or sequence count; no hook receives a prompt-group id.
+
+Here the plan is built on the driver, where `policy.train(train_data, loss_fn)` still holds the
+whole global batch (`attach_plan`): whole-response lengths from token_mask * sample_mask, one
+advantage per response, group ids from GRPO's layout (prompts repeated `num_generations_per_prompt`
+times, consecutively). The per-group statistics are reduced there, by the core, to per-sequence
+weights, which are carried in the data dict as rows (`ba_weights`, `ba_reg_weights`), the only form
+that survives NeMo-RL's slicing of the dict into DP shards and micro-batches. The loss applies them
+with the core's `grpo_loss`; `global_valid_seqs/toks` are not needed (the weights are global).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from megatron_ba._checks import check_choice
+from megatron_ba.aggregation import RULES, SCOPES
+from megatron_ba.integrations._common import sequence_advantages
+from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+
+try:  # NeMo-RL compares these by identity with its own enums
+    from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+except ImportError:  # not installable here: same names and values (checked by the contract test)
+
+    class LossType(enum.Enum):
+        TOKEN_LEVEL = "token_level"
+        SEQUENCE_LEVEL = "sequence_level"
+
+    class LossInputType(enum.Enum):
+        LOGPROB = "logprob"
+
+
+PLAN_KEYS = ("ba_weights", "ba_reg_weights")
+
+
+class BalancedPGLossFn:
+    """NeMo-RL LossFunction: the clipped PG loss with per-sequence weights from `attach_plan`.
+
+    Args:
+        cfg: NeMo-RL's `loss_fn` config (ClippedPGLossConfig or a dict): reads ratio_clip_min,
+            ratio_clip_max, ratio_clip_c, reference_policy_kl_penalty and, as extra keys (the
+            pydantic model allows them), ba_rule, ba_scope, ba_neutral_eps.
+        group_size: responses per prompt (grpo.num_generations_per_prompt).
+    """
+
+    # TOKEN_LEVEL so that NeMo-RL checks `token_mask` is present; the plan, not this flag,
+    # decides the normalisation.
+    loss_type = LossType.TOKEN_LEVEL
+    input_type = LossInputType.LOGPROB
+
+    def __init__(self, cfg: Any, *, group_size: int):
+        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        self.rule = get("ba_rule", "balanced")
+        self.scope = get("ba_scope", "group")
+        self.neutral_eps = float(get("ba_neutral_eps", 0.0))
+        check_choice("loss_fn.ba_rule", self.rule, RULES)
+        check_choice("loss_fn.ba_scope", self.scope, SCOPES)
+        if not (isinstance(group_size, int) and group_size >= 1):
+            raise ValueError(f"group_size: must be an integer >= 1, got {group_size!r}")
+        for key, allowed in (("disable_ppo_ratio", False), ("use_cispo", False)):
+            if get(key, allowed) != allowed:
+                raise ValueError(f"loss_fn.{key}: BalancedPGLossFn supports only {allowed!r}")
+        if get("sequence_level_importance_ratios", False):
+            raise ValueError("loss_fn.sequence_level_importance_ratios: not a token plan (GSPO)")
+        if get("use_importance_sampling_correction", False):
+            raise ValueError("loss_fn.use_importance_sampling_correction: not supported")
+        # As in ClippedPGLossFn: with use_kl_in_reward the KL is in the reward, not the loss.
+        kl_coef = 0.0 if get("use_kl_in_reward", False) else get("reference_policy_kl_penalty", 0.0)
+        if kl_coef and get("reference_policy_kl_type", "k3") != "k3":
+            raise ValueError(
+                f"loss_fn.reference_policy_kl_type: the core's KL term is k3, got "
+                f"{get('reference_policy_kl_type')!r}"
+            )
+        self.group_size = group_size
+        self.max_length = get("ba_max_length", None)
+        self.config = GRPOLossConfig(
+            clip_low=get("ratio_clip_min", 0.2),
+            clip_high=get("ratio_clip_max", 0.2),
+            dual_clip=get("ratio_clip_c", None),
+            kl_coef=kl_coef or 0.0,
+        )
+
+    @staticmethod
+    def _mask(data) -> torch.Tensor:
+        # NeMo-RL's layout: token t's log-prob is predicted at t-1, hence the [:, 1:] shift.
+        return data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
+
+    def attach_plan(self, data) -> None:
+        """Add the plan's weights to the global batch `data` (in place), before policy.train."""
+        mask = self._mask(data)
+        lengths = mask.to(torch.float64).sum(dim=1)
+        advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
+        n = lengths.numel()
+        if n % self.group_size:
+            raise ValueError(
+                f"data: {n} sequences are not whole groups of group_size={self.group_size}"
+            )
+        group_ids = torch.arange(n) // self.group_size
+        plan = LossPlan.build(
+            self.rule,
+            lengths,
+            advantages.to(torch.float64),
+            group_ids,
+            scope=self.scope,
+            max_length=self.max_length,
+            neutral_eps=self.neutral_eps,
+        )
+        data["ba_weights"] = plan.pg_weights
+        data["ba_reg_weights"] = plan.reg_weights
+
+    def __call__(
+        self,
+        next_token_logprobs: torch.Tensor,
+        data,
+        global_valid_seqs: torch.Tensor | None = None,
+        global_valid_toks: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        missing = [k for k in PLAN_KEYS if k not in data]
+        if missing:
+            raise ValueError(
+                f"data: missing {missing}; call attach_plan(train_data) on the global batch "
+                "before policy.train (the entry script run_grpo_balanced does this)"
+            )
+        mask = self._mask(data).bool()
+        advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
+        plan = LossPlan(data["ba_weights"], data["ba_reg_weights"], advantages)
+        ref = data["reference_policy_logprobs"][:, 1:] if self.config.kl_coef > 0 else None
+        loss, metrics = grpo_loss(
+            next_token_logprobs,
+            data["prev_logprobs"][:, 1:],
+            mask,
+            plan,
+            self.config,
+            ref_logprobs=ref,
+        )
+        # NeMo-RL sums metrics over micro-batches: report additive shares only.
+        out = {
+            "loss": float(loss.detach()),
+            "pg_loss": float(metrics["pg_loss"]),
+            "ba_weight_pos_sum": float(metrics["weight_pos_sum"]),
+            "ba_weight_neg_sum": float(metrics["weight_neg_sum"]),
+            "num_valid_samples": float(data["sample_mask"].sum()),
+        }
+        if "kl" in metrics:
+            out["kl_penalty"] = float(metrics["kl"])
+        return loss, out

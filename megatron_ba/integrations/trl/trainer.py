@@ -1,0 +1,233 @@
+"""`BalancedGRPOTrainer`: TRL's GRPOTrainer with the loss aggregated by a megatron-ba plan.
+
+TRL generates one *generation batch* per `steps_per_generation` micro-steps (on every process),
+scores it, computes group advantages, then shuffles and splits it into micro-batches for gradient
+accumulation. Its own loss types normalise each micro-batch (`grpo`: a per-micro-batch sequence
+mean; `bnpo`: a per-micro-batch token mean) or by the generation batch's token count (`dapo`).
+
+Here the plan is built once per generation batch, right after scoring, from whole-completion
+lengths, TRL's advantages and the prompt-group ids, with the statistics table summed over all
+processes (one all-reduce through `megatron_ba.parallel.collectives.StatisticsReducer`). The
+per-sequence weights ride along in the batch dict (`ba_weights`, `ba_reg_weights`), so every
+micro-batch applies its rows' *global* weights and the micro-batches and processes add up to the
+single-process, single-step objective exactly (tests/test_integration_trl.py).
+
+Scaling (what each factor cancels):
+- x num_processes: DDP averages gradients over processes; the plan's shares must be summed.
+- x steps_per_generation / gradient_accumulation_steps: one generation batch spans that many
+  optimizer steps (1 by default); each step then carries a full-scale objective, as TRL's `dapo`
+  does. Exact equality with one step holds for the default steps_per_generation == GA steps.
+- no / gradient_accumulation_steps: the shares already add up over the accumulation window, and
+  TRL marks its loss as scaled (`loss_is_scaled_for_ga = True`), so the Trainer divides by nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from trl import GRPOTrainer
+
+from megatron_ba._checks import check_choice
+from megatron_ba.aggregation import RULES, SCOPES
+from megatron_ba.diagnostics import batch_diagnostics
+from megatron_ba.integrations._common import sequence_lengths
+from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.parallel.collectives import StatisticsReducer
+
+# TRL options whose per-token effects a per-sequence plan of the clipped PPO term does not model:
+# refused with a clear error instead of being silently ignored.
+_UNSUPPORTED = {
+    "importance_sampling_level": ("token", "sequence-level ratios (GSPO) are not a token plan"),
+    "top_entropy_quantile": (1.0, "an entropy mask changes which tokens count"),
+    "off_policy_mask_threshold": (None, "an off-policy mask changes which tokens count"),
+    "delta": (None, "two-sided clipping is not the core's PPO term"),
+    "entropy_coef": (0.0, "pass entropy_coef= to BalancedGRPOTrainer instead"),
+    "use_adaptive_entropy": (False, "adaptive entropy control is TRL's own"),
+}
+
+
+class BalancedGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose policy-gradient term is aggregated by a core rule.
+
+    Args (beyond GRPOTrainer's):
+        aggregation: one of megatron_ba.aggregation.RULES ("balanced" by default).
+        scope: "group" (mean over prompt groups) or "batch" (pooled).
+        neutral_eps: responses with |A| <= neutral_eps count for no sign (balanced rules).
+        entropy_coef: weight of an entropy bonus aggregated by the regulariser plan.
+        reg_rule, reg_scope: the plan of the KL (args.beta) and entropy terms (token mean
+            over the generation batch by default, as in megatron_ba.loss).
+
+    TRL's `loss_type` is not used: `aggregation` replaces it. Clipping comes from args.epsilon /
+    args.epsilon_high, the KL coefficient from args.beta, the dr_grpo budget from
+    args.max_completion_length.
+    """
+
+    def __init__(
+        self,
+        *args,
+        aggregation: str = "balanced",
+        scope: str = "group",
+        neutral_eps: float = 0.0,
+        entropy_coef: float = 0.0,
+        reg_rule: str = "token",
+        reg_scope: str = "batch",
+        **kwargs,
+    ):
+        check_choice("aggregation", aggregation, RULES)
+        check_choice("scope", scope, SCOPES)
+        check_choice("reg_rule", reg_rule, RULES)
+        check_choice("reg_scope", reg_scope, SCOPES)
+        super().__init__(*args, **kwargs)
+        for name, (allowed, why) in _UNSUPPORTED.items():
+            value = getattr(self.args, name, allowed)
+            if value != allowed:
+                raise ValueError(
+                    f"args.{name}: BalancedGRPOTrainer supports only {allowed!r} ({why}), got "
+                    f"{value!r}"
+                )
+        if self.beta != 0.0 and getattr(self.args, "use_bias_correction_kl", False):
+            raise ValueError(
+                "args.use_bias_correction_kl: must be False when args.beta != 0 (the core's KL "
+                "term is the plain k3 estimator, without TRL's importance-ratio correction)"
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "args.vllm_importance_sampling_correction: not supported by BalancedGRPOTrainer "
+                "(the core loss has no per-token importance-sampling factor); set it to False"
+            )
+        self.aggregation = aggregation
+        self.scope = scope
+        self.neutral_eps = neutral_eps
+        self.reg_rule = reg_rule
+        self.reg_scope = reg_scope
+        self.ba_loss_config = GRPOLossConfig(
+            clip_low=self.epsilon_low,
+            clip_high=self.epsilon_high,
+            kl_coef=self.beta,
+            entropy_coef=entropy_coef,
+        )
+        group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
+        self.ba_reducer = StatisticsReducer(group=group)
+
+    # -- planning: once per generation batch ---------------------------------------------------
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        return self.attach_plan(output, "train" if self.model.training else "eval")
+
+    def attach_plan(self, output: dict, mode: str = "train") -> dict:
+        """Add `ba_weights` / `ba_reg_weights` ([n_local]) for a scored generation batch."""
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        lengths = sequence_lengths(mask, name="completion_mask")
+        advantages = output["advantages"].to(torch.float64)
+        # TRL orders the gathered generation batch in blocks of `group_size` completions of one
+        # prompt and gives process p rows [p * n, (p + 1) * n): global row // group_size is the
+        # group (the same blocks its advantages are computed over).
+        n_local = lengths.numel()
+        num_processes = self.accelerator.num_processes
+        first = self.accelerator.process_index * n_local
+        group_ids = torch.arange(first, first + n_local, device=lengths.device) // group_size
+        num_groups = -(-n_local * num_processes // group_size)
+        plan = LossPlan.build(
+            self.aggregation,
+            lengths,
+            advantages,
+            group_ids,
+            scope=self.scope,
+            reg_rule=self.reg_rule,
+            reg_scope=self.reg_scope,
+            max_length=self.max_completion_length,
+            neutral_eps=self.neutral_eps,
+            reduce=self.ba_reducer,
+            num_groups=num_groups,
+        )
+        output["ba_weights"] = plan.pg_weights
+        output["ba_reg_weights"] = plan.reg_weights
+        self._log_plan_diagnostics(mode, lengths, advantages, group_ids, num_groups)
+        return output
+
+    def _log_plan_diagnostics(self, mode, lengths, advantages, group_ids, num_groups) -> None:
+        """The paper's batch statistics (megatron_ba.diagnostics) into TRL's metrics as `ba/...`."""
+        if self.accelerator.num_processes == 1:
+            diag = batch_diagnostics(
+                lengths, advantages, group_ids, scope=self.scope, neutral_eps=self.neutral_eps
+            )
+        else:
+            diag = batch_diagnostics(
+                lengths,
+                advantages,
+                group_ids,
+                scope=self.scope,
+                neutral_eps=self.neutral_eps,
+                reduce=self.ba_reducer,
+                num_groups=num_groups,
+            )
+            diag = {k: v for k, v in diag.items() if not k.endswith("_part")}  # rank-local parts
+        for key, value in diag.items():
+            self._metrics[mode][f"ba/{key}"].append(float(value))
+
+    # -- applying: every micro-batch ------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        mask = completion_mask
+        if "tool_mask" in inputs:
+            mask = completion_mask * inputs["tool_mask"]
+        need_entropy = self.ba_loss_config.entropy_coef > 0
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=need_entropy,
+        )
+        # As in TRL: without a stored old policy (num_iterations == 1, one generation batch per
+        # optimizer step) the old log-probs are the current ones, detached (ratio 1).
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        plan = LossPlan(inputs["ba_weights"], inputs["ba_reg_weights"], inputs["advantages"])
+        loss, metrics = grpo_loss(
+            logps,
+            old,
+            mask.bool(),
+            plan,
+            self.ba_loss_config,
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+            entropy=entropies,
+        )
+        mode = "train" if self.model.training else "eval"
+        scale = float(self.accelerator.num_processes)  # cancels DDP's mean over processes
+        if mode == "train":
+            # one generation batch spans steps_per_generation / GA optimizer steps (1 by default)
+            scale *= self.args.steps_per_generation / self.current_gradient_accumulation_steps
+        self._log_loss_metrics(mode, metrics, mask)
+        return loss * scale
+
+    def _log_loss_metrics(self, mode, metrics, mask) -> None:
+        reduce = self.accelerator.reduce
+        sums = torch.stack(
+            [
+                metrics["pg_loss"].detach().to(torch.float64),
+                metrics["weight_pos_sum"].to(torch.float64),
+                metrics["weight_neg_sum"].to(torch.float64),
+            ]
+        )
+        sums = reduce(sums, reduction="sum")
+        m = self._metrics[mode]
+        # pg_loss of a micro-batch is its additive share; summed over processes it is the share
+        # of this micro-step (the window's -J is the sum over the accumulation steps).
+        m["ba/pg_loss_share"].append(float(sums[0]))
+        total = float(sums[1] + sums[2])
+        m["ba/weight_pos_share"].append(float(sums[1]) / total if total > 0 else float("nan"))
+        n_tok = float(reduce(mask.sum().to(torch.float64), reduction="sum"))
+        for key in ("clip_low_frac", "clip_high_frac", "ratio_mean"):
+            local = metrics[key].to(torch.float64) * mask.sum()
+            m[f"ba/{key}"].append(float(reduce(local, reduction="sum")) / max(n_tok, 1.0))
+        if "kl" in metrics:
+            m["kl_share"].append(float(reduce(metrics["kl"].to(torch.float64), reduction="sum")))

