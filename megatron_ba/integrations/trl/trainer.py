@@ -24,7 +24,6 @@ Scaling (what each factor cancels):
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from trl import GRPOTrainer
 
 from megatron_ba._checks import check_choice
@@ -32,6 +31,7 @@ from megatron_ba.aggregation import RULES, SCOPES
 from megatron_ba.diagnostics import batch_diagnostics
 from megatron_ba.integrations._common import sequence_lengths
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.parallel import collectives
 from megatron_ba.parallel.collectives import StatisticsReducer
 
 # TRL options whose per-token effects a per-sequence plan of the clipped PPO term does not model:
@@ -106,7 +106,7 @@ class BalancedGRPOTrainer(GRPOTrainer):
             kl_coef=self.beta,
             entropy_coef=entropy_coef,
         )
-        group = dist.group.WORLD if self.accelerator.num_processes > 1 else None
+        group = collectives.world_group() if self.accelerator.num_processes > 1 else None
         self.ba_reducer = StatisticsReducer(group=group)
 
     # -- planning: once per generation batch ---------------------------------------------------
