@@ -25,6 +25,7 @@ TOKENIZERS = ("trained-bpe", "hf")
 DATASETS = ("dapo-math-17k", "polaris")
 # The evaluation sets `eval.benchmarks` may name (megatron_ba.data.benchmarks.BENCHMARKS; spelled
 # out here so that loading a recipe imports no data code).
+MATH_TEMPLATE_NAMES = ("dapo", "boxed", "plain", "polaris")  # megatron_ba.data.templates
 BENCHMARK_NAMES = ("math500", "aime24", "aime25", "olympiad", "minerva", "livecodebench")
 
 # Keys a user may expect that no code reads yet: setting one is an error that says so, rather
@@ -415,6 +416,8 @@ def validate(recipe: Recipe) -> Recipe:
             f"{name!r} is not one of {', '.join(BENCHMARK_NAMES)}",
         )
     need(recipe.optimizer.lr >= 0, "optimizer.lr", "must be >= 0 (0: a frozen run)")
+    for key, value in (("data.template", d.template), ("eval.template", recipe.eval.template)):
+        need(value in MATH_TEMPLATE_NAMES, key, f"must be one of {', '.join(MATH_TEMPLATE_NAMES)}")
     need(recipe.reward.workers >= 1, "reward.workers", "must be >= 1")
     need(recipe.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     need(recipe.grpo.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "must be >= 1")

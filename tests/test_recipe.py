@@ -149,11 +149,59 @@ def test_real_model_keys_are_checked_together(overrides, message):
         load_recipe(ROOT / "recipes/tiny-cpu.yaml", overrides)
 
 
-def test_benchmark_names_match_the_data_module():
+def test_benchmark_and_template_names_match_the_data_module():
     from megatron_ba.data.benchmarks import BENCHMARKS
-    from megatron_ba.recipe import BENCHMARK_NAMES
+    from megatron_ba.data.templates import MATH_TEMPLATES
+    from megatron_ba.recipe import BENCHMARK_NAMES, MATH_TEMPLATE_NAMES
 
     assert tuple(BENCHMARKS) == BENCHMARK_NAMES
+    assert MATH_TEMPLATES == MATH_TEMPLATE_NAMES
+
+
+PAPER_RECIPES = sorted(p for p in RECIPES if p.name.startswith("qwen"))
+
+
+def test_the_papers_recipes_are_shipped():
+    names = {p.stem for p in PAPER_RECIPES}
+    assert names == {
+        "qwen2.5-math-7b-dapo17k",
+        "qwen3-1.7b-dapo17k",
+        "qwen2.5-math-7b-polaris",
+        "qwen3-1.7b-polaris",
+        "qwen2.5-32b-dapo17k-16k",
+        "qwen2.5-32b-dapo17k-32k",
+    }
+
+
+@pytest.mark.parametrize("path", PAPER_RECIPES, ids=lambda p: p.name)
+def test_paper_recipe_settings_and_the_planners_layout(path):
+    """The paper's settings, and the parallel section is what the header's planner call
+    (`# layout: megatron-ba layout ...`) proposes for it."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    r = load_recipe(path)
+    assert (r.grpo.group_size, r.grpo.prompts_per_step, r.grpo.steps) == (16, 128, 500)
+    assert (r.optimizer.lr, r.loss.clip_low, r.loss.clip_high) == (1e-6, 0.2, 0.28)
+    assert (r.grpo.temperature, r.eval.samples, r.loss.rule) == (1.0, 8, "balanced")
+    assert len(r.eval.benchmarks) == 6
+    line = next(x for x in path.read_text().splitlines() if x.startswith("# layout: "))
+    argv = shlex.split(line.removeprefix("# layout: megatron-ba "))
+    flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+    assert int(flags["--max-response-len"]) == r.grpo.max_new_tokens
+    assert int(flags["--group-size"]) == r.grpo.group_size
+    assert int(flags["--prompts-per-step"]) == r.grpo.prompts_per_step
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_ba.cli", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    overrides = json.loads(out.stdout)["overrides"]
+    assert r.parallel == load_recipe(path, overrides).parallel, f"the planner says {overrides}"
 
 
 def test_eval_benchmarks_from_the_command_line():

@@ -20,7 +20,7 @@ DAPO_PREFIX = (
 DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
-MATH_TEMPLATES = ("dapo", "boxed", "plain")
+MATH_TEMPLATES = ("dapo", "boxed", "plain", "polaris")
 
 CODE_SYSTEM = (
     "You are an expert Python programmer. You will be given a question (problem specification) "
@@ -40,12 +40,17 @@ _CODE_ANSWER = "### Answer: (use the provided format with backticks)\n\n"
 
 
 def render_prompt(question: str, template: str = "dapo") -> str:
-    """The user prompt of a math question under `template` ("dapo", "boxed" or "plain")."""
+    """The user prompt of a math question under `template` (one of MATH_TEMPLATES).
+
+    "polaris" is Polaris' own training prompt: the problem alone as the user message, as its data
+    preparation writes it (POLARIS-Project, scripts/data/jsonl2parquet.py); the model's habit of
+    a final \\boxed{} answer does the rest. "plain" is the same text, named for other sets.
+    """
     if template == "dapo":
         return DAPO_PREFIX + question + DAPO_SUFFIX
     if template == "boxed":
         return question + BOXED_SUFFIX
-    if template == "plain":
+    if template in ("plain", "polaris"):
         return question
     raise ValueError(f"template must be one of {MATH_TEMPLATES}, got {template!r}")
 

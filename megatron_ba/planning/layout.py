@@ -54,13 +54,13 @@ class Plan:
             f"parallel.cp={lo.cp}",
             f"parallel.micro_batch_size={self.micro_batch_size}",
         ]
-        if lo.tp > 1:
-            out.append(f"parallel.sequence_parallel={str(lo.sequence_parallel).lower()}")
         return out
 
     def requires(self) -> list[str]:
         """What the estimate assumes that no recipe key selects yet (megatron-core settings)."""
         out = []
+        if self.layout.tp > 1 and self.layout.sequence_parallel:
+            out.append("sequence parallelism (megatron-core sequence_parallel=True)")
         if self.layout.recompute:
             out.append("full activation recomputation (megatron-core recompute_granularity=full)")
         if self.layout.chunked_logprobs:
