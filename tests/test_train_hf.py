@@ -62,7 +62,10 @@ def test_metrics_carry_each_benchmark_at_every_evaluation(run):
         assert r["eval_accuracy"] == pytest.approx(mean, abs=1e-12)
     train = [r for r in records if r["step"] > 0]
     assert [r["step"] for r in train] == [1, 2] and all("pg_loss" in r for r in train)
-    assert (run_dir / "summary.json").is_file()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary["eval_table"]["benchmarks"]) == {"math500", "aime24"}
+    for name in ("benchmarks_acc.png", "benchmarks_best.png"):
+        assert (run_dir / "plots" / name).stat().st_size > 1000
 
 
 def test_export_with_lr_zero_is_the_input_bit_for_bit(run, tmp_path):

@@ -62,7 +62,13 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
-    for name, title, keys in PANELS:
+    names = sorted({k.split("/")[1] for r in records for k in r if k.startswith("eval/")})
+    panels = list(PANELS)
+    for metric, what in (("acc", "Acc@k"), ("best", "Best@k")):
+        if names:  # one curve per benchmark (eval.benchmarks), beside their mean
+            keys = [(f"eval/{n}/{metric}", n) for n in names]
+            panels.append((f"benchmarks_{metric}.png", f"{what} per benchmark", keys))
+    for name, title, keys in panels:
         fig, ax = _figure(title)
         drawn = False
         for key, label in keys:
