@@ -272,3 +272,10 @@ def test_private_tests_never_unpickle_objects():
     assert not os.path.exists("/tmp/mba_unpickle_marker")
     with pytest.raises(ValueError, match="could not be decoded"):
         decode_test_cases("not base64 or json!")
+
+
+def test_a_hub_id_without_network_names_the_source_and_the_remedy():
+    from megatron_ba.data import load_dapo_math
+
+    with pytest.raises(ConnectionError, match=r"^source 'org/absent-set': not a local path, and"):
+        load_dapo_math("org/absent-set")  # data_helpers set HF_HUB_OFFLINE: nothing is fetched

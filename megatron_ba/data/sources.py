@@ -46,7 +46,13 @@ def open_table(source: str | Path, *, split: str = "train", config: str | None =
         return datasets.load_dataset(builder, data_files=files, split="train")
     if not isinstance(source, str) or "/" not in source:
         raise ValueError(f"source {source!r} is neither an existing path nor a hub id 'org/name'")
-    return datasets.load_dataset(source, config, split=split)
+    try:
+        return datasets.load_dataset(source, config, split=split)
+    except ConnectionError as e:  # no network (or HF_HUB_OFFLINE): say what to do instead
+        raise ConnectionError(
+            f"source {source!r}: not a local path, and the hub cannot be reached ({e}); "
+            f"download the data set once and pass its local file or folder"
+        ) from e
 
 
 def _has_path(features, dotted: str) -> bool:
