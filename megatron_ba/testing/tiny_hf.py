@@ -55,6 +55,41 @@ def build_tokenizer(vocab_size: int = 512):
     )
 
 
+def _write_tiny(out_dir: str | Path, family: str, vocab_size: int, seed: int, **shape) -> Path:
+    """The tokenizer, a random model of `family` with `shape`, and a generation config."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[family]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.save_pretrained(out)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=True,  # as the small Qwen2 / Qwen3 releases
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        **shape,
+    )
+    torch.manual_seed(seed)
+    model_cls(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+    return out
+
+
 def build_tiny_qwen2(
     out_dir: str | Path,
     *,
@@ -73,33 +108,18 @@ def build_tiny_qwen2(
             f"hidden_size / num_heads must be an integer >= 32 (vLLM CPU attention), "
             f"got {hidden_size} / {num_heads}"
         )
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
-    tokenizer.save_pretrained(out)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    return _write_tiny(
+        out_dir,
+        "qwen2",
+        vocab_size,
+        seed,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=pad,
-        eos_token_id=eos,
-        pad_token_id=pad,
     )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
-    return out
 
 
 def build_tiny_qwen3(
@@ -116,20 +136,14 @@ def build_tiny_qwen3(
     seed: int = 0,
 ) -> Path:
     """Write a random Qwen3ForCausalLM (q/k RMSNorm, no QKV bias, explicit head_dim, tied
-    embeddings as the small Qwen3 releases have) and its tokenizer to `out_dir`."""
+    embeddings) and its tokenizer to `out_dir`; return the path."""
     if head_dim < 32:
         raise ValueError(f"head_dim: must be >= 32 (vLLM CPU attention), got {head_dim}")
-    import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab_size)
-    tokenizer.save_pretrained(out)
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
+    return _write_tiny(
+        out_dir,
+        "qwen3",
+        vocab_size,
+        seed,
         hidden_size=hidden_size,
         head_dim=head_dim,
         intermediate_size=intermediate_size,
@@ -137,13 +151,4 @@ def build_tiny_qwen3(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=pad,
-        eos_token_id=eos,
-        pad_token_id=pad,
     )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
-    return out
