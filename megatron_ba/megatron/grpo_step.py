@@ -243,21 +243,12 @@ def _additive(
 def _global_result(store, last: bool, reducer) -> StepResult:
     """Per-micro-batch metrics summed over DP x CP on the last stage, then sent to every stage."""
     ps = _ps()
-    pp_group = ps.get_pipeline_model_parallel_group()
-    keys = collectives.broadcast_object_from_last_stage(
-        sorted(store[0]) if last and store else [], group=pp_group
+    metrics = collectives.sum_microbatch_metrics(
+        store,
+        last=last,
+        dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        pp_group=ps.get_pipeline_model_parallel_group(),
     )
-    local = torch.zeros(len(keys), dtype=torch.float64)
-    if last:
-        for d in store:
-            local += torch.stack([d[k].detach().double().reshape(()).cpu() for k in keys])
-        local = collectives.all_reduce_sum(
-            local, group=ps.get_data_parallel_group(with_context_parallel=True)
-        )
-    total = collectives.broadcast_from_last_stage(
-        local, shape=local.shape, dtype=local.dtype, group=pp_group
-    )
-    metrics = {k: float(v) for k, v in zip(keys, total.tolist(), strict=True)}
     n = metrics.get("num_tokens_sum", 0.0)
     for k in list(metrics):
         if (k.endswith("_frac_sum") or k == "ratio_mean_sum") and n > 0:

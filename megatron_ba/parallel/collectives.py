@@ -300,3 +300,21 @@ def all_gather_object(obj, *, group=None) -> list:
     out: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def sum_microbatch_metrics(store: list[dict], *, last: bool, dp_group, pp_group) -> dict:
+    """Per-micro-batch scalar metrics (name -> 0-d tensor) summed over micro-batches on the last
+    pipeline stage, over `dp_group` there, and sent to every stage: name -> float everywhere.
+
+    The names travel from the last stage (other stages have no loss, so no metrics of their own).
+    """
+    keys = broadcast_object_from_last_stage(
+        sorted(store[0]) if last and store else [], group=pp_group
+    )
+    local = torch.zeros(len(keys), dtype=torch.float64)
+    if last:
+        for d in store:
+            local += torch.stack([d[k].detach().double().reshape(()).cpu() for k in keys])
+        local = all_reduce_sum(local, group=dp_group)
+    total = broadcast_from_last_stage(local, shape=local.shape, dtype=local.dtype, group=pp_group)
+    return {k: float(v) for k, v in zip(keys, total.tolist(), strict=True)}

@@ -269,20 +269,12 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
 
     def _global_metrics(self, store: list[dict]) -> dict[str, float]:
         """Micro-batch sums added over DP on the last stage, then sent to every PP stage."""
-        pp_group = mcore_ps.get_pipeline_model_parallel_group()
-        last = mcore_ps.is_pipeline_last_stage()
-        keys = collectives.broadcast_object_from_last_stage(
-            sorted(store[0]) if last and store else [], group=pp_group
+        out = collectives.sum_microbatch_metrics(
+            store,
+            last=mcore_ps.is_pipeline_last_stage(),
+            dp_group=mcore_ps.get_data_parallel_group(),
+            pp_group=mcore_ps.get_pipeline_model_parallel_group(),
         )
-        local = torch.zeros(len(keys), dtype=torch.float64)
-        if last:
-            for d in store:
-                local += torch.stack([d[k].detach().double().reshape(()).cpu() for k in keys])
-            local = collectives.all_reduce_sum(local, group=mcore_ps.get_data_parallel_group())
-        total = collectives.broadcast_from_last_stage(
-            local, shape=local.shape, dtype=local.dtype, group=pp_group
-        )
-        out = {k: float(v) for k, v in zip(keys, total.tolist(), strict=True)}
         out["loss"] = out.pop("loss_sum", 0.0)
         w_pos, w_neg = out.get("weight_pos_sum", 0.0), out.get("weight_neg_sum", 0.0)
         if w_pos + w_neg > 0:
