@@ -243,3 +243,34 @@ def test_nemo_aligner_backend_prints_its_overrides():
     # The local backend has no overrides to print.
     local = subprocess.run([*cmd, "--print-overrides"], cwd=ROOT, capture_output=True, text=True)
     assert local.returncode == 2 and "is for backend=nemo_aligner" in local.stderr
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_translates_for_nemo_aligner(path):
+    """`--print-overrides` prints a translation for every shipped recipe (a Hugging Face
+    checkpoint becomes Hydra's mandatory `???`, with a note on converting it to .nemo)."""
+    import subprocess
+    import sys
+
+    r = load_recipe(path)
+    out = subprocess.run(  # one node of TP x PP devices: one data-parallel replica
+        [
+            sys.executable,
+            "-m",
+            "megatron_ba.cli",
+            "train",
+            str(path),
+            "backend=nemo_aligner",
+            "--print-overrides",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert f"++model.tensor_model_parallel_size={r.parallel.tp}" in lines
+    if r.model.pretrained:
+        assert "++pretrained_checkpoint.restore_from_path=???" in lines
+        assert "convert it to .nemo" in out.stderr

@@ -58,13 +58,26 @@ def _nemo_aligner(recipe, args: argparse.Namespace) -> int:
 
     from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
 
+    hf = recipe.model.pretrained is not None and not recipe.model.pretrained.endswith(".nemo")
     try:
-        overrides = recipe_to_nemo_overrides(recipe, num_nodes=args.nodes, devices=args.devices)
+        overrides = recipe_to_nemo_overrides(
+            recipe,
+            num_nodes=args.nodes,
+            devices=args.devices,
+            hf_checkpoint="placeholder" if args.print_overrides else "refuse",
+        )
     except ValueError as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
     if args.print_overrides:
         print("\n".join(overrides))
+        if hf:
+            print(
+                f"train: model.pretrained {recipe.model.pretrained!r} is a Hugging Face folder: "
+                "convert it to .nemo with NeMo's converter (docs/nemo-aligner.md) and pass "
+                "++pretrained_checkpoint.restore_from_path=FILE.nemo",
+                file=sys.stderr,
+            )
         return 0
     if importlib.util.find_spec("nemo_aligner") is None:
         print(

@@ -21,11 +21,14 @@ def _fmt(value) -> str:
 
 
 def recipe_to_nemo_overrides(
-    recipe, *, num_nodes: int = 1, devices: int | None = None
+    recipe, *, num_nodes: int = 1, devices: int | None = None, hf_checkpoint: str = "refuse"
 ) -> list[str]:
     """The overrides of `python -m megatron_ba.integrations.nemo_aligner.train_grpo` for `recipe`.
 
     devices: GPUs per node (default TP x PP: one data-parallel replica per node).
+    hf_checkpoint: what a Hugging Face `model.pretrained` becomes: "refuse" (a ValueError naming
+    the key: NeMo-Aligner restores .nemo files) or "placeholder" (`???`, Hydra's mandatory value,
+    for printing a translation that the user completes with the converted .nemo file).
     """
     p, g, loss, opt = recipe.parallel, recipe.grpo, recipe.loss, recipe.optimizer
     if p.cp != 1:
@@ -60,6 +63,8 @@ def recipe_to_nemo_overrides(
     restore = recipe.model.pretrained
     if restore is None:
         restore = "???"  # OmegaConf's "mandatory, missing": train_grpo fails until it is given
+    elif not str(restore).endswith(".nemo") and hf_checkpoint == "placeholder":
+        restore = "???"
     elif not str(restore).endswith(".nemo"):
         raise ValueError(
             f"model.pretrained: NeMo-Aligner restores a .nemo checkpoint, got {restore!r}; "
