@@ -182,7 +182,7 @@ def run_vllm(out_json: str, dirs: list[str], sync_root: str) -> None:
         megatron_state_dict_from_hf,
         spec_from_hf_dir,
     )
-    from megatron_ba.train.rollout import VLLMEngine
+    from megatron_ba.generation.vllm_engine import VLLMEngine
 
     results: dict = {"models": {}}
     for d in dirs:
