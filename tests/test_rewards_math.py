@@ -155,6 +155,8 @@ def test_correctness_table_through_the_pool(pool):
 def test_extraction_rules():
     cases = {
         "so Answer: 34": None,  # running prose: not a final-answer line
+        "3+5=8, 8-2=6. Answer: 6": "6",  # a last sentence that opens with Answer: (arithmetic)
+        "3+5=8, so 8. 8-2=5, so 5. Answer: 5\nAnswer: 7": "7",  # the last marker wins
         "We may check our answer: 5": None,
         "Answer: 34": "34",
         "**Answer:** 34": "34",

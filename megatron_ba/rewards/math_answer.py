@@ -6,14 +6,15 @@ long or hang on adversarial input (sympy), so training code calls `megatron_ba.r
 
 Extraction (one candidate per response, in this order of precedence):
 1. A final-answer line: a line that begins with "Answer:" (DAPO's template; case-insensitive,
-   markdown such as `**Answer:**`, `### Final Answer:` allowed). The LAST such line is the
-   answer, whatever comes after it; its text after the colon (or, if empty, the next non-empty
-   line); a \\boxed{} inside it yields the (last) box content.
+   markdown such as `**Answer:**`, `### Final Answer:` allowed), or whose last sentence begins
+   with "Answer:" after a finished one (". Answer: 9", the synthetic arithmetic task's form). The
+   LAST such marker is the answer, whatever comes after it; its text after the colon (or, if
+   empty, the next non-empty line); a \\boxed{} inside it yields the (last) box content.
 2. Otherwise the last \\boxed{...} / \\fbox{...} (or `\\boxed 5`) of the response.
 3. Otherwise no answer: score 0.
-An "answer:" inside running prose ("We may check our answer: $17 \\cdot 44$") is not a
-final-answer marker. Hedging does not pay: only the last box and only the last Answer line count,
-and several values in one answer ("3, 4", "3 or 4", "3 \\pm 1") are compared as a set.
+An "answer:" inside running prose ("We may check our answer: $17 \\cdot 44$", "so Answer: 34")
+is not a final-answer marker. Hedging does not pay: only the last box and only the last Answer
+line count, and several values in one answer ("3, 4", "3 or 4", "3 \\pm 1") are compared as a set.
 Judgement: math-verify with the gold parsed first (its comparison is asymmetric: the gold decides
 e.g. whether "1,2" is a set or a number), then an exact match after DAPO/Minerva-style string
 normalisation as the fallback for what math-verify cannot parse. Equations: the right-hand side
@@ -28,6 +29,9 @@ import re
 
 # "Answer:" at the start of a line, after optional markdown ("**", "#", ">", "-") and "Final".
 _ANSWER_LINE = re.compile(r"(?im)^[ \t>#*_-]*(?:final[ \t]+)?answer[ \t]*[*_]*[ \t]*:(.*)$")
+# "Answer:" (capital A) opening a sentence at the end of a line: "... 6+3=9. Answer: 9". The
+# sentence before it has ended; "so Answer: 34" and "check our answer: 5" have not.
+_ANSWER_SENTENCE = re.compile(r"(?m)(?<=[.!?])[ \t]+(?:\*\*)?Answer[ \t]*(?:\*\*)?[ \t]*:(.*)$")
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 
@@ -93,7 +97,10 @@ def extract_answer(response: str) -> str | None:
     """The final answer in `response`, or None (precedence in the module docstring)."""
     if not isinstance(response, str):
         raise ValueError(f"response must be a str, got {type(response).__name__}")
-    lines = list(_ANSWER_LINE.finditer(response))
+    lines = sorted(
+        [*_ANSWER_LINE.finditer(response), *_ANSWER_SENTENCE.finditer(response)],
+        key=lambda m: m.start(),
+    )
     if lines:
         value = _strip_math_delimiters(_line_value(response, lines[-1]))
         if value:
