@@ -250,3 +250,18 @@ def test_bad_input_is_a_value_error(pool):
     with pytest.raises(ValueError, match="workers"):
         MathRewardPool(workers=0)
     assert pool.score([], []).scores == []
+
+
+def test_the_arithmetic_tasks_solutions_are_scored_right(pool):
+    """The CPU run's own answer form ('... 6+3=9. Answer: 9'): correct solutions score 1, the
+    sloppy (always wrong) ones 0 - a reward rule that misses this form zeroes the main job."""
+    import random
+
+    from megatron_ba.tasks.arithmetic import ArithmeticTask, correct_solution, sloppy_solution
+
+    task = ArithmeticTask(min_terms=2, max_terms=4, seed=1234)
+    prompts = task.prompts("train", 12)
+    rng = random.Random(0)
+    responses = [correct_solution(p) for p in prompts] + [sloppy_solution(p, rng) for p in prompts]
+    truths = [task.answer(p) for p in prompts] * 2
+    assert pool.score(responses, truths).scores == [1.0] * 12 + [0.0] * 12
