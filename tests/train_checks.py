@@ -29,29 +29,22 @@ def check_sync(recipe_path: str, cache: str) -> dict:
 
     from transformers import Qwen2ForCausalLM
 
+    from megatron_ba.conversion import hf_named_tensors, megatron_state_dict_from_hf
     from megatron_ba.megatron.grpo_step import compute_logprobs
     from megatron_ba.megatron.model import gather_full_state_dict
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train.driver import Trainer
-    from megatron_ba.train.hf_convert import hf_to_megatron, megatron_to_hf
 
     out: dict = {}
     recipe = load_recipe(recipe_path)
     run_dir = Path(tempfile.mkdtemp(prefix="sync-"))
     trainer = Trainer(recipe, run_dir, resume=False, cache_dir=Path(cache))
     try:
-        m = recipe.model
-        heads, groups = m.num_attention_heads, m.num_query_groups
+        spec = trainer.policy.spec
         # 1. HF -> megatron -> HF is the identity on the warm-start weights.
         hf = Qwen2ForCausalLM.from_pretrained(trainer.hf_dir, torch_dtype=torch.float32).eval()
         hf_sd = {k: v for k, v in hf.state_dict().items() if "rotary" not in k}
-        back = dict(
-            megatron_to_hf(
-                hf_to_megatron(hf_sd, num_attention_heads=heads, num_query_groups=groups),
-                num_attention_heads=heads,
-                num_query_groups=groups,
-            )
-        )
+        back = dict(hf_named_tensors(megatron_state_dict_from_hf(hf_sd, spec), spec))
         out["roundtrip_max_abs"] = max(_max_abs(back[k], hf_sd[k]) for k in hf_sd)
         out["roundtrip_same_keys"] = set(back) == set(hf_sd)
         # 2. The megatron policy's log-probs equal transformers' on the same weights.

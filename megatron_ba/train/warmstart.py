@@ -54,10 +54,12 @@ def _hf_model(recipe: Recipe, vocab_size: int, eos_id: int):
     """A fresh transformers Qwen2 with the policy's exact shape (one config source)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_ba.train.hf_convert import qwen2_config
+    from megatron_ba.conversion import hf_config_from_spec
 
     spec = recipe.model.qwen2_spec(vocab_size)
-    return Qwen2ForCausalLM(Qwen2Config(**qwen2_config(spec, eos_token_id=eos_id)))
+    return Qwen2ForCausalLM(
+        Qwen2Config(**hf_config_from_spec(spec, eos_token_id=eos_id, bos_token_id=eos_id))
+    )
 
 
 def _batches(examples, tokenizer, batch_size: int, rng: torch.Generator):
