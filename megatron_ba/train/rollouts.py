@@ -37,11 +37,23 @@ class Rollouts:
             engine = _engine(recipe, hf_dir, run_dir, tokenizer, policy)
         return cls(engine, tokenizer, recipe.grpo.max_new_tokens)
 
-    def generate(self, prompts: list[str], n: int, temperature: float, seed: int):
-        """Token ids of the prompts and n samples for each (rank 0)."""
+    def generate(
+        self,
+        prompts: list[str],
+        n: int,
+        temperature: float,
+        seed: int,
+        max_tokens: int | None = None,
+    ):
+        """Token ids of the prompts and n samples for each (rank 0); max_tokens defaults to the
+        recipe's `grpo.max_new_tokens`."""
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
         samples = self.engine.generate(
-            ids, n=n, temperature=temperature, max_tokens=self.max_new_tokens, seed=seed
+            ids,
+            n=n,
+            temperature=temperature,
+            max_tokens=self.max_new_tokens if max_tokens is None else max_tokens,
+            seed=seed,
         )
         return ids, samples
 
@@ -50,10 +62,7 @@ class Rollouts:
         the same tokenisation and per-prompt seeds as the rollouts."""
 
         def generate(prompts: list[str], n: int, temperature: float, max_tokens: int):
-            ids = [self.tokenizer(p)["input_ids"] for p in prompts]
-            out = self.engine.generate(
-                ids, n=n, temperature=temperature, max_tokens=max_tokens, seed=seed
-            )
+            _, out = self.generate(prompts, n, temperature, seed, max_tokens)
             return [[s.text for s in group] for group in out]
 
         return generate
