@@ -2,11 +2,14 @@
 
     megatron-ba convert HF_DIR CKPT_DIR                 # HF -> megatron-core (dist checkpoint)
     megatron-ba convert CKPT_DIR HF_OUT --to hf         # and back
+    megatron-ba convert RUN/checkpoints/step-000020 HF_OUT --to hf   # a training checkpoint
     torchrun --nproc-per-node 2 -m megatron_ba.cli convert HF_DIR CKPT_DIR --tp 2
 
 Convert once before a cluster run: the checkpoint is megatron-core's `torch_dist` format of the
 model's sharded state dict, which loads under any TP x PP layout, whatever layout wrote it;
 --tp / --pp only choose how this conversion itself is split (the world size must be tp * pp).
+A training checkpoint's step folder (train/checkpoint.py) is read through its `dist/` folder:
+the policy's weights (its optimiser state is not read).
 Qwen2 / Qwen2.5 / Qwen3 (the families of megatron_ba.conversion); details in docs/checkpoints.md.
 """
 
@@ -30,12 +33,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this conversion")
 
 
+def _model_source(args: argparse.Namespace) -> Path:
+    """The folder the weights are read from: `src`, or a training checkpoint's `dist/`."""
+    from megatron_ba.train.checkpoint import DIST, is_training_checkpoint
+
+    src = Path(args.src)
+    if is_training_checkpoint(src):
+        if args.to != "hf":
+            raise ValueError(f"src: {args.src!r} is a training checkpoint; did you mean --to hf?")
+        return src / DIST
+    return src
+
+
 def _check_args(args: argparse.Namespace) -> None:
     from megatron_ba.conversion.dist_checkpoint import SPEC_FILE
 
-    src = Path(args.src)
-    if not src.is_dir():
+    if not Path(args.src).is_dir():
         raise ValueError(f"src: {args.src!r} is not a folder")
+    src = _model_source(args)
     for name in ("tp", "pp"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name}: must be >= 1, got {getattr(args, name)}")
@@ -52,13 +67,18 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    import json
+
     from megatron_ba.conversion import dist_checkpoint as dc
     from megatron_ba.conversion import export_chunks_to_hf, load_hf_into_chunks, spec_from_hf_dir
     from megatron_ba.megatron import model as mm
     from megatron_ba.train.distributed import setup, teardown
 
     t0 = time.perf_counter()
-    spec = spec_from_hf_dir(args.src) if args.to == "megatron" else dc.read_spec(args.src)
+    from megatron_ba.conversion.hf_config import dtype as config_dtype
+
+    src = _model_source(args)
+    spec = spec_from_hf_dir(src) if args.to == "megatron" else dc.read_spec(src)
     spec.check_layout(args.tp, args.pp)
     ctx = setup(tp=args.tp, pp=args.pp, cp=1, seed=0)
     try:
@@ -66,13 +86,16 @@ def run(args: argparse.Namespace) -> int:
         config = mm.transformer_config(spec, perform_initialization=False)
         chunks = mm.build_model_chunks(spec, ddp=False, config=config)
         if args.to == "megatron":
-            load_hf_into_chunks(chunks, args.src, spec)
-            dc.save_dist_checkpoint(chunks, spec, args.out, source_dir=args.src)
+            load_hf_into_chunks(chunks, src, spec)
+            dc.save_dist_checkpoint(chunks, spec, args.out, source_dir=src)
         else:
-            dc.load_dist_checkpoint(chunks, args.src)
-            meta = Path(args.src) / dc.HF_META
+            dc.load_dist_checkpoint(chunks, src)
+            meta = src / dc.HF_META
             source = meta if (meta / "config.json").is_file() else None
-            export_chunks_to_hf(chunks, spec, args.out, source_dir=source)
+            # The files in the source's dtype (a run trains a bf16 model in fp32), as the
+            # trainer's own RUN_DIR/hf export; the spec's dtype without a source config.
+            dtype = config_dtype(json.loads((meta / "config.json").read_text())) if source else None
+            export_chunks_to_hf(chunks, spec, args.out, source_dir=source, dtype=dtype)
         ctx.barrier()
         if ctx.is_main:
             n = spec.num_parameters()

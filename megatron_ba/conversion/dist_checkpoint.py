@@ -84,39 +84,68 @@ def _single_model(chunks: list[torch.nn.Module]) -> torch.nn.Module:
     return _unwrap(chunks[0])
 
 
-def save_dist_checkpoint(
-    chunks: list[torch.nn.Module], spec, ckpt_dir: str | Path, *, source_dir=None
-) -> Path:
-    """Save the model as a distributed checkpoint in the empty (or new) folder `ckpt_dir`."""
+def save_sharded(sharded_sd: dict, ckpt_dir: str | Path) -> Path:
+    """`dist_checkpointing.save` of a sharded state dict into the new or empty `ckpt_dir`
+    (collective: every rank calls it). Training checkpoints save model + optimiser this way."""
     from megatron.core import dist_checkpointing
 
     from megatron_ba.parallel import collectives
 
     out = Path(ckpt_dir)
-    writer = collectives.world_rank_and_size()[0] == 0
-    if writer:
+    if collectives.world_rank_and_size()[0] == 0:
         if out.exists() and any(out.iterdir()):
             raise ValueError(f"out: {str(out)!r} is not empty")
         out.mkdir(parents=True, exist_ok=True)
     if collectives.is_initialized():
         collectives.barrier()
-    model = _single_model(chunks)
     with _cpu_synchronize():
-        dist_checkpointing.save(model.sharded_state_dict(), str(out))
-    if writer:
-        hf_folder.write_json(out / SPEC_FILE, spec_to_json(spec))
-        if source_dir is not None:
-            (out / HF_META).mkdir(exist_ok=True)
-            src = Path(source_dir)
-            (out / HF_META / "config.json").write_text((src / "config.json").read_text())
-            hf_folder.copy_side_files(src, out / HF_META)
+        dist_checkpointing.save(sharded_sd, str(out))
+    return out
+
+
+def load_sharded(sharded_sd: dict, ckpt_dir: str | Path) -> dict:
+    """`dist_checkpointing.load`: the tensors of `sharded_sd`'s keys, resharded to this layout."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load(sharded_sd, str(ckpt_dir))
+
+
+def write_model_meta(out: str | Path, spec, source_dir=None) -> None:
+    """The spec and the source's config / tokenizer files beside the tensors (the writer rank),
+    what `megatron-ba convert --to hf` rebuilds the model and its folder from."""
+    out = Path(out)
+    hf_folder.write_json(out / SPEC_FILE, spec_to_json(spec))
+    if source_dir is not None:
+        (out / HF_META).mkdir(exist_ok=True)
+        src = Path(source_dir)
+        (out / HF_META / "config.json").write_text((src / "config.json").read_text())
+        hf_folder.copy_side_files(src, out / HF_META)
+
+
+def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:
+    """The model's megatron-core sharded state dict (one chunk: no virtual pipeline)."""
+    return _single_model(chunks).sharded_state_dict()
+
+
+def load_model_state(chunks: list[torch.nn.Module], state: dict) -> None:
+    """Copy a loaded model state (from `load_sharded`) into the chunks' parameters."""
+    _single_model(chunks).load_state_dict(state)
+
+
+def save_dist_checkpoint(
+    chunks: list[torch.nn.Module], spec, ckpt_dir: str | Path, *, source_dir=None
+) -> Path:
+    """Save the model as a distributed checkpoint in the empty (or new) folder `ckpt_dir`."""
+    from megatron_ba.parallel import collectives
+
+    out = save_sharded(model_sharded_state_dict(chunks), ckpt_dir)
+    if collectives.world_rank_and_size()[0] == 0:
+        write_model_meta(out, spec, source_dir)
     return out
 
 
 def load_dist_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | Path) -> None:
-    """Load a distributed checkpoint into this rank's chunks (any TP / PP layout)."""
-    from megatron.core import dist_checkpointing
-
+    """Load a distributed checkpoint into this rank's chunks (any TP / PP layout). A training
+    checkpoint's `dist/` folder loads too (its optimiser tensors are not read)."""
     model = _single_model(chunks)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
-    model.load_state_dict(state)
+    model.load_state_dict(load_sharded(model.sharded_state_dict(), ckpt_dir))

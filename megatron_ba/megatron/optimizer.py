@@ -105,3 +105,56 @@ class ShardedAdamW:
     def lr(self, value: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = value
+
+    # -- sharded checkpoints (train/checkpoint.py) -------------------------------------------
+    # The Adam moments are saved as megatron-core ShardedTensors keyed like the model's own
+    # (`optimizer.exp_avg.<model key>`, same global shape, offsets and replica ids), so
+    # dist_checkpointing reshards them under another TP / PP / DP exactly as it does the weights.
+    # megatron-core's optimiser (megatron/mcore_optimizer.py) offers the same two methods.
+
+    def step_count(self) -> int:
+        """AdamW's step count, the same for every parameter (0 before the first step)."""
+        steps = {int(s["step"]) for s in self.optimizer.state.values() if "step" in s}
+        if len(steps) > 1 or (steps and len(self.optimizer.state) != len(self.params)):
+            raise ValueError(f"optimizer: parameters at different step counts {sorted(steps)}")
+        return steps.pop() if steps else 0
+
+    def sharded_state_dict(self, model_sharded_sd: dict) -> dict:
+        """The moments as ShardedTensors shaped like `model_sharded_sd`'s (from the chunks'
+        `sharded_state_dict()`), the step count and the hyper-parameters as common state."""
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
+        )
+
+        by_id = get_param_id_to_sharded_param_map(model_sharded_sd, self.params)
+        missing = [i for i in range(len(self.params)) if i not in by_id]
+        if missing:
+            n = len(missing)
+            raise ValueError(f"model_sharded_sd: lacks {n} of the optimizer's parameters")
+        moments: dict = {"exp_avg": {}, "exp_avg_sq": {}}
+        for i, p in enumerate(self.params):
+            state = self.optimizer.state.get(p, {})
+            for name in moments:
+                # Before the first step (or as the target of a load) the moments are zeros.
+                data = state[name] if name in state else torch.zeros_like(p)
+                prefix = f"optimizer.{name}"
+                moments[name][i] = make_sharded_optimizer_tensor(by_id[i], data, prefix)
+        group = self.optimizer.param_groups[0]
+        hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        return {**moments, "step": self.step_count(), "hyper": hyper, "clip_grad": self.clip_grad}
+
+    def load_sharded(self, state: dict) -> None:
+        """Restore what `sharded_state_dict` saved, as loaded by dist_checkpointing.load."""
+        step = int(state["step"])
+        self.optimizer.state.clear()
+        if step > 0:  # at 0 torch's lazy initialisation is the same zeros and count
+            for i, p in enumerate(self.params):
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(step), dtype=torch.float32),  # torch's own dtype
+                    "exp_avg": state["exp_avg"][i].to(p.device).clone(),
+                    "exp_avg_sq": state["exp_avg_sq"][i].to(p.device).clone(),
+                }
+        for group in self.optimizer.param_groups:
+            group.update({k: tuple(v) if k == "betas" else v for k, v in state["hyper"].items()})
+        self.clip_grad = float(state["clip_grad"])

@@ -1,20 +1,33 @@
-"""Atomic, resumable checkpoints of a local GRPO run.
+"""Atomic, resumable, layout-independent checkpoints of a local GRPO run.
 
-    RUN/checkpoints/step-000020/rank-00000.pt   this rank's model shard, optimiser state, RNG
-                               /hf/             the whole policy in Hugging Face format (rank 0)
-                               /meta.json       step, data position, layout: written last
-    RUN/checkpoints/latest                      "step-000020"
+    RUN/checkpoints/step-000020/dist/          megatron-core dist_checkpointing (torch_dist): the
+                                               model's sharded_state_dict and the optimiser's
+                                               (Adam moments keyed like the weights, step count),
+                                               megatron_ba_spec.json and hf/ (config, tokenizer)
+                               /rng/rank-00000.pt   this rank's RNG states
+                               /meta.json      step, data position, layout, world, recipe: last
+    RUN/checkpoints/latest                     "step-000020"
+
+The tensors are stored with their global offsets, so a checkpoint written at one TP x PP x DP
+layout loads at another (dist_checkpointing reshards weights and moments alike); `dist/` is also
+a `megatron-ba convert CKPT --to hf` source (the command accepts the step folder itself).
 
 A checkpoint is written into a hidden temporary folder and renamed into place only when every
-rank's file and the metadata are on disk, so a crash leaves either the previous checkpoint or the
-new one, never half of one. `latest` is replaced atomically too. Resuming restores weights,
-optimiser moments, the data position and the RNG states, so a resumed run continues with exactly
-the state that was saved and logs the same metrics as an uninterrupted run, step for step
-(tests/test_train_integration.py checks both).
+rank's files and the metadata are on disk, so a crash leaves the previous checkpoint (and
+`latest`, replaced atomically too) intact, never half of one.
+
+RNG policy. Per-rank generator states (python, numpy, torch CPU, CUDA when present, megatron-core's
+model-parallel tracker) only mean something for the same rank of the same layout. When the
+saved layout (tp, pp, cp, dp) equals this run's, every rank restores its own states exactly and
+the resumed run repeats the uninterrupted one bit for bit (tests/test_train_integration.py).
+Otherwise every generator is reseeded from (recipe seed, step) - the same on every rank, like a
+fresh start - and a warning says so; rollouts take their seeds from (seed, step) anyway, so only
+streams drawn outside them (dropout, if any) differ from the uninterrupted run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -23,7 +36,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_ba.conversion import dist_checkpoint as dc
 from megatron_ba.megatron.model import local_to_full_names
+
+DIST = "dist"
+RNG = "rng"
 
 
 def _rng_state() -> dict:
@@ -59,6 +76,30 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
+def reseed_value(seed: int, step: int) -> int:
+    """The seed of every generator after a resume under a changed layout (rank-independent)."""
+    h = hashlib.sha256(f"{seed}:{step}:resume-rng".encode()).digest()
+    return int.from_bytes(h[:4], "big")
+
+
+def reseed_rng(seed: int, step: int) -> None:
+    """Seed python, numpy, torch (CPU and CUDA) and megatron-core's tracker from (seed, step)."""
+    import numpy as np
+
+    value = reseed_value(seed, step)
+    random.seed(value)
+    np.random.seed(value)  # noqa: NPY002
+    if torch.cuda.is_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(value)  # CUDA generators and tracker
+    else:
+        from megatron_ba.megatron.cpu_compat import seed_model_parallel_rng
+
+        seed_model_parallel_rng(value)
+    torch.manual_seed(value)  # the CPU generator (and every CUDA one) last: one known state
+
+
 def model_state(chunks) -> dict[str, torch.Tensor]:
     """This rank's parameters by their full (global) names."""
     return {name: p.detach().clone() for name, (p, _) in local_to_full_names(chunks).items()}
@@ -68,27 +109,38 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def save(ctx, run_dir: Path, step: int, chunks, optimizer, meta: dict, hf_export=None) -> Path:
-    """Write checkpoint `step` collectively (every rank calls it). Returns its folder."""
+def layout_of(ctx) -> dict:
+    return {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp}
+
+
+def _sharded_state(chunks, optimizer) -> dict:
+    model_sd = dc.model_sharded_state_dict(chunks)
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+
+
+def save(
+    ctx, run_dir: Path, step: int, chunks, optimizer, meta: dict, *, spec, source_dir=None
+) -> Path:
+    """Write checkpoint `step` collectively (every rank calls it). Returns its folder.
+
+    `optimizer` offers `sharded_state_dict(model_sharded_sd)` and `load_sharded(state)`
+    (ShardedAdamW; megatron-core's optimiser on CUDA). `spec` and `source_dir` (the HF folder
+    the run started from: config and tokenizer) make `dist/` convertible to Hugging Face.
+    """
     root = Path(run_dir) / "checkpoints"
     final = root / step_dir_name(step)
     tmp = root / f".{step_dir_name(step)}.tmp"
     if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt's leftovers
+        (tmp / RNG).mkdir(parents=True)
     ctx.barrier()
-    payload = {
-        "model": model_state(chunks),
-        "optimizer": optimizer.optimizer.state_dict(),
-        "rng": _rng_state(),
-        "step": step,
-    }
-    torch.save(payload, tmp / f"rank-{ctx.rank:05d}.pt")
-    if hf_export is not None:
-        hf_export(tmp / "hf")  # collective gather inside; rank 0 writes
+    dc.save_sharded(_sharded_state(chunks, optimizer), tmp / DIST)  # collective
+    torch.save(_rng_state(), tmp / RNG / f"rank-{ctx.rank:05d}.pt")
     ctx.barrier()
     if ctx.is_main:
-        (tmp / "meta.json").write_text(json.dumps({**meta, "step": step}, indent=2))
+        dc.write_model_meta(tmp / DIST, spec, source_dir)
+        full_meta = {**meta, "step": step, "layout": layout_of(ctx), "world": ctx.world}
+        (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = root / ".latest.tmp"
@@ -116,23 +168,29 @@ def latest_dir(run_dir: Path) -> Path | None:
     return path if (path / "meta.json").is_file() else None
 
 
-def load(ctx, ckpt: Path, chunks, optimizer) -> dict:
-    """Restore this rank's shard, optimiser and RNG from `ckpt`; returns its metadata."""
+def is_training_checkpoint(path: Path) -> bool:
+    return (Path(path) / "meta.json").is_file() and (Path(path) / DIST).is_dir()
+
+
+def load(ctx, ckpt: Path, chunks, optimizer, *, seed: int, log=print) -> dict:
+    """Restore weights and optimiser (any layout) and the RNG states (by the module's policy)
+    from `ckpt` (collective); returns its metadata."""
+    ckpt = Path(ckpt)
+    if not is_training_checkpoint(ckpt):
+        raise ValueError(f"resume: {str(ckpt)!r} is not a checkpoint (no meta.json and {DIST}/)")
     meta = json.loads((ckpt / "meta.json").read_text())
-    layout = meta.get("layout", {})
-    here = {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp}
-    if layout and layout != here:
-        raise ValueError(
-            f"resume: checkpoint {ckpt} was written with layout {layout}, this run has {here}"
-        )
-    payload = torch.load(ckpt / f"rank-{ctx.rank:05d}.pt", weights_only=False)
-    names = local_to_full_names(chunks)
-    missing = sorted(set(names) - set(payload["model"]))
-    if missing:
-        raise ValueError(f"resume: checkpoint {ckpt} lacks parameters {missing[:3]}")
-    with torch.no_grad():
-        for name, (param, _) in names.items():
-            param.copy_(payload["model"][name])
-    optimizer.optimizer.load_state_dict(payload["optimizer"])
-    _set_rng_state(payload["rng"])
+    target = _sharded_state(chunks, optimizer)
+    state = dc.load_sharded(target, ckpt / DIST)
+    dc.load_model_state(chunks, state["model"])
+    optimizer.load_sharded(state["optimizer"])
+    here, saved = layout_of(ctx), meta.get("layout")
+    if saved == here and meta.get("world") == ctx.world:
+        _set_rng_state(torch.load(ckpt / RNG / f"rank-{ctx.rank:05d}.pt", weights_only=False))
+    else:
+        reseed_rng(seed, meta["step"])
+        if ctx.is_main:
+            log(
+                f"[resume] warning: layout {saved} -> {here}: the per-rank RNG states are not "
+                f"restored; every generator reseeded from (seed {seed}, step {meta['step']})"
+            )
     return meta

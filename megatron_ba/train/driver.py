@@ -83,7 +83,8 @@ class Trainer:
             ckpt = checkpoint.latest_dir(self.run_dir)
             if ckpt is None:
                 raise FileNotFoundError(f"--resume: no complete checkpoint in {self.run_dir}")
-            meta = checkpoint.load(ctx, ckpt, self.policy.chunks, self.policy.optimizer)
+            p = self.policy  # any saved TP / PP / DP layout; RNG: see checkpoint.py's policy
+            meta = checkpoint.load(ctx, ckpt, p.chunks, p.optimizer, seed=r.seed, log=self.log)
             self.start_step, self.data_position = meta["step"], meta["data_position"]
             if ctx.is_main:
                 self.folder.truncate_after(self.start_step)
@@ -249,11 +250,9 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         from megatron_ba.train import checkpoint
 
-        meta = {
-            "layout": {"tp": self.ctx.tp, "pp": self.ctx.pp, "cp": self.ctx.cp, "dp": self.ctx.dp},
-            "data_position": self.data_position,
-            "recipe": self.recipe.to_dict(),
-        }
+        # Sharded model + optimiser and per-rank RNG; no Hugging Face export here (that is the
+        # end of the run's RUN_DIR/hf/, or `megatron-ba convert CKPT OUT --to hf` on demand).
+        meta = {"data_position": self.data_position, "recipe": self.recipe.to_dict()}
         p = self.policy
         checkpoint.save(
             self.ctx,
@@ -262,7 +261,8 @@ class Trainer:
             p.chunks,
             p.optimizer,
             meta,
-            lambda out: p.export_hf(out, self.tokenizer),
+            spec=p.spec,
+            source_dir=p.source,
         )
         if self.ctx.is_main:
             checkpoint.prune(self.run_dir, self.recipe.checkpoint.keep)
