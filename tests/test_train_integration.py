@@ -104,12 +104,16 @@ def test_killed_run_resumes_with_the_saved_state(resumed_run):
     _, step, r = resumed_run
     assert r["start_step"] == r["checkpoint_step"] == step
     assert r["weights_equal"] and r["optimizer_equal"] and r["torch_rng_equal"]
+    assert r["num_weight_shards"] > 5  # the comparison saw the model's tensors
     assert r["optimizer_steps"] == [2 * step]  # AdamW's count: grpo.mini_batches = 2 per step
+    assert r["saved_optimizer_step"] == 2 * step
     assert max(r["steps_logged_before"]) == step  # metrics cut back to the checkpoint
     after = r["steps_logged_after"]
     train_steps = [s for s in after if s > 0]
     assert train_steps == list(range(1, 7))  # every step exactly once, none lost or repeated
     assert r["summary"] and "eval_accuracy.png" in r["plots"]
+    # Hugging Face weights only at the end of the run (RUN_DIR/hf), none per checkpoint.
+    assert r["run_hf"] and not r["checkpoint_hf"]
 
 
 def _trajectory(run_dir: Path) -> list[dict]:

@@ -108,6 +108,33 @@ def check_sync(recipe_path: str, cache: str) -> dict:
     return out
 
 
+def _saved_tensors(dist_dir: Path) -> dict:
+    """A dist checkpoint's full tensors by ShardedTensor key, read by torch's own converter
+    (independent of megatron-core's loader that the resume uses)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(dist_dir, Path(tmp) / "full.pt")
+        return torch.load(Path(tmp) / "full.pt", weights_only=False)
+
+
+def _equal_to_saved(sharded_sd: dict, saved: dict) -> tuple[bool, int]:
+    """Every local shard of `sharded_sd` equals its slice of the saved full tensors."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    same, n = True, 0
+    for v in nested_values(sharded_sd):
+        parts = nested_values(v.build()) if isinstance(v, ShardedTensorFactory) else [v]
+        for sh in parts:
+            if isinstance(sh, ShardedTensor):
+                n += 1
+                same &= torch.equal(saved[sh.key][sh.global_slice()], sh.data)
+    return bool(same), n
+
+
 def check_resume(recipe_path: str, run_dir: str, cache: str) -> dict:
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train import checkpoint
@@ -116,23 +143,22 @@ def check_resume(recipe_path: str, run_dir: str, cache: str) -> dict:
 
     run = Path(run_dir)
     ckpt = checkpoint.latest_dir(run)
-    saved = torch.load(ckpt / "rank-00000.pt", weights_only=False)
+    saved = _saved_tensors(ckpt / checkpoint.DIST)
+    common = torch.load(ckpt / checkpoint.DIST / "common.pt", weights_only=False)
+    saved_rng = torch.load(ckpt / checkpoint.RNG / "rank-00000.pt", weights_only=False)
+    meta = json.loads((ckpt / "meta.json").read_text())
     recipe = load_recipe(run / "recipe.yaml")
     trainer = Trainer(recipe, run, resume=True, cache_dir=Path(cache))
-    out: dict = {"checkpoint_step": saved["step"], "start_step": trainer.start_step}
+    out: dict = {"checkpoint_step": meta["step"], "start_step": trainer.start_step}
     try:
-        restored = checkpoint.model_state(trainer.policy.chunks)
-        out["weights_equal"] = set(restored) == set(saved["model"]) and all(
-            torch.equal(restored[k], saved["model"][k]) for k in restored
-        )
-        opt = trainer.policy.optimizer.optimizer.state_dict()
+        p = trainer.policy
+        sd = checkpoint._sharded_state(p.chunks, p.optimizer)
+        out["weights_equal"], out["num_weight_shards"] = _equal_to_saved(sd["model"], saved)
+        out["optimizer_equal"], _ = _equal_to_saved(sd["optimizer"], saved)
+        opt = p.optimizer.optimizer.state_dict()
         out["optimizer_steps"] = sorted({int(s["step"]) for s in opt["state"].values()})
-        out["optimizer_equal"] = all(
-            torch.equal(opt["state"][i][k], saved["optimizer"]["state"][i][k])
-            for i in saved["optimizer"]["state"]
-            for k in ("exp_avg", "exp_avg_sq", "step")
-        )
-        out["torch_rng_equal"] = torch.equal(torch.get_rng_state(), saved["rng"]["torch"])
+        out["saved_optimizer_step"] = common["optimizer"]["step"]
+        out["torch_rng_equal"] = torch.equal(torch.get_rng_state(), saved_rng["torch"])
         out["steps_logged_before"] = [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()]
         trainer.run()
     finally:
@@ -140,6 +166,9 @@ def check_resume(recipe_path: str, run_dir: str, cache: str) -> dict:
     out["steps_logged_after"] = [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()]
     out["summary"] = (run / "summary.json").is_file()
     out["plots"] = sorted(p.name for p in (run / "plots").glob("*.png"))
+    out["checkpoints"] = sorted(x.name for x in (run / "checkpoints").iterdir())
+    out["checkpoint_hf"] = any((run / "checkpoints").glob("step-*/hf"))
+    out["run_hf"] = (run / "hf" / "config.json").is_file()
     return out
 
 

@@ -7,7 +7,8 @@
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
 
 The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
-summary.json, plots/*.png and checkpoints/ (with a Hugging Face export for `megatron-ba eval`).
+summary.json, plots/*.png, checkpoints/ (sharded; `megatron-ba convert STEP_DIR OUT --to hf`
+makes a Hugging Face folder of one) and hf/ (the last step's policy, for `megatron-ba eval`).
 The terminal shows the progress bar, evaluation lines and the summary; what vLLM, megatron-core
 and the other libraries print goes to logs/rank-<r>.log in the run folder (`--verbose`: all of it
 on the terminal).

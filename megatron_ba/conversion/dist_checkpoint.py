@@ -148,4 +148,8 @@ def load_dist_checkpoint(chunks: list[torch.nn.Module], ckpt_dir: str | Path) ->
     """Load a distributed checkpoint into this rank's chunks (any TP / PP layout). A training
     checkpoint's `dist/` folder loads too (its optimiser tensors are not read)."""
     model = _single_model(chunks)
-    model.load_state_dict(load_sharded(model.sharded_state_dict(), ckpt_dir))
+    wanted = model.sharded_state_dict()
+    state = load_sharded(wanted, ckpt_dir)
+    # dist_checkpointing merges the checkpoint's whole common (non-tensor) state into the
+    # result: a training checkpoint's optimiser step count and hyper-parameters among it.
+    model.load_state_dict({k: v for k, v in state.items() if k in wanted})

@@ -1,7 +1,7 @@
 """The vLLM engine of `megatron-ba eval`, and the `generate` callable that evaluate() takes.
 
     from megatron_ba.evaluation.vllm_engine import build_engine, vllm_generate
-    engine = build_engine("runs/x/checkpoints/step-000040/hf", max_model_len=4096)
+    engine = build_engine("runs/x/hf", max_model_len=4096)
     generate = vllm_generate(engine)
     generate(["1+1="], 8, 1.0, 64)        # -> [[8 completions]]
 
