@@ -1,8 +1,8 @@
 """Sharded training checkpoints (train/checkpoint.py) resume under another layout, exactly.
 
-    python -m pytest tests/test_checkpoint_resume.py     # 2 gloo launches: TP=2, then TP=1
+    python -m pytest tests/test_checkpoint_resume.py     # 2 gloo launches: TP=2 x DP=2, TP=1
 
-A TP=2 world (2 gloo processes) trains the tiny model 2 GRPO steps with ShardedAdamW, saves a
+A TP=2 x DP=2 world (4 gloo processes) trains the tiny model 2 GRPO steps with ShardedAdamW, saves a
 checkpoint, and records the next step (loss, full gradients, parameters after the update); the
 full weights and Adam moments at the save are gathered too. A world of one (TP=1, DP=1) resumes
 from it and must hold the same weights and moments bit for bit (dist_checkpointing reshards both)
@@ -130,7 +130,7 @@ def resume_worker(rank: int, port: int, run_dir: str, same_dir: str, out: str) -
     ctx = _setup(rank, 1, port, 1)
     res: dict = {}
     ckpt = checkpoint.latest_dir(run_dir)
-    # 1. Changed layout (TP=2 -> TP=1): weights and moments resharded, RNG reseeded.
+    # 1. Changed layout (TP=2 x DP=2 -> TP=1 x DP=1): weights and moments resharded, RNG reseeded.
     _, chunks, opt = _policy(INIT_SEED + 1)  # other weights: the load must replace them
     torch.manual_seed(12345)
     logs: list[str] = []
@@ -197,7 +197,7 @@ def _equal_states(a: dict, b: dict) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    spawn(save_worker, 2, (2, free_port(), 2, str(root / "tp2"), str(root / "tp2.pt")))
+    spawn(save_worker, 4, (4, free_port(), 2, str(root / "tp2"), str(root / "tp2.pt")))
     spawn(resume_worker, 1, (free_port(), str(root / "tp2"), str(root / "tp1"), str(root / "r.pt")))
     return torch.load(root / "tp2.pt"), torch.load(root / "r.pt", weights_only=False), root
 
@@ -206,7 +206,9 @@ def test_checkpoint_folder_holds_sharded_tensors_rng_and_meta(runs):
     _, _, root = runs
     ckpt = root / "tp2" / "checkpoints" / "step-000002"
     assert (root / "tp2" / "checkpoints" / "latest").read_text().strip() == "step-000002"
-    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank-00000.pt", "rank-00001.pt"]
+    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == [
+        f"rank-{r:05d}.pt" for r in range(4)
+    ]
     dist = sorted(p.name for p in (ckpt / "dist").iterdir())
     assert ".metadata" in dist and "megatron_ba_spec.json" in dist and "common.pt" in dist
     assert any(n.endswith(".distcp") for n in dist) and not (ckpt / "hf").exists()
@@ -214,12 +216,12 @@ def test_checkpoint_folder_holds_sharded_tensors_rng_and_meta(runs):
     assert meta == {
         "data_position": 8,
         "step": 2,
-        "layout": {"tp": 2, "pp": 1, "cp": 1, "dp": 1},
-        "world": 2,
+        "layout": {"tp": 2, "pp": 1, "cp": 1, "dp": 2},
+        "world": 4,
     }
 
 
-def test_resume_at_tp1_restores_weights_and_moments_exactly(runs):
+def test_resume_at_tp1_dp1_restores_weights_and_moments_exactly(runs):
     saved, res, _ = runs
     assert res["meta"]["step"] == SAVED_STEP and res["meta"]["data_position"] == 8
     assert saved["steps"] == SAVED_STEP + 1 and res["steps"] == SAVED_STEP
