@@ -16,6 +16,7 @@ Qwen2 / Qwen2.5 / Qwen3 (the families of megatron_ba.conversion); details in doc
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -67,16 +68,13 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    import json
-
     from megatron_ba.conversion import dist_checkpoint as dc
     from megatron_ba.conversion import export_chunks_to_hf, load_hf_into_chunks, spec_from_hf_dir
+    from megatron_ba.conversion.hf_config import dtype as config_dtype
     from megatron_ba.megatron import model as mm
     from megatron_ba.train.distributed import setup, teardown
 
     t0 = time.perf_counter()
-    from megatron_ba.conversion.hf_config import dtype as config_dtype
-
     src = _model_source(args)
     spec = spec_from_hf_dir(src) if args.to == "megatron" else dc.read_spec(src)
     spec.check_layout(args.tp, args.pp)
