@@ -1,5 +1,6 @@
 """Checkpoint RNG state: a failed save of megatron-core's RNG tracker is an error, not a silent
-inexact resume; a checkpoint without that state is refused on load."""
+inexact resume; a checkpoint without that state is refused on load. Pruning keeps the newest
+`checkpoint.keep` and the one `latest` names; `latest` never names an incomplete checkpoint."""
 
 from __future__ import annotations
 
@@ -35,3 +36,33 @@ def test_rng_state_round_trips_and_a_missing_tracker_state_is_refused():
     del state["megatron"]
     with pytest.raises(ValueError, match="no megatron RNG tracker state"):
         checkpoint._set_rng_state(state)
+
+
+def _fake_checkpoint(root, step: int, complete: bool = True):
+    d = root / "checkpoints" / f"step-{step:06d}"
+    (d / "dist").mkdir(parents=True)
+    if complete:
+        (d / "meta.json").write_text("{}")
+    return d
+
+
+def test_prune_keeps_the_newest_and_never_latest(tmp_path):
+    from megatron_ba.train import checkpoint
+
+    for step in (1, 2, 3, 4):
+        _fake_checkpoint(tmp_path, step)
+    (tmp_path / "checkpoints" / "latest").write_text("step-000002\n")  # e.g. after a resume
+    checkpoint.prune(tmp_path, keep=2)
+    left = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert left == ["step-000002", "step-000003", "step-000004"]  # 1 pruned, latest kept
+    assert checkpoint.latest_dir(tmp_path).name == "step-000002"
+    assert checkpoint.is_training_checkpoint(checkpoint.latest_dir(tmp_path))
+
+
+def test_latest_pointing_at_an_incomplete_checkpoint_is_none(tmp_path):
+    from megatron_ba.train import checkpoint
+
+    _fake_checkpoint(tmp_path, 5, complete=False)  # no meta.json: never renamed into place
+    (tmp_path / "checkpoints" / "latest").write_text("step-000005\n")
+    assert checkpoint.latest_dir(tmp_path) is None
+    assert not checkpoint.is_training_checkpoint(tmp_path / "checkpoints" / "step-000005")

@@ -166,7 +166,6 @@ def check_resume(recipe_path: str, run_dir: str, cache: str) -> dict:
     out["steps_logged_after"] = [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()]
     out["summary"] = (run / "summary.json").is_file()
     out["plots"] = sorted(p.name for p in (run / "plots").glob("*.png"))
-    out["checkpoints"] = sorted(x.name for x in (run / "checkpoints").iterdir())
     out["checkpoint_hf"] = any((run / "checkpoints").glob("step-*/hf"))
     out["run_hf"] = (run / "hf" / "config.json").is_file()
     return out
