@@ -66,3 +66,17 @@ def test_latest_pointing_at_an_incomplete_checkpoint_is_none(tmp_path):
     (tmp_path / "checkpoints" / "latest").write_text("step-000005\n")
     assert checkpoint.latest_dir(tmp_path) is None
     assert not checkpoint.is_training_checkpoint(tmp_path / "checkpoints" / "step-000005")
+
+
+def test_loading_a_folder_of_the_old_per_rank_format_says_so(tmp_path):
+    from megatron_ba.train import checkpoint
+
+    old = tmp_path / "step-000002"
+    old.mkdir()
+    (old / "meta.json").write_text("{}")
+    (old / "rank-00000.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"per-rank rank-\*\.pt format of earlier versions"):
+        checkpoint.load(None, old, None, None, seed=0)
+    (old / "rank-00000.pt").unlink()
+    with pytest.raises(ValueError, match=r"has no meta\.json and dist/ folder$"):
+        checkpoint.load(None, old, None, None, seed=0)

@@ -177,7 +177,12 @@ def load(ctx, ckpt: Path, chunks, optimizer, *, seed: int, log=print) -> dict:
     from `ckpt` (collective); returns its metadata."""
     ckpt = Path(ckpt)
     if not is_training_checkpoint(ckpt):
-        raise ValueError(f"resume: {str(ckpt)!r} is not a checkpoint (no meta.json and {DIST}/)")
+        old = (
+            " (the per-rank rank-*.pt format of earlier versions)"
+            if any(ckpt.glob("rank-*.pt"))
+            else ""
+        )
+        raise ValueError(f"resume: {str(ckpt)!r} has no meta.json and {DIST}/ folder{old}")
     meta = json.loads((ckpt / "meta.json").read_text())
     target = _sharded_state(chunks, optimizer)
     state = dc.load_sharded(target, ckpt / DIST)
