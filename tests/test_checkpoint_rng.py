@@ -78,5 +78,5 @@ def test_loading_a_folder_of_the_old_per_rank_format_says_so(tmp_path):
     with pytest.raises(ValueError, match=r"per-rank rank-\*\.pt format of earlier versions"):
         checkpoint.load(None, old, None, None, seed=0)
     (old / "rank-00000.pt").unlink()
-    with pytest.raises(ValueError, match=r"has no meta\.json and dist/ folder$"):
+    with pytest.raises(ValueError, match=r"lacks meta\.json or its dist/ folder$"):
         checkpoint.load(None, old, None, None, seed=0)

@@ -182,7 +182,7 @@ def load(ctx, ckpt: Path, chunks, optimizer, *, seed: int, log=print) -> dict:
             if any(ckpt.glob("rank-*.pt"))
             else ""
         )
-        raise ValueError(f"resume: {str(ckpt)!r} has no meta.json and {DIST}/ folder{old}")
+        raise ValueError(f"resume: {str(ckpt)!r} lacks meta.json or its {DIST}/ folder{old}")
     meta = json.loads((ckpt / "meta.json").read_text())
     target = _sharded_state(chunks, optimizer)
     state = dc.load_sharded(target, ckpt / DIST)
