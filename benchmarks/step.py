@@ -204,7 +204,9 @@ def run_benchmark(args) -> dict:
     device = torch.device(args.device)
     accel = _accelerator(device)
     if args.dtype == "bf16" and not accel:
-        raise SystemExit(f"--dtype bf16: needs a CUDA device (megatron-core's optimiser), got {device}")
+        raise SystemExit(
+            f"--dtype bf16: needs a CUDA device (megatron-core's optimiser), got {device}"
+        )
     if accel:
         torch.cuda.set_device(device)  # megatron-core builds parameters on the current device
     setup(tp=1, pp=1, cp=1, seed=args.seed)
@@ -277,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{out[name + '_peak_mib']:>9.1f}"
         )
     ratio = out["ratio_ba_over_token_mean"]
-    print(f"BA / token-mean (medians): {ratio:.3f}x (goal <= 1.02x: {'yes' if ratio <= 1.02 else 'NO'})")
+    print(
+        f"BA / token-mean (medians): {ratio:.3f}x (goal <= 1.02x: {'yes' if ratio <= 1.02 else 'NO'})"
+    )
     print(f"peak memory: {out['memory_kind']}")
     if args.json:
         with open(args.json, "w") as f:
