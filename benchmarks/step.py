@@ -80,6 +80,18 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
     p.add_argument("--logprob-chunk-size", type=int, default=None, help="None: unchunked")
     p.add_argument(
+        "--recompute",
+        choices=("none", "full"),
+        default="none",
+        help="full: megatron-core's full activation recomputation, one layer at a time",
+    )
+    p.add_argument(
+        "--transformer-impl",
+        choices=("auto", "local", "transformer_engine"),
+        default="auto",
+        help="layer spec; auto: Transformer Engine when it imports on an accelerator, else local",
+    )
+    p.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="torch device of the step (default: CUDA when available, else the CPU)",
@@ -150,6 +162,22 @@ def _batch(args, spec: mm.ModelSpec, chunks, device: torch.device) -> GRPOBatch:
     )
 
 
+def _layer_spec(impl: str, accel: bool, qk_layernorm: bool):
+    """(layer spec or None for build_model_chunks' default local spec, the name used)."""
+    if impl == "auto":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            impl = "local"
+        else:
+            impl = "transformer_engine" if accel else "local"
+    if impl == "local":
+        return None, "local"
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm), impl
+
+
 def _optimizer(chunks, dtype: torch.dtype):
     """fp32: the project's ShardedAdamW; bf16: megatron-core's mixed-precision optimiser."""
     if dtype == torch.float32:
@@ -207,14 +235,22 @@ def run_benchmark(args) -> dict:
         raise SystemExit(
             f"--dtype bf16: needs a CUDA device (megatron-core's optimiser), got {device}"
         )
+    if args.recompute == "full" and not accel:
+        # megatron-core 0.16.1's CheckpointFunction saves and restores CUDA RNG states.
+        raise SystemExit(f"--recompute full: needs a CUDA device, got {device}")
     if accel:
         torch.cuda.set_device(device)  # megatron-core builds parameters on the current device
     setup(tp=1, pp=1, cp=1, seed=args.seed)
     try:
         spec = _spec(args)
-        bf16 = {"bf16": True} if args.dtype == "bf16" else {}
-        config = mm.transformer_config(spec, cpu=not accel, **bf16)
-        chunks = mm.build_model_chunks(spec, config=config)
+        overrides: dict = {"bf16": True} if args.dtype == "bf16" else {}
+        if args.recompute == "full":  # keep each layer's input only, redo the layer in backward
+            overrides.update(
+                recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            )
+        config = mm.transformer_config(spec, cpu=not accel, **overrides)
+        layer_spec, impl = _layer_spec(args.transformer_impl, accel, spec.qk_layernorm)
+        chunks = mm.build_model_chunks(spec, config=config, layer_spec=layer_spec)
         optimizer, optimizer_name = _optimizer(chunks, spec.params_dtype)
         batch = _batch(args, spec, chunks, device)
         base = StepConfig(
@@ -246,6 +282,8 @@ def run_benchmark(args) -> dict:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "optimizer": optimizer_name,
+        "transformer_impl": impl,
+        "recompute": args.recompute,
         "parameters": spec.num_parameters(),
         "tokens_per_step": int(batch.tokens.numel()),
         "response_tokens_per_step": int(batch.response_mask.sum()),
@@ -267,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     out = run_benchmark(args)
     print(
         f"GRPO step on {out['device']} ({out['device_name']}), {args.shape} Qwen2 shape, "
-        f"{out['parameters']:,} parameters, {out['dtype']}, {out['optimizer']}; "
+        f"{out['parameters']:,} parameters, {out['dtype']}, {out['optimizer']}, "
+        f"{out['transformer_impl']} layers, recompute {out['recompute']}; "
         f"{args.sequences} x {args.seq_len} tokens ({out['response_tokens_per_step']:,} response), "
         f"{args.micro_batches} micro-batches, {args.repeats} repeats after {args.warmup} warm-up, "
         f"threads={out['threads']}"
