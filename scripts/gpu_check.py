@@ -37,14 +37,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "megatron_ba.cli"]
-# Seconds per stage; their sum (STAGE_BUDGET_S, 420) + gpu_check.sh's 50 s install < 8 min.
+# Seconds per stage; their sum (STAGE_BUDGET_S, 410) + gpu_check.sh's 50 s install < 8 min.
 BUDGET = {
     "env": 25,
     "train": 100,
-    "check_layout": 75,
+    "check_layout": 70,
     "vocab_parallel": 75,
     "step": 75,
-    "memory_7b": 70,
+    "memory_7b": 65,
 }
 STAGE_BUDGET_S = sum(BUDGET.values())
 NEW_KEYS = ("model.precision", "model.transformer_impl")  # issue 10's keys (devices helper)

@@ -8,12 +8,13 @@
 # Output: OUTPUT.json (default $OUT/gpu_check.json when $OUT is set, else ./gpu_check.json): every
 # stage's pass/fail, command, seconds and figures (scripts/gpu_check.py lists the stages).
 # The wheels install into a venv that sees the system's torch (--system-site-packages); nothing
-# is downloaded. Ends within 8 minutes: 20 s for the venv, 30 s for the install, 425 s for the
+# is downloaded. Ends within 8 minutes: 20 s for the venv, 30 s for the install, 415 s for the
 # stages (each stage has its own budget inside that).
 #
 # Environment: GPU_CHECK_ALLOW_CPU=1 runs the stages on the CPU at tiny sizes (the plumbing,
 # e.g. here, without a GPU); GPU_CHECK_NO_VENV=1 uses the current python as it is (no install);
-# GPU_CHECK_VENV (default /tmp/gpu-check-venv); PYTHON (default python3).
+# GPU_CHECK_VENV (default /tmp/gpu-check-venv); PYTHON (default python3); GPU_CHECK_STAGES: the
+# stages after env to run, comma-separated (default all).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 root=$(pwd)
@@ -32,7 +33,9 @@ else
     log "no wheels in .gpu-wheels/: run scripts/fetch_gpu_wheels.sh where pip reaches PyPI"
     exit 2
   fi
-  if ! timeout 20 "$python" -m venv --system-site-packages "$venv"; then
+  # --without-pip: the venv runs the system's pip (seen through the system site-packages), which
+  # installs into the venv; ensurepip would take 5-25 s for nothing.
+  if ! timeout 20 "$python" -m venv --system-site-packages --without-pip "$venv"; then
     log "could not make the venv $venv with $python"
     exit 2
   fi
@@ -47,7 +50,9 @@ else
 fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 log "python: $py; figures: $out"
-timeout --kill-after=10 425 "$py" scripts/gpu_check.py --out "$out"
+stages=()
+[ -n "${GPU_CHECK_STAGES:-}" ] && stages=(--stages "$GPU_CHECK_STAGES")
+timeout --kill-after=10 415 "$py" scripts/gpu_check.py --out "$out" "${stages[@]}"
 rc=$?
-[ $rc -eq 124 ] && log "the stages ran past 425 s; $out holds those that finished"
+[ $rc -eq 124 ] && log "the stages ran past 415 s; $out holds those that finished"
 exit $rc
