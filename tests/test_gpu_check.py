@@ -47,7 +47,8 @@ def test_budgets_fit_eight_minutes():
     gc = _driver()
     sh = (ROOT / "scripts/gpu_check.sh").read_text()
     # the shell's venv (20 s), install (30 s) and the driver's cap (415 s + 10 s kill grace)
-    assert "timeout 20 " in sh and "timeout 30 " in sh and "timeout --kill-after=10 415 " in sh
+    for piece in ("timeout 20 ", "timeout 30 ", 'timeout --kill-after=10 "$cap"', "cap=415\n"):
+        assert piece in sh, piece
     assert gc.STAGE_BUDGET_S <= 415 - 5  # the driver writes its file after the stages
     assert 20 + 30 + 415 + 10 <= 8 * 60
 
