@@ -2,6 +2,7 @@
 
     megatron-ba bench vocab-parallel                  # T=16384, vocab 151936 / TP 8, bf16 shard
     megatron-ba bench vocab-parallel --tokens 2048 --rounds 2 --chunk-sizes 256
+    megatron-ba bench vocab-parallel --device cuda --json vp.json    # a GPU (gpu_check.sh)
     python benchmarks/vocab_parallel.py --help        # the same without the CLI
 
 Work measured: forward + backward of sum(w_lp * logprob) + sum(w_h * entropy) (random w) over
@@ -18,8 +19,12 @@ through autograd), `unchunked` (vocab_parallel_logprobs, chunk_size=None) and `c
   set to map every tensor over 64 KiB separately, so freed memory leaves RSS). It includes the
   gradient w.r.t. the logits (T x V/TP in the logits' dtype, which every variant must return).
   Also printed: the bytes autograd saves for backward besides the logits (saved_tensors_hooks).
+  On an accelerator (--device cuda) the peak extra memory is instead
+  torch.cuda.max_memory_allocated during the forward+backward (reset before it) minus the memory
+  allocated before it: the same quantity, read from the caching allocator.
 * Time: one subprocess holding the inputs runs every variant in rotating order for --rounds
   rounds (the machine may be shared; interleaving keeps the comparison fair); median and min.
+  On an accelerator each timed step ends with a device synchronisation.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of every variant")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the logits (e.g. cuda, cuda:1); default the host CPU",
+    )
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--worker", choices=["memory", "time"], help=argparse.SUPPRESS)
     p.add_argument("--variant", action="append", help=argparse.SUPPRESS)
@@ -80,16 +90,28 @@ def step(variant, logits, targets, w_lp, w_h, temperature):
     return lp.detach(), h.detach()
 
 
+def _accelerator(device: torch.device) -> bool:
+    """True when `device` is this machine's accelerator (CUDA), False for the host."""
+    accel = torch.accelerator.current_accelerator()
+    return accel is not None and device.type == accel.type
+
+
+def _sync(device: torch.device) -> None:
+    if _accelerator(device):
+        torch.cuda.synchronize(device)
+
+
 def make_inputs(args):
-    g = torch.Generator().manual_seed(args.seed)
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(args.seed)  # host generator: the same numbers everywhere
     t, v_local = args.tokens, args.vocab // args.tp
-    logits = torch.empty(t, v_local, dtype=DTYPES[args.dtype])
+    logits = torch.empty(t, v_local, dtype=DTYPES[args.dtype], device=device)
     for a in range(0, t, 512):  # filled in slices: no [T, V/TP] fp32 temporary
         b = min(a + 512, t)
-        logits[a:b] = torch.randn(b - a, v_local, generator=g) * 2.0
+        logits[a:b] = (torch.randn(b - a, v_local, generator=g) * 2.0).to(device)
     targets = torch.randint(0, v_local, (t,), generator=g)  # ids of this (emulated) rank
     w_lp, w_h = torch.randn(t, generator=g), torch.randn(t, generator=g)
-    return logits.requires_grad_(), targets, w_lp, w_h
+    return logits.requires_grad_(), targets.to(device), w_lp.to(device), w_h.to(device)
 
 
 def _proc_status_kib() -> dict[str, int]:
@@ -100,14 +122,21 @@ def _proc_status_kib() -> dict[str, int]:
 
 def worker_memory(args) -> dict:
     (variant,) = args.variant
+    device = torch.device(args.device)
+    accel = _accelerator(device)
     logits, targets, w_lp, w_h = make_inputs(args)
     warm = logits[:64].detach().clone().requires_grad_()  # warm-up kernels at a small size
     step(variant, warm, targets[:64], w_lp[:64], w_h[:64], args.temperature)
     del warm
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = _proc_status_kib()
+    if accel:
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated_before = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        before = _proc_status_kib()
     saved = [0]
 
     def pack(tensor):
@@ -118,11 +147,16 @@ def worker_memory(args) -> dict:
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         step(variant, logits, targets, w_lp, w_h, args.temperature)
+    _sync(device)
     seconds = time.perf_counter() - t0
-    after = _proc_status_kib()
+    if accel:
+        peak_extra = (torch.cuda.max_memory_allocated(device) - allocated_before) / MIB
+    else:
+        after = _proc_status_kib()
+        peak_extra = (after["VmHWM"] - before["VmRSS"]) / 1024
     return {
         "variant": variant,
-        "peak_extra_mib": (after["VmHWM"] - before["VmRSS"]) / 1024,
+        "peak_extra_mib": peak_extra,
         "saved_mib": saved[0] / MIB,
         "grad_mib": logits.grad.numel() * logits.grad.element_size() / MIB,
         "first_run_s": seconds,
@@ -139,8 +173,10 @@ def worker_time(args) -> dict:
         for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
             logits.grad = None
             gc.collect()
+            _sync(logits.device)
             t0 = time.perf_counter()
             lp, h = step(v, logits, targets, w_lp, w_h, args.temperature)
+            _sync(logits.device)
             times[v].append(time.perf_counter() - t0)
             if r == 0:  # sanity: every variant computes the same numbers as the first one
                 ref = ref or (lp, h)
@@ -153,7 +189,8 @@ def worker_time(args) -> dict:
 
 def _run_worker(args, mode: str, variants: list[str]) -> dict:
     cmd = [sys.executable, __file__, "--worker", mode]
-    for name in ("tokens", "vocab", "tp", "dtype", "temperature", "seed", "rounds", "threads"):
+    names = ("tokens", "vocab", "tp", "dtype", "temperature", "seed", "rounds", "threads", "device")
+    for name in names:
         cmd += [f"--{name}", str(getattr(args, name))]
     for v in variants:
         cmd += ["--variant", v]
@@ -182,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     v_local = args.vocab // args.tp
     print(
         f"T={args.tokens} vocab={args.vocab} TP={args.tp} (shard {v_local}) {args.dtype} "
-        f"temperature={args.temperature} threads={args.threads or torch.get_num_threads()}; "
+        f"temperature={args.temperature} threads={args.threads or torch.get_num_threads()} "
+        f"device={args.device}; "
         f"TP all-gather payload per rank: {3 * 4 * args.tokens} bytes"
     )
     memory = {v: _run_worker(args, "memory", [v]) for v in variants}
@@ -221,7 +259,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "times_s": timing["times_s"]}, f, indent=1)
+            memory_kind = (
+                "torch.cuda.max_memory_allocated - allocated before"
+                if _accelerator(torch.device(args.device))
+                else "VmHWM - VmRSS before"
+            )
+            result = {"args": vars(args), "rows": rows, "times_s": timing["times_s"]}
+            json.dump({**result, "memory_kind": memory_kind}, f, indent=1)
     return 0
 
 

@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.stats_allreduce",
         "the plan-statistics all-reduce over DP: payload bytes per step for 128 / 4,096 groups",
     ),
+    "step": (
+        "benchmarks.step",
+        "a whole megatron-core GRPO step, BA vs token-mean plan: time ratio, peak memory",
+    ),
 }
 
 

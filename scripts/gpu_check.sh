@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The single-GPU check of issue 10 (docs/performance.md, "The GPU check"): for an H200-class
+# machine with Python 3.12 and a CUDA build of torch 2.11 preinstalled and NO network.
+#
+#   bash scripts/fetch_gpu_wheels.sh                 # once, where pip reaches PyPI: .gpu-wheels/
+#   bash scripts/gpu_check.sh [OUTPUT.json]          # on the GPU machine, in the checkout's root
+#
+# Output: OUTPUT.json (default $OUT/gpu_check.json when $OUT is set, else ./gpu_check.json): every
+# stage's pass/fail, command, seconds and figures (scripts/gpu_check.py lists the stages).
+# The wheels install into a venv that sees the system's torch (--system-site-packages); nothing
+# is downloaded. Ends within 8 minutes: 20 s for the venv, 30 s for the install, 415 s for the
+# stages (each stage has its own budget inside that).
+#
+# Environment: GPU_CHECK_ALLOW_CPU=1 runs the stages on the CPU at tiny sizes (the plumbing,
+# e.g. here, without a GPU); GPU_CHECK_NO_VENV=1 uses the current python as it is (no install);
+# GPU_CHECK_VENV (default /tmp/gpu-check-venv); PYTHON (default python3); GPU_CHECK_STAGES: the
+# stages after env to run, comma-separated (default all).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+root=$(pwd)
+out=${1:-${OUT:-.}/gpu_check.json}
+python=${PYTHON:-python3}
+venv=${GPU_CHECK_VENV:-/tmp/gpu-check-venv}
+log() { echo "gpu_check.sh: $*" >&2; }
+
+if [ "${GPU_CHECK_NO_VENV:-0}" = 1 ]; then
+  py=$python
+else
+  shopt -s nullglob
+  wheels=(.gpu-wheels/*.whl)
+  shopt -u nullglob
+  if [ ${#wheels[@]} -eq 0 ]; then
+    log "no wheels in .gpu-wheels/: run scripts/fetch_gpu_wheels.sh where pip reaches PyPI"
+    exit 2
+  fi
+  # --without-pip: the venv runs the system's pip (seen through the system site-packages), which
+  # installs into the venv; ensurepip would take 5-25 s for nothing.
+  if ! timeout 20 "$python" -m venv --system-site-packages --without-pip "$venv"; then
+    log "could not make the venv $venv with $python"
+    exit 2
+  fi
+  py=$venv/bin/python
+  # --no-deps: the wheels are the whole set (fetch_gpu_wheels.sh); the rest, torch first, is the
+  # system's. The env stage records `pip check` so that a missing or clashing one shows.
+  if ! timeout 30 "$py" -m pip install -q --no-index --no-deps --no-compile \
+    --find-links .gpu-wheels "${wheels[@]}"; then
+    log "pip install from .gpu-wheels/ failed (see above)"
+    exit 2
+  fi
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+log "python: $py; figures: $out"
+stages=()
+[ -n "${GPU_CHECK_STAGES:-}" ] && stages=(--stages "$GPU_CHECK_STAGES")
+cap=415
+# the CPU dry run's stage budgets are gpu_check.py's CPU_BUDGET_SCALE (4) times the GPU's
+[ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] && cap=$((415 * 4))
+timeout --kill-after=10 "$cap" "$py" scripts/gpu_check.py --out "$out" "${stages[@]}"
+rc=$?
+[ $rc -eq 124 ] && log "the stages ran past $cap s; $out holds those that finished"
+exit $rc
