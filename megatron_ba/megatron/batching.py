@@ -157,6 +157,7 @@ def prepare_microbatches(
     max_tokens: int | None = None,
     seq_tokens: list[int] | None = None,
     uniform: bool = False,
+    thd: bool = False,
 ) -> tuple[list[dict], int, int]:
     """(micro-batch dicts, seq_length, micro_batch_size) for the schedule.
 
@@ -175,9 +176,15 @@ def prepare_microbatches(
     activations with one shape (seq_length, micro_batch_size), so all micro-batches are padded
     to the longest and the largest; every stage of a model replica gets the same batch and
     plans the same layout, so they agree on the number and the shapes without communicating.
+
+    `thd` (with `max_tokens`; CUDA + Transformer Engine): packed micro-batches instead, one
+    [1, total] row each with PackedSeqParams and the budget bounding the sum of the sequences'
+    tokens (megatron_ba.megatron.thd; untested here: no GPU).
     """
     n, s = batch.tokens.shape
     multiple = 2 * view.cp if view.cp > 1 else 1
+    if thd:  # GPU (Transformer Engine) only: see megatron_ba.megatron.thd
+        return _thd_microbatches(batch, view, max_tokens, seq_tokens, uniform)
     if max_tokens is None:
         groups = fixed_count_microbatches(n, num_microbatches)
         widths = [s] * len(groups)
@@ -223,6 +230,21 @@ def prepare_microbatches(
     return data, seq_len, max(rows_per)
 
 
+def _thd_microbatches(batch, view: CPView, max_tokens, seq_tokens, uniform: bool):
+    from megatron_ba.megatron.thd import thd_microbatch
+
+    if max_tokens is None:
+        raise ValueError("thd: packed micro-batches need a token budget (max_tokens)")
+    if seq_tokens is None:
+        seq_tokens = response_end(batch.response_mask)
+    groups = token_budget_microbatches(seq_tokens, max_tokens, cost="packed")
+    totals = [sum(seq_tokens[i] for i in g) for g in groups]
+    total = max(totals) if uniform else None
+    data = [thd_microbatch(batch, g, seq_tokens, cp=view.cp, total=total) for g in groups]
+    # PP's p2p shape: (total tokens, 1 row); only read by the pipeline schedules (`uniform`).
+    return data, max(totals), 1
+
+
 def _cut(x: torch.Tensor, width: int, s: int) -> torch.Tensor:
     """Columns [0, width) of [b, s] x, zero-padded on the right when width > s."""
     return pad_to(x, max(width, s), 0.0)[:, :width]
@@ -236,7 +258,8 @@ def run_schedule(
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"])
+        extra = {"packed_seq_params": mb["packed_seq_params"]} if "packed_seq_params" in mb else {}
+        out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"], **extra)
         return out, partial(loss_func, mb)
 
     return get_forward_backward_func()(

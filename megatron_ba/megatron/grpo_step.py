@@ -43,6 +43,7 @@ from megatron_ba.megatron.batching import (
     run_schedule,
     shape2,
 )
+from megatron_ba.megatron.thd import thd_scatter
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
 
@@ -78,6 +79,9 @@ class StepConfig:
     logprob_chunk_size: int | None = None
     cp_mode: str | None = None  # "model" | "loss"; default "loss" without CUDA, else "model"
     explicit_causal_mask: bool | None = None  # default: True without CUDA (local attention)
+    # Packed (THD) micro-batches under a token budget: None = auto (CUDA, cp_mode "model");
+    # needs Transformer Engine attention; untested without a GPU (megatron_ba.megatron.thd).
+    thd: bool | None = None
     # Testing only. "per_microbatch": the same loss with each micro-batch's plan built from that
     # micro-batch's own statistics, averaged over micro-batches and DP ranks (NeMo-Aligner's
     # normalisation); wrong on purpose wherever a micro-batch is not the global batch: the
@@ -113,6 +117,15 @@ def _cp_view(cp_mode: str | None, explicit_causal_mask: bool | None) -> CPView:
     if mask and mode == "model" and cp > 1:
         raise ValueError("explicit_causal_mask: a whole-sequence mask cannot go with CP shards")
     return CPView(cp=cp, rank=ps.get_context_parallel_rank(), mode=mode, causal_mask=mask)
+
+
+def _use_thd(setting: bool | None, max_tokens: int | None, view: CPView) -> bool:
+    """Packed (THD) micro-batches: only under a token budget; auto = CUDA with CP in the model."""
+    if max_tokens is None:
+        return False
+    if setting is None:
+        return torch.cuda.is_available() and view.mode == "model" and view.cp == 1
+    return bool(setting)
 
 
 def logprob_chunk(setting: int | None, num_tokens: int) -> int | None:
@@ -189,6 +202,7 @@ def forward_backward(
         cfg.num_microbatches,
         max_tokens=cfg.max_tokens_per_microbatch,
         uniform=ps.get_pipeline_model_parallel_world_size() > 1,
+        thd=_use_thd(cfg.thd, cfg.max_tokens_per_microbatch, view),
     )
     dp, cp = ps.get_data_parallel_world_size(), view.cp
     factor = scaling.loss_scale(
@@ -217,11 +231,15 @@ def forward_backward(
         )
         rows = mb["rows"]
         mb_plan = plan.select(rows) if global_plan else _loss_plan(cfg, batch, rows, None)
+        if "packed_seq_params" in mb:  # THD: [1, total] -> the packed (sequence-index) form
+            logp, ent = logp[0], (None if ent is None else ent[0])
+        else:
+            mb_plan = mb_plan.padded_to(logp.shape[0])  # padding rows (PP's shapes) weigh 0
         part, metrics = grpo_loss(
             logp,
             mb["old"],
             mb["mask"],
-            mb_plan.padded_to(logp.shape[0]),  # padding rows (PP's uniform shapes) weigh 0
+            mb_plan,
             cfg.loss,
             ref_logprobs=mb.get("ref"),
             entropy=ent,
@@ -327,6 +345,7 @@ def compute_logprobs(
         max_tokens=max_tokens_per_microbatch,
         seq_tokens=seq_tokens,
         uniform=ps.get_pipeline_model_parallel_world_size() > 1,
+        thd=_use_thd(None, max_tokens_per_microbatch, view),
     )
 
     def loss_func(mb, output):
@@ -349,6 +368,9 @@ def compute_logprobs(
         if last:
             full = torch.zeros(n, s, dtype=torch.float32, device=tokens.device)
             for mb, d in zip(data, store, strict=True):  # d[key]: [rows, width / CP]
+                if "packed_seq_params" in mb:  # THD: [1, total], CP = 1
+                    thd_scatter(d[key][0].float(), mb, full)
+                    continue
                 whole = collectives.gather_context_parallel(
                     d[key].float(), dim=1, group=ps.get_context_parallel_group()
                 )[: mb["num_rows"]]

@@ -10,6 +10,8 @@ second mini-batch on the ratio moves away from 1 and the clip acts.
 
 from __future__ import annotations
 
+import torch
+
 from megatron_ba.loss import GRPOLossConfig
 from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.grpo_step import (
@@ -18,6 +20,7 @@ from megatron_ba.megatron.grpo_step import (
     compute_logprobs,
     forward_backward,
 )
+from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.recipe import Recipe
 from megatron_ba.train.experience import Experience
 
@@ -61,9 +64,13 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     parts = []
     for j in range(m):
         rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
+        budget = r.parallel.max_tokens_per_microbatch
+        if budget:  # DP shards balanced by tokens (groups may split: the plan is all-reduced)
+            mini = exp.rows(1, 0, mini_batches=m, index=j)
+            shards = balanced_dp_shards(response_end(exp.response_mask[mini]), ctx.dp)
+            rows = mini[torch.tensor(shards[ctx.dp_rank], dtype=torch.long)]
         n_local = len(rows)
         mbs = min(r.parallel.micro_batch_size, n_local)
-        budget = r.parallel.max_tokens_per_microbatch
         kw = dict(
             num_microbatches=-(-n_local // mbs),  # need not divide: sizes differ by one
             temperature=r.grpo.temperature,
