@@ -303,20 +303,15 @@ def apply_weights_packed(
     """Packed `apply_weights`: token j belongs to sequence sequence_index[j] (-1: padding).
 
     `counts` (optional, [N] token counts) declares the pack contiguous: sequence 0's tokens first,
-    then sequence 1's, ..., then padding; `sequence_index` may then be None. The per-sequence sums
-    are one segmented pass (as cheap as a plain masked sum) instead of a per-token weight gather.
+    then sequence 1's, ..., then padding; `sequence_index` may then be None. The per-token weight
+    vector is then built by `token_weights` (one kernel, no host synchronisation: nothing here
+    reads a device value back, so a GPU never stalls in the loss) and applied as one
+    multiply-sum whose gradient is that vector times the incoming gradient.
     """
-    w = weights.to(token_values.dtype)
     if counts is not None:
         if token_values.dim() != 1:
             raise ValueError(f"token_values: packed form is 1-D, got {tuple(token_values.shape)}")
-        bad = counts.shape != weights.shape or bool((counts < 0).any())
-        if bad or int(counts.sum()) > token_values.numel():
-            raise ValueError(
-                f"counts: must be [N] token counts >= 0 ({weights.numel()} entries) summing to "
-                f"at most {token_values.numel()} tokens, got shape {tuple(counts.shape)}"
-            )
-        return _ContiguousWeightedSum.apply(token_values, counts.to(torch.long), w)
+        return _WeightedSum.apply(token_values, token_weights(weights, counts, token_values))
     if sequence_index is None:
         raise ValueError("sequence_index: required unless counts declares a contiguous pack")
     if token_values.dim() != 1 or sequence_index.shape != token_values.shape:
@@ -331,36 +326,50 @@ def apply_weights_packed(
             f"sequence_index: refers to sequence {int(sequence_index.max())} but weights has "
             f"{weights.numel()} entries"
         )
+    w = weights.to(token_values.dtype)
     valid = sequence_index >= 0
     token_weight = w[sequence_index.clamp(min=0)]
     zero = torch.zeros((), dtype=token_values.dtype, device=token_values.device)
     return torch.where(valid, token_values * token_weight, zero).sum()
 
 
-class _ContiguousWeightedSum(torch.autograd.Function):
-    """sum_i w_i * (sum of sequence i's tokens) for a contiguous pack, one memory pass each way.
+def token_weights(weights: torch.Tensor, counts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The [num_tokens] weight of every token of a contiguous pack shaped like `like`.
 
-    Per-sequence sums over views of the pack are as fast as one plain sum; the backward fills
-    each sequence's gradient slice with its weight. (Autograd through slicing and segment_reduce
-    instead zero-fills and copies the gradient, and repeat_interleave is several times slower.)
+    Sequence i's counts[i] tokens get weights[i]; the trailing padding (num_tokens - sum(counts)
+    tokens) gets 0. Built once per micro-batch and plan; dtype and device of `like`. No host
+    synchronisation: the output size is `like`'s (known on the host), and bad counts (negative,
+    or more tokens than the pack holds) fail a device-side assertion naming `counts`.
     """
+    if counts.dim() != 1 or counts.shape != weights.shape:
+        raise ValueError(
+            f"counts: must be [N] token counts ({weights.numel()} entries, one per weight), got "
+            f"shape {tuple(counts.shape)}"
+        )
+    if counts.dtype.is_floating_point or counts.dtype == torch.bool:
+        raise ValueError(f"counts: must be integer token counts, got {counts.dtype}")
+    num_tokens = like.numel()
+    counts = counts.to(device=like.device, dtype=torch.long)
+    padding = num_tokens - counts.sum()
+    torch._assert_async(
+        (counts >= 0).all() & (padding >= 0),
+        f"counts: must be token counts >= 0 summing to at most the pack's {num_tokens} tokens",
+    )
+    repeats = torch.cat([counts, padding.reshape(1)])
+    w = torch.cat([weights.to(like.dtype), like.new_zeros(1)])
+    return torch.repeat_interleave(w, repeats, output_size=num_tokens)
+
+
+class _WeightedSum(torch.autograd.Function):
+    """sum_j v_j x_j for a per-token weight vector v: forward one multiply-sum (a dot product),
+    backward v * grad_out (v is not differentiated: the plan is a constant of the step)."""
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        sizes = counts.tolist()
-        padding = values.numel() - sum(sizes)
-        pieces = torch.split(values, [*sizes, padding])[: len(sizes)]
-        sums = torch.stack([p.sum() for p in pieces]) if pieces else values.new_zeros(0)
-        ctx.save_for_backward(w)
-        ctx.sizes, ctx.padding = sizes, padding
-        return (sums * w).sum()
+    def forward(ctx, values: torch.Tensor, token_weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(token_weight)
+        return torch.dot(values, token_weight)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (w,) = ctx.saved_tensors
-        grad = torch.empty(sum(ctx.sizes) + ctx.padding, dtype=w.dtype, device=w.device)
-        pieces = torch.split(grad, [*ctx.sizes, ctx.padding])
-        for piece, value in zip(pieces, (w * grad_out).tolist(), strict=False):
-            piece.fill_(value)
-        pieces[-1].zero_()  # trailing padding
-        return grad, None, None
+        (token_weight,) = ctx.saved_tensors
+        return token_weight * grad_out, None

@@ -101,6 +101,20 @@ class LossPlan:
         """The plan of a subset of the sequences (a micro-batch), weights unchanged."""
         return LossPlan(self.pg_weights[index], self.reg_weights[index], self.advantages[index])
 
+    def padded_to(self, n: int) -> LossPlan:
+        """The plan with zero-weight, zero-advantage entries appended up to `n` sequences (the
+        masked padding rows of a micro-batch: they add exactly 0 to the loss)."""
+        extra = n - self.pg_weights.numel()
+        if extra < 0:
+            raise ValueError(f"n: {n} is below the plan's {self.pg_weights.numel()} sequences")
+        if extra == 0:
+            return self
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(extra)])
+
+        return LossPlan(pad(self.pg_weights), pad(self.reg_weights), pad(self.advantages))
+
 
 def _per_token(per_sequence: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Broadcast a per-sequence value to the token layout of `like` (padded or packed)."""

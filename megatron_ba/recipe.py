@@ -171,6 +171,12 @@ class ParallelSection:
     pp: int = 1
     cp: int = 1
     micro_batch_size: int = 64  # sequences per micro-batch on each data-parallel rank
+    # Token-budget micro-batches (prompt + response tokens, rows x longest on CPU); null: fixed
+    # micro_batch_size sequences. Replaces micro_batch_size when set.
+    max_tokens_per_microbatch: int | None = None
+    # Tokens per chunk of the vocab-parallel log-softmax; null: auto (chunked above 4096 tokens
+    # per micro-batch).
+    logprob_chunk_size: int | None = None
 
 
 @dataclass
@@ -365,6 +371,9 @@ def validate(recipe: Recipe) -> Recipe:
     p = recipe.parallel
     for k in ("tp", "pp", "cp", "micro_batch_size"):
         need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")
+    for k in ("max_tokens_per_microbatch", "logprob_chunk_size"):
+        v = getattr(p, k)
+        need(v is None or v >= 1, f"parallel.{k}", f"must be a positive integer or null, got {v}")
     m, d = recipe.model, recipe.data
     need(d.task in TASKS, "data.task", f"must be one of {', '.join(TASKS)}")
     need(recipe.tokenizer.kind in TOKENIZERS, "tokenizer.kind", f"one of {', '.join(TOKENIZERS)}")

@@ -72,13 +72,27 @@ def test_negative_control_fails():
     assert "FAIL: statistics" not in out  # it fails on the gradients alone
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_passes_with_a_token_budget_on_uneven_dp_shards():
+    """13 sequences on 2 DP ranks (balanced by tokens), micro-batches of <= 40 tokens each."""
+    out, grad_err, loss_err = _check_layout(
+        "--dp", "2", "--sequences", "13", "--token-budget", "40", "--rule", "balanced", exit_code=0
+    )
+    assert "token-budget=40" in out and "PASS" in out
+    assert grad_err <= 1e-5 and loss_err <= 1e-5
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--tp", "3"], "num_attention_heads=4 is not a multiple of tp=3"),
         (["--pp", "3"], "num_layers=4 is not a multiple of pp=3"),
-        (["--dp", "5"], "--dp: 5 does not divide the batch's 12 sequences"),
-        (["--dp", "2", "--micro-batches", "4"], "--micro-batches: 4 does not divide the 6"),
+        (["--dp", "13"], "--sequences: 12 is fewer than the 13 DP ranks"),
+        (["--dp", "2", "--micro-batches", "7"], "--micro-batches: 7 is more than the 6"),
+        (["--sequences", "0"], "--sequences: must be an integer >= 1"),
+        (["--token-budget", "8"], "--token-budget: must be an integer >= 16"),
+        (["--token-budget", "40", "--micro-batches", "2"], "the token budget decides"),
         (["--cp", "0"], "--cp: must be an integer >= 1"),
     ],
 )

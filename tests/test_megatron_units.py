@@ -23,10 +23,10 @@ from megatron_ba.megatron.batching import (
     GRPOBatch,
     causal_mask,
     label_aligned,
-    microbatch_slices,
     prepare_microbatches,
 )
 from megatron_ba.megatron.model import Qwen2Spec, full_parameter_shapes, tiny_qwen2_spec
+from megatron_ba.megatron.packing import fixed_count_microbatches
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
 from megatron_ba.parallel.launch import free_port
 
@@ -101,9 +101,10 @@ def test_grpo_batch_checks():
 def test_label_alignment_and_microbatches():
     x = torch.tensor([[10, 11, 12, 13]])
     assert label_aligned(x, 0).tolist() == [[11, 12, 13, 0]]
-    assert microbatch_slices(6, 3) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert fixed_count_microbatches(6, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert fixed_count_microbatches(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]  # need not divide
     with pytest.raises(ValueError, match="num_microbatches"):
-        microbatch_slices(6, 4)
+        fixed_count_microbatches(3, 4)
     # CP = 2 on S = 6: padded to 8, rank 1 holds positions 2..5 of the position-aligned arrays.
     b = _batch(n=2, s=6).checked()
     data, seq_len, mbs = prepare_microbatches(b, CPView(cp=2, rank=1, mode="loss"), 2)

@@ -4,11 +4,16 @@
     megatron-ba check-layout --tp 1 --pp 2 --cp 1 --dp 2 --micro-batches 1 --rule token --seed 3
     megatron-ba check-layout --cp 2 --dp 2 --micro-batches 3 --rule sequence --scope batch
     megatron-ba check-layout --dp 2 --micro-batches 3 --rule token --per-token-loss
+    megatron-ba check-layout --dp 2 --sequences 13 --micro-batches 4 --rule balanced
+    megatron-ba check-layout --pp 2 --dp 2 --sequences 14 --token-budget 40 --rule balanced
 
 Launches tp*pp*cp*dp gloo processes on CPU with a tiny Qwen2-shaped megatron-core GPTModel
-(RMSNorm, SwiGLU, RoPE, GQA), runs one GRPO forward/backward on a fixed synthetic batch (4 groups
-of 3 responses split across the DP ranks, wrong answers longer than right ones, one zero-variance
-group) and compares the loss and every parameter's gradient, gathered to full shape, with a
+(RMSNorm, SwiGLU, RoPE, GQA), runs one GRPO forward/backward on a fixed synthetic batch
+(`--sequences`, default 12: groups of 3 responses split across the DP ranks, wrong answers longer
+than right ones, one zero-variance group in every 4; `--micro-batches` need not divide a rank's
+sequences; `--token-budget T` packs each rank's sequences into micro-batches of at most T tokens,
+rows x longest, on DP shards balanced by tokens) and compares the loss and every parameter's
+gradient, gathered to full shape, with a
 single-process TP=PP=CP=DP=1 run of the same model and batch. CP is checked at the loss level
 (megatron-core's CP attention needs Transformer Engine). Prints one final line
 
@@ -39,7 +44,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (loss level on CPU)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per DP rank")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches per DP rank (need not divide its sequences: sizes differ by one)",
+    )
+    p.add_argument(
+        "--sequences",
+        type=int,
+        default=12,
+        help="sequences in the synthetic batch (groups of 3, the last smaller if 3 does not "
+        "divide it)",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="tokens per micro-batch (parallel.max_tokens_per_microbatch: uneven micro-batches, "
+        "DP shards balanced by tokens); replaces --micro-batches",
+    )
     p.add_argument("--rule", choices=RULES, default="balanced", help="aggregation rule")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
     p.add_argument("--scope", choices=SCOPES, default="group")
@@ -94,16 +118,25 @@ def run(args: argparse.Namespace) -> int:
         scope=args.scope,
         per_token_loss=args.per_token_loss,
         normalization="per_microbatch" if args.negative_control else "plan",
+        token_budget=args.token_budget,
     )
     try:
         if not (isinstance(args.micro_batches, int) and args.micro_batches >= 1):
             raise ValueError(f"--micro-batches: must be >= 1, got {args.micro_batches}")
-        check_layout_possible(layout, [case])
+        if args.token_budget is not None and args.micro_batches != 1:
+            raise ValueError(
+                "--micro-batches: the token budget decides the micro-batches; give one of "
+                "--micro-batches and --token-budget"
+            )
+        check_layout_possible(layout, [case], sequences=args.sequences)
     except ValueError as e:
         print(f"check-layout: cannot build layout {layout}: {e}", file=sys.stderr)
         return 2
-    print(f"check-layout: {layout} ({layout.world} gloo processes), {case}, seed {args.seed}")
-    report = run_layout(layout, [case], seed=args.seed)
+    print(
+        f"check-layout: {layout} ({layout.world} gloo processes), {case}, seed {args.seed}, "
+        f"{args.sequences} sequences"
+    )
+    report = run_layout(layout, [case], seed=args.seed, sequences=args.sequences)
     (result,) = report.cases
     print(f"loss {result.loss:.9g} (single process {result.loss_ref:.9g})")
     print(f"statistics all-reduces per rank: {result.reducer_calls}")

@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from megatron_ba.megatron.packing import fixed_count_microbatches, token_budget_microbatches
 from megatron_ba.parallel.layout import cp_shard
 
 
@@ -91,15 +92,13 @@ def pad_to(x: torch.Tensor, length: int, fill) -> torch.Tensor:
     return torch.cat([x, pad], dim=1)
 
 
-def microbatch_slices(n: int, m: int) -> list[slice]:
-    """m equal, contiguous row ranges (the pipeline schedules need equal micro-batches)."""
-    if not (isinstance(m, int) and m >= 1) or n % m:
-        raise ValueError(
-            f"num_microbatches: must be an integer >= 1 dividing this rank's {n} sequences (the "
-            f"pipeline schedules need equal micro-batches), got {m!r}"
-        )
-    b = n // m
-    return [slice(i * b, (i + 1) * b) for i in range(m)]
+def response_end(response_mask: torch.Tensor) -> list[int]:
+    """Per row, the tokens the model must see: up to and including its last response token
+    (prompt + response; at least 1). Host ints: the layout is planned on the host."""
+    s = response_mask.shape[1]
+    pos = torch.arange(1, s + 1, device=response_mask.device)
+    end = torch.where(response_mask.bool(), pos, torch.zeros_like(pos)).amax(dim=1)
+    return [max(1, int(e)) for e in end.cpu()]  # host copy: planning input
 
 
 @dataclass(frozen=True)
@@ -151,34 +150,104 @@ def model_inputs(tokens: torch.Tensor, view: CPView):
 
 
 def prepare_microbatches(
-    batch: GRPOBatch, view: CPView, num_microbatches: int
+    batch: GRPOBatch,
+    view: CPView,
+    num_microbatches: int,
+    *,
+    max_tokens: int | None = None,
+    seq_tokens: list[int] | None = None,
+    uniform: bool = False,
+    thd: bool = False,
 ) -> tuple[list[dict], int, int]:
     """(micro-batch dicts, seq_length, micro_batch_size) for the schedule.
 
     Each dict holds the model inputs and this CP rank's position-aligned loss inputs: `targets`,
-    `mask`, `old` (and `ref`), plus `rows` (its slice of the batch, for LossPlan.select).
+    `mask`, `old` (and `ref`), plus `rows` (its sequences' indices in the batch, for
+    LossPlan.select) and `num_rows` (how many of its rows are real; the rest are `uniform`
+    padding rows, all masked).
+
+    `max_tokens` None: `num_microbatches` contiguous micro-batches of whole [*, S] rows (sizes
+    differ by at most one). Else the token budget (parallel.max_tokens_per_microbatch): the
+    sequences are packed by packing.token_budget_microbatches (`seq_tokens[i]` tokens each,
+    default `response_end`) and each micro-batch is cut to its longest sequence (rounded up to a
+    multiple of 2 x CP); `num_microbatches` is then ignored.
+
+    `uniform` (pipeline parallelism): megatron-core's pipeline schedules send every micro-batch's
+    activations with one shape (seq_length, micro_batch_size), so all micro-batches are padded
+    to the longest and the largest; every stage of a model replica gets the same batch and
+    plans the same layout, so they agree on the number and the shapes without communicating.
+
+    `thd` (with `max_tokens`; CUDA + Transformer Engine): packed micro-batches instead, one
+    [1, total] row each with PackedSeqParams and the budget bounding the sum of the sequences'
+    tokens (megatron_ba.megatron.thd; untested here: no GPU).
     """
     n, s = batch.tokens.shape
-    s_pad = view.padded_length(s)
-    tokens = pad_to(batch.tokens.long(), s_pad, 0)
-    per_pos = {
-        "targets": label_aligned(tokens, 0),
-        "mask": label_aligned(pad_to(batch.response_mask, s_pad, False), False),
-        "old": label_aligned(pad_to(batch.old_logprobs.float(), s_pad, 0.0), 0.0),
-    }
-    if batch.ref_logprobs is not None:
-        per_pos["ref"] = label_aligned(pad_to(batch.ref_logprobs.float(), s_pad, 0.0), 0.0)
-    per_pos = {k: view.shard(v) for k, v in per_pos.items()}
+    multiple = 2 * view.cp if view.cp > 1 else 1
+    if thd:  # GPU (Transformer Engine) only: see megatron_ba.megatron.thd
+        return _thd_microbatches(batch, view, max_tokens, seq_tokens, uniform)
+    if max_tokens is None:
+        groups = fixed_count_microbatches(n, num_microbatches)
+        widths = [s] * len(groups)
+    else:
+        if seq_tokens is None:
+            seq_tokens = response_end(batch.response_mask)
+        if len(seq_tokens) != n:
+            raise ValueError(
+                f"seq_tokens: must have one entry per row ({n}), got {len(seq_tokens)}"
+            )
+        groups = token_budget_microbatches(seq_tokens, max_tokens, cost="padded", multiple=multiple)
+        widths = [max(seq_tokens[i] for i in g) for g in groups]
+    widths = [view.padded_length(w) for w in widths]
+    rows_per = [len(g) for g in groups]
+    if uniform:
+        widths = [max(widths)] * len(groups)
+        rows_per = [max(rows_per)] * len(groups)
     data = []
-    for sl in microbatch_slices(n, num_microbatches):
-        ids, pos, attn = model_inputs(tokens[sl], view)
-        mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn, "rows": sl}
-        mb.update({k: v[sl] for k, v in per_pos.items()})
+    for g, width, b in zip(groups, widths, rows_per, strict=True):
+        rows = torch.tensor(g, dtype=torch.long, device=batch.tokens.device)
+        # Padding rows (uniform only) repeat row g[0] with an all-False mask: they run through
+        # the model like any row and add exactly 0 to the loss and its gradient.
+        idx = torch.cat([rows, rows[:1].expand(b - len(g))])
+        live = (torch.arange(b, device=rows.device) < len(g))[:, None]
+        tokens = pad_to(batch.tokens[idx].long(), max(width, s), 0)[:, :width]
+        mask = pad_to(batch.response_mask[idx], max(width, s), False)[:, :width] & live
+        per_pos = {
+            "targets": label_aligned(tokens, 0),
+            "mask": label_aligned(mask, False),
+            "old": label_aligned(_cut(batch.old_logprobs[idx].float(), width, s), 0.0),
+        }
+        if batch.ref_logprobs is not None:
+            per_pos["ref"] = label_aligned(_cut(batch.ref_logprobs[idx].float(), width, s), 0.0)
+        ids, pos, attn = model_inputs(tokens, view)
+        mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn}
+        mb.update({k: view.shard(v) for k, v in per_pos.items()})
+        mb.update(rows=rows, num_rows=len(g), width=width)
         data.append(mb)
     # The schedule's p2p shape is (seq_length // CP, mbs, hidden) (schedules.get_tensor_shapes):
-    # in "loss" mode the activations are whole sequences, so announce S_pad x CP.
-    seq_len = s_pad * view.cp if view.mode == "loss" else s_pad
-    return data, seq_len, n // num_microbatches
+    # in "loss" mode the activations are whole sequences, so announce S_pad x CP. Only the
+    # pipeline schedules read it, and there every micro-batch has this shape (`uniform`).
+    seq_len = max(widths) * view.cp if view.mode == "loss" else max(widths)
+    return data, seq_len, max(rows_per)
+
+
+def _thd_microbatches(batch, view: CPView, max_tokens, seq_tokens, uniform: bool):
+    from megatron_ba.megatron.thd import thd_microbatch
+
+    if max_tokens is None:
+        raise ValueError("thd: packed micro-batches need a token budget (max_tokens)")
+    if seq_tokens is None:
+        seq_tokens = response_end(batch.response_mask)
+    groups = token_budget_microbatches(seq_tokens, max_tokens, cost="packed")
+    totals = [sum(seq_tokens[i] for i in g) for g in groups]
+    total = max(totals) if uniform else None
+    data = [thd_microbatch(batch, g, seq_tokens, cp=view.cp, total=total) for g in groups]
+    # PP's p2p shape: (total tokens, 1 row); only read by the pipeline schedules (`uniform`).
+    return data, max(totals), 1
+
+
+def _cut(x: torch.Tensor, width: int, s: int) -> torch.Tensor:
+    """Columns [0, width) of [b, s] x, zero-padded on the right when width > s."""
+    return pad_to(x, max(width, s), 0.0)[:, :width]
 
 
 def run_schedule(
@@ -189,7 +258,8 @@ def run_schedule(
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"])
+        extra = {"packed_seq_params": mb["packed_seq_params"]} if "packed_seq_params" in mb else {}
+        out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"], **extra)
         return out, partial(loss_func, mb)
 
     return get_forward_backward_func()(

@@ -43,12 +43,17 @@ from megatron_ba.megatron.batching import (
     run_schedule,
     shape2,
 )
+from megatron_ba.megatron.thd import thd_scatter
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
 
 __all__ = ["GRPOBatch", "StepConfig", "StepResult", "compute_logprobs", "forward_backward"]
 
 CP_MODES = ("model", "loss")
+# Auto chunking of the vocab-parallel log-softmax: a micro-batch above AUTO_CHUNK_ABOVE tokens is
+# walked AUTO_CHUNK tokens at a time, so its fp32 softmax buffers stay O(AUTO_CHUNK x V/TP)
+# (2 x 1024 x 152k/TP x 4 bytes = 1.2 GB at TP=1 for Qwen2's vocabulary) instead of O(T x V/TP).
+AUTO_CHUNK_ABOVE, AUTO_CHUNK = 4096, 1024
 NORMALIZATIONS = ("plan", "per_microbatch")
 
 
@@ -57,7 +62,10 @@ class StepConfig:
     """How one GRPO step aggregates and splits its batch."""
 
     num_groups: int  # global number of prompt groups (group ids lie in [0, num_groups))
-    num_microbatches: int = 1  # per DP rank; must divide the rank's number of sequences
+    num_microbatches: int = 1  # per DP rank (need not divide its sequences); see max_tokens
+    # parallel.max_tokens_per_microbatch: pack each micro-batch up to this many tokens (rows x
+    # longest, see batching.prepare_microbatches) instead of num_microbatches equal parts.
+    max_tokens_per_microbatch: int | None = None
     rule: str = "balanced"
     scope: str = "group"
     reg_rule: str = "token"
@@ -66,9 +74,14 @@ class StepConfig:
     neutral_eps: float = 0.0
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     temperature: float = 1.0  # the sampler's: logits are divided by it before the softmax
-    logprob_chunk_size: int | None = None  # tokens per chunk of the vocab-parallel log-softmax
+    # parallel.logprob_chunk_size: tokens per chunk of the vocab-parallel log-softmax; None:
+    # auto (chunked above AUTO_CHUNK_ABOVE tokens per micro-batch, see logprob_chunk).
+    logprob_chunk_size: int | None = None
     cp_mode: str | None = None  # "model" | "loss"; default "loss" without CUDA, else "model"
     explicit_causal_mask: bool | None = None  # default: True without CUDA (local attention)
+    # Packed (THD) micro-batches under a token budget: None = auto (CUDA, cp_mode "model");
+    # needs Transformer Engine attention; untested without a GPU (megatron_ba.megatron.thd).
+    thd: bool | None = None
     # Testing only. "per_microbatch": the same loss with each micro-batch's plan built from that
     # micro-batch's own statistics, averaged over micro-batches and DP ranks (NeMo-Aligner's
     # normalisation); wrong on purpose wherever a micro-batch is not the global batch: the
@@ -106,15 +119,38 @@ def _cp_view(cp_mode: str | None, explicit_causal_mask: bool | None) -> CPView:
     return CPView(cp=cp, rank=ps.get_context_parallel_rank(), mode=mode, causal_mask=mask)
 
 
+def _use_thd(setting: bool | None, max_tokens: int | None, view: CPView) -> bool:
+    """Packed (THD) micro-batches: only under a token budget; auto = CUDA with CP in the model."""
+    if max_tokens is None:
+        return False
+    if setting is None:
+        return torch.cuda.is_available() and view.mode == "model" and view.cp == 1
+    return bool(setting)
+
+
+def logprob_chunk(setting: int | None, num_tokens: int) -> int | None:
+    """The chunk size of a micro-batch's log-softmax: `setting` (parallel.logprob_chunk_size)
+    when an int, else auto: AUTO_CHUNK above AUTO_CHUNK_ABOVE tokens, unchunked (None) below."""
+    if setting is None:
+        return AUTO_CHUNK if num_tokens > AUTO_CHUNK_ABOVE else None
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting <= 0:
+        raise ValueError(
+            f"parallel.logprob_chunk_size: must be a positive number of tokens or null (auto: "
+            f"chunked above {AUTO_CHUNK_ABOVE} tokens), got {setting!r}"
+        )
+    return setting
+
+
 def _logprobs(output, mb, view: CPView, *, temperature, chunk_size, with_entropy):
     ps = _ps()
     tp_group = ps.get_tensor_model_parallel_group()
+    logits = view.logits_for_loss(output)
     out = vocab_parallel_logprobs(
-        view.logits_for_loss(output),
+        logits,
         mb["targets"],
         tp_group=tp_group if ps.get_tensor_model_parallel_world_size() > 1 else None,
         temperature=temperature,
-        chunk_size=chunk_size,
+        chunk_size=logprob_chunk(chunk_size, mb["targets"].numel()),
         with_entropy=with_entropy,
     )
     return out if with_entropy else (out, None)
@@ -159,7 +195,15 @@ def forward_backward(
             reducer = collectives.StatisticsReducer(ps.get_data_parallel_group())
         if global_plan:
             plan = _loss_plan(cfg, batch, slice(None), reducer)
-    data, seq_len, mbs = prepare_microbatches(batch, view, cfg.num_microbatches)
+    logprob_chunk(cfg.logprob_chunk_size, 0)  # a bad setting fails before the schedule runs
+    data, seq_len, mbs = prepare_microbatches(
+        batch,
+        view,
+        cfg.num_microbatches,
+        max_tokens=cfg.max_tokens_per_microbatch,
+        uniform=ps.get_pipeline_model_parallel_world_size() > 1,
+        thd=_use_thd(cfg.thd, cfg.max_tokens_per_microbatch, view),
+    )
     dp, cp = ps.get_data_parallel_world_size(), view.cp
     factor = scaling.loss_scale(
         len(data),
@@ -186,11 +230,16 @@ def forward_backward(
             with_entropy=with_entropy,
         )
         rows = mb["rows"]
+        mb_plan = plan.select(rows) if global_plan else _loss_plan(cfg, batch, rows, None)
+        if "packed_seq_params" in mb:  # THD: [1, total] -> the packed (sequence-index) form
+            logp, ent = logp[0], (None if ent is None else ent[0])
+        else:
+            mb_plan = mb_plan.padded_to(logp.shape[0])  # padding rows (PP's shapes) weigh 0
         part, metrics = grpo_loss(
             logp,
             mb["old"],
             mb["mask"],
-            plan.select(rows) if global_plan else _loss_plan(cfg, batch, rows, None),
+            mb_plan,
             cfg.loss,
             ref_logprobs=mb.get("ref"),
             entropy=ent,
@@ -205,7 +254,7 @@ def forward_backward(
     return _global_result(store, last, reducer)
 
 
-def _loss_plan(cfg: StepConfig, batch: GRPOBatch, rows: slice, reduce) -> LossPlan:
+def _loss_plan(cfg: StepConfig, batch: GRPOBatch, rows, reduce) -> LossPlan:
     """The plan of `batch[rows]`'s sequences from their statistics summed by `reduce`: the
     global batch's (rows = all, reduce over DP) or, for the control, one micro-batch's alone."""
     return LossPlan.build(
@@ -268,11 +317,16 @@ def compute_logprobs(
     chunk_size: int | None = None,
     cp_mode: str | None = None,
     explicit_causal_mask: bool | None = None,
+    max_tokens_per_microbatch: int | None = None,
+    seq_tokens: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `tokens` under the model, through the same schedule.
 
     Returns token-aligned fp32 [N, S] tensors (position 0 is 0: nothing predicts it) on every
     TP, PP and CP rank of this DP rank: the old or reference log-probs of a GRPO step.
+    With `max_tokens_per_microbatch`, row i is run on its first `seq_tokens[i]` tokens (default
+    all S; pass batching.response_end(response_mask) to skip the right padding) packed into
+    token-budget micro-batches; positions past a row's tokens are 0.
     """
     n, s = shape2("tokens", tokens)
     view = _cp_view(cp_mode, explicit_causal_mask)
@@ -281,7 +335,18 @@ def compute_logprobs(
     dummy = GRPOBatch(
         tokens, no_response, torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, s)
     )
-    data, seq_len, mbs = prepare_microbatches(dummy, view, num_microbatches)
+    logprob_chunk(chunk_size, 0)
+    if max_tokens_per_microbatch is not None and seq_tokens is None:
+        seq_tokens = [s] * n
+    data, seq_len, mbs = prepare_microbatches(
+        dummy,
+        view,
+        num_microbatches,
+        max_tokens=max_tokens_per_microbatch,
+        seq_tokens=seq_tokens,
+        uniform=ps.get_pipeline_model_parallel_world_size() > 1,
+        thd=_use_thd(None, max_tokens_per_microbatch, view),
+    )
 
     def loss_func(mb, output):
         logp, ent = _logprobs(
@@ -301,12 +366,16 @@ def compute_logprobs(
     for key in ("logprobs", "entropy") if with_entropy else ("logprobs",):
         full = None
         if last:
-            part = torch.cat([d[key].float() for d in store], dim=0)  # [N, S_pad / CP]
-            whole = collectives.gather_context_parallel(
-                part, dim=1, group=ps.get_context_parallel_group()
-            )
-            full = torch.zeros(n, s, dtype=torch.float32, device=whole.device)
-            full[:, 1:] = whole[:, : s - 1]  # position p predicts token p + 1
+            full = torch.zeros(n, s, dtype=torch.float32, device=tokens.device)
+            for mb, d in zip(data, store, strict=True):  # d[key]: [rows, width / CP]
+                if "packed_seq_params" in mb:  # THD: [1, total], CP = 1
+                    thd_scatter(d[key][0].float(), mb, full)
+                    continue
+                whole = collectives.gather_context_parallel(
+                    d[key].float(), dim=1, group=ps.get_context_parallel_group()
+                )[: mb["num_rows"]]
+                w = min(mb["width"], s - 1)
+                full[mb["rows"], 1 : 1 + w] = whole[:, :w]  # position p predicts token p + 1
         outs.append(
             collectives.broadcast_from_last_stage(
                 full,

@@ -47,9 +47,14 @@ class Case:
     normalization: str = "plan"
     # Negative control of the scaling: cancel another megatron-core version's factors.
     assume_megatron_version: tuple[int, int] | None = None
+    # parallel.max_tokens_per_microbatch: token-budget micro-batches (num_microbatches is then
+    # ignored) on DP shards balanced by tokens (packing.balanced_dp_shards).
+    token_budget: int | None = None
 
     def __str__(self) -> str:
         extra = " per-token" if self.per_token_loss else ""
+        if self.token_budget is not None:
+            return f"{self.rule}/{self.scope} token-budget={self.token_budget}{extra}"
         extra += " PER-MICROBATCH-NORMALISED" if self.normalization != "plan" else ""
         if self.assume_megatron_version is not None:
             major, minor = self.assume_megatron_version
@@ -83,8 +88,16 @@ class LayoutReport:
     update_rel_err: float  # one clipped AdamW step's parameter change vs single process
 
 
-NUM_GROUPS, GROUP_SIZE = 4, 3
+NUM_GROUPS, GROUP_SIZE = 4, 3  # the default batch: 12 sequences
+SEQUENCES = NUM_GROUPS * GROUP_SIZE
 REWARDS = [[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 0]]  # group 3: zero variance
+SEQ_LEN = 16  # >= max prompt + response (4 + 10), a multiple of 2 x CP for CP in {1, 2, 4}
+
+
+def num_groups(sequences: int) -> int:
+    """Groups of GROUP_SIZE consecutive rows; the last one smaller if GROUP_SIZE does not
+    divide `sequences`."""
+    return -(-sequences // GROUP_SIZE)
 
 
 def tiny_spec():
@@ -94,7 +107,13 @@ def tiny_spec():
     return tiny_qwen2_spec()
 
 
-def check_layout_possible(layout: Layout, cases: list[Case], world_size: int | None = None) -> None:
+def check_layout_possible(
+    layout: Layout,
+    cases: list[Case],
+    world_size: int | None = None,
+    *,
+    sequences: int = SEQUENCES,
+) -> None:
     """ValueError saying why a layout (or a case on it) cannot be built."""
     for name in ("tp", "pp", "cp", "dp"):
         v = getattr(layout, name)
@@ -103,29 +122,41 @@ def check_layout_possible(layout: Layout, cases: list[Case], world_size: int | N
     if world_size is not None and world_size != layout.world:
         raise ValueError(f"world size {world_size} != tp*pp*cp*dp = {layout.world}")
     tiny_spec().check_layout(layout.tp, layout.pp)
-    n = NUM_GROUPS * GROUP_SIZE
-    if n % layout.dp:
-        raise ValueError(f"--dp: {layout.dp} does not divide the batch's {n} sequences")
+    if not (isinstance(sequences, int) and sequences >= 1):
+        raise ValueError(f"--sequences: must be an integer >= 1, got {sequences!r}")
+    if sequences < layout.dp:
+        raise ValueError(f"--sequences: {sequences} is fewer than the {layout.dp} DP ranks")
+    fewest = sequences // layout.dp  # dp_rows: the smallest rank's share
     for case in cases:
-        if (n // layout.dp) % case.num_microbatches:
+        if case.token_budget is not None:
+            b = case.token_budget
+            if isinstance(b, bool) or not isinstance(b, int) or b < SEQ_LEN:
+                raise ValueError(
+                    f"--token-budget: must be an integer >= {SEQ_LEN} (the synthetic batch's "
+                    f"longest sequence may take {SEQ_LEN} tokens), got {b!r}"
+                )
+        elif case.num_microbatches > fewest:
             raise ValueError(
-                f"--micro-batches: {case.num_microbatches} does not divide the {n // layout.dp} "
-                f"sequences each of the {layout.dp} DP ranks holds"
+                f"--micro-batches: {case.num_microbatches} is more than the {fewest} sequences "
+                f"the smallest of the {layout.dp} DP ranks holds"
             )
 
 
-def synthetic_batch(seed: int) -> dict[str, torch.Tensor]:
-    """The global batch (without log-probs): rows grouped by prompt, 4 groups of 3."""
+def synthetic_batch(seed: int, sequences: int = SEQUENCES) -> dict[str, torch.Tensor]:
+    """The global batch (without log-probs): rows grouped by prompt, groups of 3 (rewards
+    cycling through REWARDS; the last group smaller when 3 does not divide `sequences`)."""
     g = torch.Generator().manual_seed(seed)
     spec = tiny_spec()
-    rewards = torch.tensor(REWARDS, dtype=torch.float64).reshape(-1)
-    group_ids = torch.arange(NUM_GROUPS).repeat_interleave(GROUP_SIZE)
-    right = torch.randint(2, 6, (rewards.numel(),), generator=g)
-    wrong = torch.randint(6, 11, (rewards.numel(),), generator=g)
+    n = sequences
+    per_group = torch.tensor(REWARDS, dtype=torch.float64)
+    rewards = per_group[torch.arange(num_groups(n)) % len(REWARDS)].reshape(-1)[:n]
+    group_ids = torch.arange(num_groups(n)).repeat_interleave(GROUP_SIZE)[:n]
+    right = torch.randint(2, 6, (n,), generator=g)
+    wrong = torch.randint(6, 11, (n,), generator=g)
     resp = torch.where(rewards > 0, right, wrong)  # wrong answers longer: sign-correlated
-    prompt = torch.randint(2, 5, (rewards.numel(),), generator=g)
-    s = 16  # >= max prompt + response (4 + 10), a multiple of 2 x CP for CP in {1, 2, 4}
-    tokens = torch.randint(1, spec.vocab_size, (rewards.numel(), s), generator=g)
+    prompt = torch.randint(2, 5, (n,), generator=g)
+    s = SEQ_LEN
+    tokens = torch.randint(1, spec.vocab_size, (n, s), generator=g)
     pos = torch.arange(s)[None]
     mask = (pos >= prompt[:, None]) & (pos < (prompt + resp)[:, None])
     tokens = torch.where(pos < (prompt + resp)[:, None], tokens, torch.zeros_like(tokens))
@@ -138,6 +169,19 @@ def synthetic_batch(seed: int) -> dict[str, torch.Tensor]:
 def dp_rows(n: int, dp: int, rank: int) -> torch.Tensor:
     """Rows of DP rank `rank`: every dp-th row, so that each group of 3 spans the DP ranks."""
     return torch.arange(rank, n, dp)
+
+
+def case_rows(batch: dict, layout: Layout, case: Case, rank: int) -> torch.Tensor:
+    """This DP rank's rows for `case`: dp_rows, or under a token budget the shards balanced by
+    tokens (packing.balanced_dp_shards over prompt + response lengths)."""
+    n = batch["tokens"].shape[0]
+    if case.token_budget is None:
+        return dp_rows(n, layout.dp, rank)
+    from megatron_ba.megatron.batching import response_end
+    from megatron_ba.megatron.packing import balanced_dp_shards
+
+    shards = balanced_dp_shards(response_end(batch["response_mask"]), layout.dp)
+    return torch.tensor(shards[rank], dtype=torch.long)
 
 
 def expected_reducer_calls(layout: Layout, case: Case | None = None) -> list[int]:

@@ -27,6 +27,7 @@ import tempfile
 
 from megatron_ba.megatron import layout_workers
 from megatron_ba.megatron.layout_cases import (  # re-exported: the check's public names
+    SEQUENCES,
     TOLERANCE,
     Case,
     CaseResult,
@@ -50,25 +51,30 @@ __all__ = [
 ]
 
 
-def compute_reference(cases: list[Case], seed: int, path: str) -> None:
+def compute_reference(cases: list[Case], seed: int, path: str, sequences: int = SEQUENCES) -> None:
     """The single-process results of every (rule, scope) in `cases`, saved to `path`."""
     keys = sorted({(c.rule, c.scope) for c in cases})
-    spawn(layout_workers.reference_worker, 1, (free_port(), seed, keys, path))
+    spawn(layout_workers.reference_worker, 1, (free_port(), seed, keys, path, sequences))
 
 
 def run_layout(
-    layout: Layout, cases: list[Case], *, seed: int = 0, reference: str | None = None
+    layout: Layout,
+    cases: list[Case],
+    *,
+    seed: int = 0,
+    reference: str | None = None,
+    sequences: int = SEQUENCES,
 ) -> LayoutReport:
     """Run every case on `layout` in one launch and compare with the single-process reference.
 
     `reference`: a file written by `compute_reference` for (a superset of) these cases' rules and
-    scopes and this seed; computed here, in a temporary file, when None.
+    scopes, this seed and this many sequences; computed here, in a temporary file, when None.
     """
-    check_layout_possible(layout, cases)
+    check_layout_possible(layout, cases, sequences=sequences)
     with tempfile.TemporaryDirectory() as tmp:
         if reference is None:
             reference = os.path.join(tmp, "reference.pt")
-            compute_reference(cases, seed, reference)
+            compute_reference(cases, seed, reference, sequences)
         out = os.path.join(tmp, "report.json")
         args = (layout.world, free_port(), layout, cases, reference, out)
         spawn(layout_workers.layout_worker, layout.world, args)

@@ -15,13 +15,13 @@ from dataclasses import asdict
 
 import torch
 
-from megatron_ba.megatron.batching import causal_mask
+from megatron_ba.megatron.batching import causal_mask, response_end
 from megatron_ba.megatron.layout_cases import (
     LOSS_CONFIG,
-    NUM_GROUPS,
     Case,
     Layout,
-    dp_rows,
+    case_rows,
+    num_groups,
     synthetic_batch,
     tiny_spec,
 )
@@ -81,8 +81,9 @@ def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
     from megatron_ba.parallel.collectives import StatisticsReducer
 
     cfg = StepConfig(
-        num_groups=NUM_GROUPS,
+        num_groups=num_groups(batch["tokens"].shape[0]),
         num_microbatches=case.num_microbatches,
+        max_tokens_per_microbatch=case.token_budget,
         rule=case.rule,
         scope=case.scope,
         max_length=16,
@@ -121,12 +122,14 @@ def _direct_logprobs(chunks, tokens: torch.Tensor):
     return lp, ent
 
 
-def reference_worker(rank: int, port: int, seed: int, keys: list, out_path: str) -> None:
+def reference_worker(
+    rank: int, port: int, seed: int, keys: list, out_path: str, sequences: int
+) -> None:
     _init(rank, 1, port, Layout())
     from megatron_ba.megatron.grpo_step import compute_logprobs
 
     chunks = _build(False, seed)
-    batch = synthetic_batch(seed)
+    batch = synthetic_batch(seed, sequences)
     logp, ent = compute_logprobs(chunks, batch["tokens"], with_entropy=True)
     lp_direct, ent_direct = _direct_logprobs(chunks, batch["tokens"])
     g = torch.Generator().manual_seed(seed + 1)
@@ -185,19 +188,31 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
 
     ref = torch.load(ref_path, weights_only=False)
     batch = ref["batch"]
-    rows = dp_rows(batch["tokens"].shape[0], layout.dp, parallel_state.get_data_parallel_rank())
+    dp_rank = parallel_state.get_data_parallel_rank()
     cp_ok = all(collectives.all_gather_object(_cp_layout_matches_megatron(batch["tokens"])))
     models = {False: _build(False, ref["seed"])}
-    m = max(c.num_microbatches for c in cases)
+    # Forward-only log-probs on the first case's rows and micro-batches (token budget: each row
+    # run on its prompt + response only; the positions past it are 0 and not compared).
+    first = cases[0]
+    rows = case_rows(batch, layout, first, dp_rank)
+    seq_tokens = response_end(batch["response_mask"][rows]) if first.token_budget else None
     logp, ent = compute_logprobs(
-        models[False], batch["tokens"][rows], num_microbatches=m, with_entropy=True
+        models[False],
+        batch["tokens"][rows],
+        num_microbatches=min(max(c.num_microbatches for c in cases), len(rows)),
+        with_entropy=True,
+        max_tokens_per_microbatch=first.token_budget,
+        seq_tokens=seq_tokens,
     )
-    lp_err = max(collectives.all_gather_object(float((logp - ref["logprobs"][rows]).abs().max())))
-    ent_err = max(collectives.all_gather_object(float((ent - ref["entropy"][rows]).abs().max())))
+    s = batch["tokens"].shape[1]
+    seen = torch.arange(s)[None] < torch.tensor(seq_tokens or [s] * len(rows))[:, None]
+    errs = [(x - ref[k][rows]).abs()[seen].max() for x, k in ((logp, "logprobs"), (ent, "entropy"))]
+    lp_err, ent_err = (max(collectives.all_gather_object(float(e))) for e in errs)
     report = []
     for case in cases:
         if case.per_token_loss not in models:
             models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"])
+        rows = case_rows(batch, layout, case, dp_rank)
         result, calls, grads = _run_case(models[case.per_token_loss], batch, rows, case)
         loss_ref, grads_ref = ref["results"][(case.rule, case.scope)]
         report.append(
@@ -210,6 +225,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
                 reducer_calls=collectives.all_gather_object(calls),
             )
         )
+    rows = case_rows(batch, layout, OPTIMIZER_CASE, dp_rank)
     norm, delta = _optimizer_step(models[False], batch, rows)
     norm_ref, delta_ref = ref["optimizer"]
     if rank == 0:

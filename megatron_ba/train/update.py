@@ -10,13 +10,17 @@ second mini-batch on the ratio moves away from 1 and the clip acts.
 
 from __future__ import annotations
 
+import torch
+
 from megatron_ba.loss import GRPOLossConfig
+from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.grpo_step import (
     GRPOBatch,
     StepConfig,
     compute_logprobs,
     forward_backward,
 )
+from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.recipe import Recipe
 from megatron_ba.train.experience import Experience
 
@@ -41,6 +45,8 @@ def step_config(recipe: Recipe, num_groups: int, num_microbatches: int) -> StepC
             entropy_coef=L.entropy_coef,
         ),
         temperature=g.temperature,
+        max_tokens_per_microbatch=recipe.parallel.max_tokens_per_microbatch,
+        logprob_chunk_size=recipe.parallel.logprob_chunk_size,
     )
 
 
@@ -58,14 +64,20 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     parts = []
     for j in range(m):
         rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
+        budget = r.parallel.max_tokens_per_microbatch
+        if budget:  # DP shards balanced by tokens (groups may split: the plan is all-reduced)
+            mini = exp.rows(1, 0, mini_batches=m, index=j)
+            shards = balanced_dp_shards(response_end(exp.response_mask[mini]), ctx.dp)
+            rows = mini[torch.tensor(shards[ctx.dp_rank], dtype=torch.long)]
         n_local = len(rows)
         mbs = min(r.parallel.micro_batch_size, n_local)
-        if n_local % mbs:
-            raise ValueError(
-                f"parallel.micro_batch_size: {mbs} must divide the {n_local} sequences of "
-                f"each data-parallel rank's mini-batch"
-            )
-        kw = dict(num_microbatches=n_local // mbs, temperature=r.grpo.temperature)
+        kw = dict(
+            num_microbatches=-(-n_local // mbs),  # need not divide: sizes differ by one
+            temperature=r.grpo.temperature,
+            chunk_size=r.parallel.logprob_chunk_size,
+            max_tokens_per_microbatch=budget,
+            seq_tokens=response_end(exp.response_mask[rows]) if budget else None,
+        )
         old, entropy = compute_logprobs(chunks, exp.tokens[rows], with_entropy=True, **kw)
         ref = None
         if ref_chunks is not None:
