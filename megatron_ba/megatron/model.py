@@ -14,7 +14,9 @@ The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE
 (`kv_channels`), tied or untied output layer.
 By default it is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine),
 so it runs on CPU with megatron_ba.megatron.cpu_compat installed; on GPUs pass a Transformer Engine
-layer spec (`layer_spec=`) for fused kernels and context-parallel attention.
+layer spec (`layer_spec=`) for fused kernels and context-parallel attention
+(megatron_ba.megatron.build_options chooses the spec, precision, SP, recomputation and the
+model's CP from the recipe; `check_cp_agreement` refuses a batch sharded unlike the model).
 
 Full-shape state dicts use megatron-core's own names at TP=1 / PP=1 (`embedding.word_embeddings.
 weight`, `decoder.layers.{i}.self_attention.linear_qkv.weight`, ..., `output_layer.weight`), with
