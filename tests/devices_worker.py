@@ -112,6 +112,28 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     finally:
         tensor_parallel.checkpoint = original
 
+    # --- bf16 chunks (megatron-core's Float16Module under DDP): names, dtypes, a step --------
+    # The bf16 *optimiser* needs CUDA; the model side of bf16 runs on CPU too.
+    bf16_opts = resolve_build_options(device="cpu", cp=world)
+    bf16_fields = {**bf16_opts.config_fields(), "bf16": True, "params_dtype": torch.bfloat16}
+    bf16_fields["pipeline_dtype"] = torch.bfloat16
+    bf16 = _chunks(spec, **bf16_fields)
+    full = mm.gather_full_state_dict(bf16)
+    init = mm.full_init_state_dict(spec, 0)
+    loss16, grads16 = _grads(bf16, cfg)
+    found["bf16"] = {
+        "wrapper": type(bf16[0].module).__name__,
+        "names_equal": set(full) == set(mm.full_parameter_shapes(spec)),
+        "dtypes": sorted({str(t.dtype) for t in full.values()}),
+        "weights_are_rounded_init": all(
+            torch.equal(full[k], init[k].to(torch.bfloat16)) for k in init
+        ),
+        "loss": loss16,
+        "loss_fp32": base_loss,
+        "grad_dtypes": sorted({str(p.main_grad.dtype) for p in bf16[0].parameters()}),
+        "grads_finite": all(bool(torch.isfinite(t).all()) for t in grads16.values()),
+    }
+
     # --- CP agreement ---------------------------------------------------------------------
     without_cp = _chunks(spec)  # CP group of this rank alone, config CP 1: whole sequences
     sliced = _chunks(spec, without_cp=False)  # real CP group, config CP 1: inconsistent

@@ -79,3 +79,13 @@ def test_grpo_update_keeps_every_tensor_on_ctx_device(found):
     assert d["applied"] == 1
     assert d["seen"] == [d["ctx"]], d
     assert d["control_seen"] == ["meta"]  # the recorder sees a tensor on another device
+
+
+def test_bf16_chunks_wrap_float16module_and_keep_names_and_a_close_loss(found):
+    b = found["bf16"]
+    assert b["wrapper"] == "Float16Module" and b["names_equal"]
+    assert b["dtypes"] == ["torch.bfloat16"] and b["weights_are_rounded_init"]
+    # DDP's main gradients stay fp32 (grad_reduce_in_fp32) for the fp32 main weights.
+    assert b["grad_dtypes"] == ["torch.float32"] and b["grads_finite"]
+    assert b["loss"] == pytest.approx(b["loss_fp32"], rel=0.05)
+    assert b["loss"] != b["loss_fp32"]  # it really ran in bf16
