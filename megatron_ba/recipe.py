@@ -30,9 +30,7 @@ BENCHMARK_NAMES = ("math500", "aime24", "aime25", "olympiad", "minerva", "liveco
 
 # Keys a user may expect that no code reads yet: setting one is an error that says so, rather
 # than a setting that is silently ignored. Each is added to the schema with the code that reads it.
-NOT_IMPLEMENTED = {
-    "parallel.sequence_parallel": "sequence parallelism",
-}
+NOT_IMPLEMENTED: dict[str, str] = {}
 
 # The tiny CPU policy's shape: what the model.* shape keys mean when a recipe leaves them out and
 # does not start from a checkpoint (with `model.pretrained` the checkpoint's config.json decides).
@@ -63,6 +61,12 @@ class ModelSection:
     rope_theta: float | None = None
     norm_eps: float | None = None
     init_std: float = 0.02
+    # fp32 | bf16 (CUDA only: bf16 parameters, fp32 main weights, megatron-core's distributed
+    # optimiser); megatron_ba.megatron.build_options checks it against the rank's device.
+    precision: str = "fp32"
+    # auto (Transformer Engine when it imports and the device is a GPU, else local) | local |
+    # transformer_engine
+    transformer_impl: str = "auto"
 
     def _shape_keys(self) -> dict[str, Any]:
         return {
@@ -177,6 +181,8 @@ class ParallelSection:
     # Tokens per chunk of the vocab-parallel log-softmax; null: auto (chunked above 4096 tokens
     # per micro-batch).
     logprob_chunk_size: int | None = None
+    sequence_parallel: bool = False  # needs tp > 1 and the Transformer Engine spec (CUDA)
+    recompute: str = "none"  # none | selective (core attention) | full (every layer)
 
 
 @dataclass
@@ -374,6 +380,22 @@ def validate(recipe: Recipe) -> Recipe:
     for k in ("max_tokens_per_microbatch", "logprob_chunk_size"):
         v = getattr(p, k)
         need(v is None or v >= 1, f"parallel.{k}", f"must be a positive integer or null, got {v}")
+    need(
+        p.recompute in ("none", "selective", "full"),
+        "parallel.recompute",
+        "must be none, selective or full",
+    )
+    need(
+        not p.sequence_parallel or p.tp > 1,
+        "parallel.sequence_parallel",
+        f"needs parallel.tp > 1 (it splits sequences over the TP ranks), got tp={p.tp}",
+    )
+    need(recipe.model.precision in ("fp32", "bf16"), "model.precision", "must be fp32 or bf16")
+    need(
+        recipe.model.transformer_impl in ("auto", "local", "transformer_engine"),
+        "model.transformer_impl",
+        "must be auto, local or transformer_engine",
+    )
     m, d = recipe.model, recipe.data
     need(d.task in TASKS, "data.task", f"must be one of {', '.join(TASKS)}")
     need(recipe.tokenizer.kind in TOKENIZERS, "tokenizer.kind", f"one of {', '.join(TOKENIZERS)}")

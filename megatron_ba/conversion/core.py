@@ -53,10 +53,16 @@ class GatedFC1:
 Rule = Copy | FusedQKV | GatedFC1
 
 # Transformer Engine spelling -> local spec spelling (per layer); see the module docstring.
+# megatron-core's own map says the same: its local layer spec (0.16.1, gpt_layer_specs.py,
+# get_gpt_layer_local_spec) saves `input_layernorm.` as `self_attention.linear_qkv.layer_norm_`
+# and `pre_mlp_layernorm.` as `mlp.linear_fc1.layer_norm_` (sharded_state_dict_keys_map), so
+# that local and TE checkpoints share keys; tests/test_devices_te_names.py checks the two agree.
 TE_SPELLINGS: dict[str, str] = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+LOCAL_TO_TE: dict[str, str] = {local: te for te, local in TE_SPELLINGS.items()}
+SPELLINGS = ("local", "transformer_engine")
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
@@ -74,6 +80,23 @@ def canonical_name(name: str) -> str:
         return name
     i, rest = parts
     return megatron_layer_name(i, TE_SPELLINGS.get(rest, rest))
+
+
+def te_name(name: str) -> str:
+    """A megatron parameter name in the Transformer Engine spelling (the inverse of
+    `canonical_name` on layer norms; every other name is spelled the same)."""
+    parts = split_megatron_layer(name)
+    if parts is None:
+        return name
+    i, rest = parts
+    return megatron_layer_name(i, LOCAL_TO_TE.get(rest, rest))
+
+
+def spelled(name: str, spelling: str) -> str:
+    """`name` in the "local" or "transformer_engine" spelling."""
+    if spelling not in SPELLINGS:
+        raise ValueError(f"spelling: must be one of {', '.join(SPELLINGS)}, got {spelling!r}")
+    return te_name(name) if spelling == "transformer_engine" else canonical_name(name)
 
 
 @dataclass(frozen=True)

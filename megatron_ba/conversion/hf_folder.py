@@ -111,7 +111,7 @@ def write_safetensors(
     for name, t in named_tensors:
         if name in weight_map or name in buf:
             raise ValueError(f"named_tensors: {name!r} given twice")
-        t = t.detach().to("cpu", dtype or t.dtype).contiguous()
+        t = t.detach().cpu().to(dtype or t.dtype).contiguous()  # a host copy to write
         nbytes = t.numel() * t.element_size()
         if max_shard_bytes is not None and buf and size + nbytes > max_shard_bytes:
             path = out / f"model-part-{len(written):05d}.safetensors"

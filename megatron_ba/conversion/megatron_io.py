@@ -67,9 +67,10 @@ def load_hf_into_chunks(chunks: list[torch.nn.Module], model_dir: str | Path, sp
 
 
 def megatron_state_dict_from_hf(
-    hf: Mapping[str, torch.Tensor] | str | Path, spec
+    hf: Mapping[str, torch.Tensor] | str | Path, spec, *, spelling: str = "local"
 ) -> dict[str, torch.Tensor]:
-    """The full-shape megatron state dict (local-spec names) of an HF state dict or folder."""
+    """The full-shape megatron state dict of an HF state dict or folder, its names in the
+    local spec's spelling or ("transformer_engine") the Transformer Engine spec's."""
     if isinstance(hf, (str, Path)):
         ckpt = hf_folder.HFCheckpoint(hf)
         check_checkpoint_names(ckpt, spec)
@@ -82,7 +83,10 @@ def megatron_state_dict_from_hf(
             return hf[name]
 
     table = table_for(spec)
-    return {n: core.megatron_tensor(table, spec, n, read) for n in table.megatron_names(spec)}
+    return {
+        core.spelled(n, spelling): core.megatron_tensor(table, spec, n, read)
+        for n in table.megatron_names(spec)
+    }
 
 
 def hf_named_tensors(

@@ -11,15 +11,15 @@ returns the names of the shims it installed the first time (an empty list afterw
    counter that way (0.16.1, schedules.py, forward_backward_no_pipelining and both pipelined
    schedules). Only that module's view of torch changes.
 
-Two more CPU needs are not patches; callers apply them (3 after initialize_model_parallel, 4 is
+Two more CPU needs are not patches; callers apply them (4 after initialize_model_parallel, 5 is
 merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
 
-3. RNG: `seed_model_parallel_rng(seed)` calls megatron-core's
+4. RNG: `seed_model_parallel_rng(seed)` calls megatron-core's
    `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`, whose tracker never
    touches CUDA generators (the default tracker calls torch.cuda.manual_seed and
    torch.cuda.get_rng_state). Call it after `initialize_model_parallel`. megatron-core 0.10 has
    no such argument: there a tracker with a null `fork()` is installed instead (same effect).
-4. `TransformerConfig(batch_p2p_sync=False)`: the batched p2p path otherwise calls
+5. `TransformerConfig(batch_p2p_sync=False)`: the batched p2p path otherwise calls
    torch.cuda.synchronize(); see `CPU_CONFIG_OVERRIDES`.
 
 The causal attention mask is passed explicitly by megatron_ba.megatron.grpo_step, which avoids
@@ -56,7 +56,8 @@ def _cpu_current_device() -> str:
 
 
 class _TorchWithCpuZeros(types.SimpleNamespace):
-    """torch as seen by megatron-core's schedules module: `zeros(device="cuda")` lands on CPU."""
+    """torch as seen by megatron-core's schedules module: `zeros(device="cuda")` lands on the
+    CPU (the literal "cpu" is what this CPU-only shim exists for)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -67,6 +68,14 @@ class _TorchWithCpuZeros(types.SimpleNamespace):
         if device is not None and torch.device(device).type == "cuda":
             kwargs["device"] = "cpu"
         return torch.zeros(*args, **kwargs)
+
+
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None  # no CUDA generator in a CPU process: nothing to save
+
+
+def _set_no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None  # ... and nothing to restore
 
 
 def install() -> list[str]:
@@ -85,6 +94,12 @@ def install() -> list[str]:
     if not isinstance(schedules.torch, _TorchWithCpuZeros):
         schedules.torch = _TorchWithCpuZeros()
         done.append("schedules.torch.zeros")
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if mcore_random._get_cuda_rng_state is not _no_cuda_rng_state:
+        mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+        mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
+        done.append("tensor_parallel.random._get/_set_cuda_rng_state")
     _installed.extend(done)
     return done
 
@@ -95,7 +110,7 @@ def installed() -> list[str]:
 
 
 def seed_model_parallel_rng(seed: int) -> None:
-    """megatron-core's model-parallel RNG set-up without CUDA generators (shim 3)."""
+    """megatron-core's model-parallel RNG set-up without CUDA generators (need 4)."""
     import inspect
 
     from megatron.core import tensor_parallel

@@ -43,6 +43,7 @@ from megatron_ba.megatron.batching import (
     run_schedule,
     shape2,
 )
+from megatron_ba.megatron.model import check_cp_agreement
 from megatron_ba.megatron.thd import thd_scatter
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
@@ -177,6 +178,7 @@ def forward_backward(
         raise ValueError(f"normalization: unknown value {cfg.normalization!r}")
     batch = batch.checked()
     view = _cp_view(cfg.cp_mode, cfg.explicit_causal_mask)
+    check_cp_agreement(chunks, view.mode, view.cp)  # model CP == batch CP sharding, or raise
     ps = _ps()
     config = get_model_config(chunks[0])
     config.finalize_model_grads_func = finalize_model_grads

@@ -14,7 +14,9 @@ The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE
 (`kv_channels`), tied or untied output layer.
 By default it is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine),
 so it runs on CPU with megatron_ba.megatron.cpu_compat installed; on GPUs pass a Transformer Engine
-layer spec (`layer_spec=`) for fused kernels and context-parallel attention.
+layer spec (`layer_spec=`) for fused kernels and context-parallel attention
+(megatron_ba.megatron.build_options chooses the spec, precision, SP, recomputation and the
+model's CP from the recipe; `check_cp_agreement` refuses a batch sharded unlike the model).
 
 Full-shape state dicts use megatron-core's own names at TP=1 / PP=1 (`embedding.word_embeddings.
 weight`, `decoder.layers.{i}.self_attention.linear_qkv.weight`, ..., `output_layer.weight`), with
@@ -176,8 +178,9 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
         pipeline_dtype=spec.params_dtype,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        # The model never runs CP attention itself here: under CP the caller either shards the
-        # inputs for a CP-capable attention (Transformer Engine, GPU) or checks CP at the loss.
+        # By default the model runs no CP attention itself: under CP the caller shards at the
+        # loss (local spec, CPU); a Transformer Engine build passes context_parallel_size=cp
+        # (build_options.BuildOptions.config_fields) and gets CP-sharded inputs.
         context_parallel_size=1,
         sequence_parallel=False,
     )
@@ -266,6 +269,13 @@ def build_model_chunks(
 
     config = config if config is not None else transformer_config(spec)
     model = build_gpt_model(spec, config, layer_spec=layer_spec, pg_collection=pg_collection)
+    if config.bf16 or config.fp16:
+        # megatron-core's mixed-precision wrapper: casts the module to bf16 (config.params_dtype
+        # already is) and the last stage's output back to fp32, as Megatron-LM wraps its model
+        # before DDP; the optimiser keeps the fp32 main weights (mcore_optimizer).
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     if not ddp:
         return [model]
     ddp_kwargs: dict[str, Any] = dict(
@@ -298,6 +308,50 @@ def model_pg_collection_without_cp():
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     pgs.cp = collectives.singleton_group()
     return pgs
+
+
+def model_cp_size(chunk: torch.nn.Module) -> int:
+    """The CP size a built model runs itself: its CP process group's size (megatron-core's
+    rotary embedding and CP attention shard by that group). 1 when it has none."""
+    model = _unwrap(chunk)
+    pgs = getattr(model, "pg_collection", None)
+    group = getattr(pgs, "cp", None) if pgs is not None else None
+    return 1 if group is None else collectives.group_rank_and_size(group)[1]
+
+
+def check_cp_agreement(chunks: list[torch.nn.Module], cp_view_mode: str, cp_size: int) -> None:
+    """ValueError unless the model's CP and the batch's CP sharding agree.
+
+    cp_view_mode / cp_size: how the step shards the batch (grpo_step's CPView mode and the
+    parallel state's CP size). "model": every CP rank gets 1/cp_size of each sequence, so the
+    model must run CP attention over cp_size ranks (built with context_parallel_size = cp_size,
+    its CP group that size). "loss": the model gets whole sequences, so it must run no CP (its
+    CP group this rank alone: model_pg_collection_without_cp). At cp_size 1 both are trivial.
+    A disagreement is silently wrong attention (each shard attending to itself alone, or a
+    rotary embedding sliced by a CP rank that sees the whole sequence).
+    """
+    for chunk in chunks:
+        model = _unwrap(chunk)
+        built = model_cp_size(chunk)
+        config_cp = int(getattr(getattr(model, "config", None), "context_parallel_size", 1))
+        if built != config_cp:
+            raise ValueError(
+                f"chunks: the model's CP group has {built} ranks but its TransformerConfig says "
+                f"context_parallel_size={config_cp}; build both with the same CP size"
+            )
+        want = cp_size if cp_view_mode == "model" else 1
+        if built != want:
+            shards = (
+                f"sharded {cp_size} ways (cp_mode 'model')"
+                if cp_view_mode == "model"
+                else "as whole sequences (cp_mode 'loss')"
+            )
+            raise ValueError(
+                f"cp_mode: the batch reaches the model {shards}, but the model was built with "
+                f"context parallelism {built}; it needs {want} (a Transformer Engine model "
+                f"built with context_parallel_size={cp_size} for 'model', a model built with "
+                f"model_pg_collection_without_cp() for 'loss')"
+            )
 
 
 # ---------------------------------------------------------------------------------------------

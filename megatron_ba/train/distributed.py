@@ -1,8 +1,14 @@
-"""Process-group setup for the local backend: one process, or `torchrun` ranks on gloo.
+"""Process-group setup for the local backend: one process, or `torchrun` ranks (NCCL on GPUs,
+gloo on CPU).
 
     ctx = setup(tp=1, pp=1, cp=1, seed=0)   # reads torchrun's RANK/WORLD_SIZE when present
-    ctx.is_main, ctx.dp, ctx.dp_rank, ctx.broadcast(obj), ctx.barrier()
+    ctx.is_main, ctx.dp, ctx.dp_rank, ctx.device, ctx.broadcast(obj), ctx.barrier()
     teardown()
+
+`ctx.device` is this rank's device: cuda:LOCAL_RANK (made the current CUDA device, so that
+megatron-core's `torch.cuda.current_device()` buffers land there too) when CUDA is available,
+else the CPU. It is the one place a device is chosen; everything else takes it from `ctx.device`
+or from its input tensors.
 
 The world is tp x pp x cp x dp ranks; dp is what is left of the world size. Rank 0 (the main rank)
 owns the rollout engine, the reward workers and the run folder; every rank trains.
@@ -28,6 +34,7 @@ class DistContext:
     cp: int
     dp: int
     dp_rank: int
+    device: torch.device  # this rank's: cuda:LOCAL_RANK with CUDA, else cpu
 
     @property
     def is_main(self) -> bool:
@@ -42,8 +49,24 @@ class DistContext:
             collectives.barrier()
 
 
+def rank_device(local_rank: int | None = None) -> torch.device:
+    """This process's device: cuda:LOCAL_RANK with CUDA (one GPU per rank), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise ValueError(
+            f"LOCAL_RANK: {local_rank} has no GPU on this node ({count} visible); launch at "
+            f"most {count} processes per node"
+        )
+    return torch.device("cuda", local_rank)
+
+
 def setup(*, tp: int, pp: int, cp: int, seed: int) -> DistContext:
-    """Initialise torch.distributed (gloo on CPU) and megatron-core's parallel state."""
+    """Initialise torch.distributed (NCCL with CUDA, gloo on CPU) and megatron-core's parallel
+    state; with CUDA, bind this process to its GPU (cuda:LOCAL_RANK) first, as NCCL needs."""
     from megatron.core import parallel_state
 
     if not collectives.is_initialized():
@@ -55,6 +78,12 @@ def setup(*, tp: int, pp: int, cp: int, seed: int) -> DistContext:
                 WORLD_SIZE="1",
                 LOCAL_RANK="0",
             )
+    device = rank_device()
+    if device.type == "cuda":
+        # Before the process group: NCCL's communicators and every `torch.cuda.current_device()`
+        # buffer of megatron-core belong to this rank's GPU, not all to cuda:0.
+        torch.cuda.set_device(device)
+    if not collectives.is_initialized():
         collectives.init_process_group()  # NCCL with CUDA, else gloo; torchrun's environment
     rank, world = collectives.world_rank_and_size()
     if world % (tp * pp * cp):
@@ -88,6 +117,7 @@ def setup(*, tp: int, pp: int, cp: int, seed: int) -> DistContext:
         cp=cp,
         dp=parallel_state.get_data_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        device=device,
     )
 
 

@@ -10,7 +10,7 @@ makes them padding for every rule (T_i = 0: no weight, counted nowhere).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -32,6 +32,20 @@ class Experience:
     num_groups: int
     report: dict[str, float]
 
+    def to(self, device) -> Experience:
+        """The same batch with every tensor on `device` (the rank's `DistContext.device`): the
+        step's inputs, so that every tensor of the step follows them there."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
     def rows(self, dp: int, dp_rank: int, *, mini_batches: int = 1, index: int = 0) -> torch.Tensor:
         """Row indices of mini-batch `index` (whole groups) on data-parallel rank `dp_rank`."""
         n = self.tokens.shape[0]
@@ -48,7 +62,7 @@ class Experience:
             )
         per_rank = per_mini // dp
         start = index * per_mini + dp_rank * per_rank
-        return torch.arange(start, start + per_rank)
+        return torch.arange(start, start + per_rank, device=self.tokens.device)
 
 
 def build_experience(

@@ -7,7 +7,8 @@
 
 The architecture comes from the Hugging Face folder's config.json (Qwen2 / Qwen2.5 / Qwen3,
 megatron_ba.conversion) and the weights stream into this rank's shards one tensor at a time.
-Training runs in float32 on this backend whatever the checkpoint's dtype; exports are written in
+Training runs in `model.precision` (fp32, or bf16 with fp32 main weights on CUDA:
+megatron_ba.megatron.mcore_optimizer) whatever the checkpoint's dtype; exports are written in
 the source checkpoint's dtype, so that a run with learning rate 0 exports its input bit for bit.
 Every conversion between megatron-core's names and Hugging Face names goes through this class.
 """
@@ -41,47 +42,64 @@ class Policy:
         self.source, self.is_main = Path(source), is_main
 
     @classmethod
-    def from_hf(cls, hf_dir: str | Path, recipe: Recipe, *, is_main: bool) -> Policy:
-        """The policy (and, with the KL term on, its frozen reference) from an HF folder."""
+    def from_hf(cls, hf_dir: str | Path, recipe: Recipe, *, is_main: bool, device=None) -> Policy:
+        """The policy (and, with the KL term on, its frozen reference) from an HF folder.
+
+        device: this rank's device (`DistContext.device`); default: the current one
+        (train.distributed.rank_device). The model is built on it (megatron-core allocates on
+        the current CUDA device, which distributed.setup made this rank's GPU).
+        """
         from megatron_ba.conversion import load_hf_into_chunks, spec_from_hf_dir
-        from megatron_ba.megatron.model import build_model_chunks
-        from megatron_ba.megatron.optimizer import ShardedAdamW
+        from megatron_ba.megatron.build_options import resolve_build_options
+        from megatron_ba.megatron.mcore_optimizer import build_optimizer, ddp_overrides
+        from megatron_ba.megatron.model import build_model_chunks, transformer_config
+        from megatron_ba.train.distributed import rank_device
 
         hf_dir = Path(hf_dir)
-        spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32, init_std=recipe.model.init_std)
+        device = rank_device() if device is None else device
+        m, p = recipe.model, recipe.parallel
+        opts = resolve_build_options(
+            precision=m.precision,
+            transformer_impl=m.transformer_impl,
+            sequence_parallel=p.sequence_parallel,
+            recompute=p.recompute,
+            device=device,
+            tp=p.tp,
+            cp=p.cp,
+        )
+        spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32, init_std=m.init_std)
         check_shape_keys(recipe, spec, hf_dir)
-        p = recipe.parallel
         spec.check_layout(p.tp, p.pp)
-        chunks = build_model_chunks(spec)
+        config = transformer_config(spec, cpu=device.type == "cpu", **opts.config_fields())
+        build = dict(config=config, layer_spec=opts.layer_spec(spec))
+        build["pg_collection"] = opts.pg_collection()
+        chunks = build_model_chunks(spec, ddp_config_overrides=ddp_overrides(m.precision), **build)
         load_hf_into_chunks(chunks, hf_dir, spec)
         ref_chunks = None
         if recipe.loss.kl_coef > 0:
             # The reference policy of the KL term: the starting weights, frozen, no DDP wrapper.
-            ref_chunks = build_model_chunks(spec, ddp=False)
+            ref_chunks = build_model_chunks(spec, ddp=False, **build)
             load_hf_into_chunks(ref_chunks, hf_dir, spec)
             for c in ref_chunks:
                 c.requires_grad_(False)
-        o = recipe.optimizer
-        optimizer = ShardedAdamW(
-            chunks,
-            lr=o.lr,
-            weight_decay=o.weight_decay,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            clip_grad=o.grad_clip,
-        )
-        return cls(spec, chunks, ref_chunks, optimizer, recipe, source=hf_dir, is_main=is_main)
+        optimizer = build_optimizer(chunks, recipe.optimizer, precision=m.precision, device=device)
+        policy = cls(spec, chunks, ref_chunks, optimizer, recipe, source=hf_dir, is_main=is_main)
+        policy.build_options, policy.device = opts, device
+        return policy
 
     @property
     def lr(self) -> float:
-        return self.optimizer.optimizer.param_groups[0]["lr"]
+        return self.optimizer.lr
 
     def set_lr(self, step: int) -> None:
-        """Linear warm-up over `optimizer.warmup_steps` optimiser steps, then constant."""
+        """Linear warm-up over `optimizer.warmup_steps` optimiser steps, then constant (on CUDA
+        in bf16 by megatron-core's OptimizerParamScheduler, the same schedule)."""
+        if hasattr(self.optimizer, "set_step"):
+            self.optimizer.set_step(step)
+            return
         o = self.recipe.optimizer
         scale = min(1.0, (step + 1) / o.warmup_steps) if o.warmup_steps > 0 else 1.0
-        for group in self.optimizer.optimizer.param_groups:
-            group["lr"] = o.lr * scale
+        self.optimizer.lr = o.lr * scale
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Gather the full policy (a collective: every rank calls it); HF-named on rank 0."""

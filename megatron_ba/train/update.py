@@ -2,6 +2,9 @@
 
     metrics = grpo_update(chunks, ref_chunks, optimizer, recipe, ctx, experience)
 
+The experience is moved to `ctx.device` first (cuda:LOCAL_RANK on GPUs); every other tensor of
+the step is made on its inputs' device.
+
 `grpo.mini_batches` splits the step's prompt groups into that many global batches, each with its
 own plan (one statistics all-reduce over data-parallel ranks) and optimiser step; the old (and
 reference) log-probs of all of them are computed first, through the same schedule, so from the
@@ -20,12 +23,15 @@ from megatron_ba.megatron.grpo_step import (
     compute_logprobs,
     forward_backward,
 )
+from megatron_ba.megatron.model import model_cp_size
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.recipe import Recipe
 from megatron_ba.train.experience import Experience
 
 
-def step_config(recipe: Recipe, num_groups: int, num_microbatches: int) -> StepConfig:
+def step_config(
+    recipe: Recipe, num_groups: int, num_microbatches: int, cp_mode: str | None = None
+) -> StepConfig:
     """The megatron GRPO step's settings from the recipe's loss and grpo sections."""
     L, g = recipe.loss, recipe.grpo
     return StepConfig(
@@ -47,7 +53,14 @@ def step_config(recipe: Recipe, num_groups: int, num_microbatches: int) -> StepC
         temperature=g.temperature,
         max_tokens_per_microbatch=recipe.parallel.max_tokens_per_microbatch,
         logprob_chunk_size=recipe.parallel.logprob_chunk_size,
+        cp_mode=cp_mode,
     )
+
+
+def cp_mode_of(chunks) -> str:
+    """How the batch must reach this model under CP: sharded ("model": it runs CP attention,
+    Transformer Engine) or whole ("loss": built without CP, the local spec)."""
+    return "model" if model_cp_size(chunks[0]) > 1 else "loss"
 
 
 def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experience) -> dict:
@@ -59,7 +72,11 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     from the second mini-batch on the ratio moves away from 1 and the clip acts.
     """
     r = recipe
+    # Every tensor of the step on this rank's device: the batch goes there once (the broadcast
+    # delivers it to every rank on the CPU); grpo_step's tensors follow their inputs.
+    exp = exp.to(ctx.device)
     m = r.grpo.mini_batches
+    cp_mode = cp_mode_of(chunks)
     groups_per = exp.num_groups // m
     parts = []
     for j in range(m):
@@ -77,6 +94,7 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             chunk_size=r.parallel.logprob_chunk_size,
             max_tokens_per_microbatch=budget,
             seq_tokens=response_end(exp.response_mask[rows]) if budget else None,
+            cp_mode=cp_mode,
         )
         old, entropy = compute_logprobs(chunks, exp.tokens[rows], with_entropy=True, **kw)
         ref = None
@@ -96,7 +114,7 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             ref_logprobs=ref,
             lengths=exp.lengths[rows],
         )
-        result = forward_backward(chunks, batch, step_config(r, groups_per, micro))
+        result = forward_backward(chunks, batch, step_config(r, groups_per, micro, cp_mode))
         ok, norm = optimizer.step()
         applied.append(bool(ok))
         grad_norms.append(norm)

@@ -1,0 +1,182 @@
+"""How the policy model is built on this rank: precision, layer spec, SP, recomputation, CP.
+
+    opts = resolve_build_options(precision="bf16", transformer_impl="auto",
+                                 sequence_parallel=True, recompute="selective",
+                                 device=ctx.device, tp=2, cp=2)
+    config = model.transformer_config(spec, **opts.config_fields())
+    chunks = model.build_model_chunks(spec, config=config, layer_spec=opts.layer_spec(spec),
+                                      pg_collection=opts.pg_collection(), ...)
+
+The recipe keys are `model.precision`, `model.transformer_impl`, `parallel.sequence_parallel`
+and `parallel.recompute`; every rejected combination is a ValueError naming the key. What runs
+where (megatron-core 0.16.1):
+
+* Transformer Engine ("transformer_engine"; "auto" picks it when `transformer_engine` imports and
+  the device is a GPU): fused kernels, and attention that runs context parallelism itself, so a
+  TE model is built with `context_parallel_size = cp` and gets CP-sharded batches
+  (grpo_step's cp_mode "model"). The local spec ("local") runs on CPU; its attention cannot run
+  CP, so the model is built without CP (its CP process group is this rank alone,
+  `model.model_pg_collection_without_cp`) and CP is applied at the loss (cp_mode "loss").
+* Sequence parallelism needs TP > 1 and Transformer Engine: the local spec's norms refuse it
+  (megatron-core's WrappedTorchNorm asserts `not config.sequence_parallel`).
+* Recomputation: "full" recomputes each layer in backward (recompute_granularity "full",
+  method "uniform", one layer per checkpoint); "selective" recomputes the core attention
+  (megatron-core's default recompute_modules ["core_attn"]). Both run with the local spec on
+  CPU too (cpu_compat shim 3) and leave the gradients bit for bit unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16")
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine imports in this environment."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken build (missing CUDA libraries)
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Resolved options ("auto" already decided) of one rank's model build."""
+
+    precision: str = "fp32"
+    transformer_impl: str = "local"  # "local" | "transformer_engine"
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    cp: int = 1  # the parallel state's CP size
+
+    @property
+    def model_cp(self) -> int:
+        """The CP size the model itself runs: cp with TE attention, 1 with the local spec."""
+        return self.cp if self.transformer_impl == "transformer_engine" else 1
+
+    @property
+    def cp_mode(self) -> str:
+        """grpo_step's cp_mode that matches this build: "model" (TE) or "loss" (local)."""
+        return "model" if self.transformer_impl == "transformer_engine" else "loss"
+
+    def config_fields(self) -> dict[str, Any]:
+        """TransformerConfig fields of these options (model.transformer_config's overrides)."""
+        bf16 = self.precision == "bf16"
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        out: dict[str, Any] = dict(
+            bf16=bf16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            sequence_parallel=self.sequence_parallel,
+            context_parallel_size=self.model_cp,
+        )
+        if self.recompute == "full":
+            out.update(
+                recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            )
+        elif self.recompute == "selective":
+            out.update(recompute_granularity="selective")  # recompute_modules: ["core_attn"]
+        return out
+
+    def layer_spec(self, spec):
+        """The layer spec: Transformer Engine's or the local one (q/k norms as `spec` says)."""
+        if self.transformer_impl == "transformer_engine":
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+
+            return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+        from megatron_ba.megatron.model import local_layer_spec
+
+        return local_layer_spec(spec.qk_layernorm)
+
+    def pg_collection(self):
+        """Process groups of the model: the defaults, except that a local-spec model at CP > 1
+        gets a CP group of this rank alone (it sees whole sequences). Collective."""
+        if self.model_cp == self.cp:
+            return None
+        from megatron_ba.megatron.model import model_pg_collection_without_cp
+
+        return model_pg_collection_without_cp()
+
+
+def resolve_build_options(
+    *,
+    precision: str = "fp32",
+    transformer_impl: str = "auto",
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    device: torch.device | str,
+    tp: int = 1,
+    cp: int = 1,
+    te_imports: bool | None = None,
+) -> BuildOptions:
+    """Check the recipe's build keys against this rank's device and layout; decide "auto".
+
+    te_imports: whether Transformer Engine imports (default: try it); tests pass it.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    te = te_available() if te_imports is None else te_imports
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"model.precision: must be one of {', '.join(PRECISIONS)}, got {precision!r}"
+        )
+    if precision == "bf16" and not cuda:
+        raise ValueError(
+            f"model.precision: bf16 needs CUDA (megatron-core's mixed-precision distributed "
+            f"optimiser); this rank's device is {device}: use model.precision: fp32"
+        )
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"model.transformer_impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
+            f"got {transformer_impl!r}"
+        )
+    impl = transformer_impl
+    if impl == "auto":
+        impl = "transformer_engine" if (te and cuda) else "local"
+    elif impl == "transformer_engine":
+        if not te:
+            raise ValueError(
+                "model.transformer_impl: transformer_engine, but transformer_engine does not "
+                "import here; install it or use auto / local"
+            )
+        if not cuda:
+            raise ValueError(
+                f"model.transformer_impl: transformer_engine needs CUDA; this rank's device is "
+                f"{device}: use auto or local"
+            )
+    if recompute not in RECOMPUTE:
+        raise ValueError(
+            f"parallel.recompute: must be one of {', '.join(RECOMPUTE)}, got {recompute!r}"
+        )
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(
+            f"parallel.sequence_parallel: must be true or false, got {sequence_parallel!r}"
+        )
+    if sequence_parallel:
+        if tp < 2:
+            raise ValueError(
+                f"parallel.sequence_parallel: needs parallel.tp > 1 (it splits the sequence over "
+                f"the tensor-parallel ranks), got tp={tp}"
+            )
+        if impl != "transformer_engine":
+            raise ValueError(
+                "parallel.sequence_parallel: needs the Transformer Engine layer spec "
+                "(model.transformer_impl: transformer_engine, on CUDA); megatron-core's local "
+                "spec's norms do not support it"
+            )
+    return BuildOptions(
+        precision=precision,
+        transformer_impl=impl,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        cp=int(cp),
+    )
