@@ -20,6 +20,7 @@ buffer on GPUs; generation/weight_buckets.py) loaded by a method vLLM's worker g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -49,6 +50,32 @@ def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0, first_i
     ]
 
 
+@contextlib.contextmanager
+def _visible_devices(device, count: int, in_process: bool):
+    """CUDA_VISIBLE_DEVICES for the engine's processes while they start: the trainer rank's GPU
+    and the next count - 1 (vLLM's workers would otherwise all take GPU 0, not the rank's).
+    Nothing to do on CPU or for an in-process engine (a world of one, GPU 0)."""
+    if device is None or torch.device(device).type != "cuda" or in_process:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    first = torch.device(device).index or 0
+    if first + count > len(visible):
+        raise ValueError(
+            f"rollout.engine_tp: {count} GPUs from cuda:{first} on need {first + count} visible "
+            f"devices, this rank sees {len(visible)}"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[first : first + count])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 class VLLMEngine:
     """vLLM over a Hugging Face model directory, in its own process (default) or in this one."""
 
@@ -63,7 +90,13 @@ class VLLMEngine:
         in_process: bool = False,
         tensor_parallel_size: int = 1,
         sleep_mode: bool = False,
+        device: torch.device | None = None,
+        gpu_memory_utilization: float = 0.4,
     ) -> None:
+        """device: the trainer rank's CUDA device, where a colocated engine must run (its
+        process sees only that device and the next engine_tp - 1); None on CPU.
+        gpu_memory_utilization: the engine's share of the GPU (weights + KV cache), leaving the
+        rest to training on the same GPU (CUDA only)."""
         cuda = torch.cuda.is_available()
         if tensor_parallel_size != 1 and not cuda:
             raise ValueError(
@@ -100,17 +133,20 @@ class VLLMEngine:
         self._refitting = False  # between the first bucket of a refit and finish_refit
         self._shared = None  # the bucket buffer (weight_buckets.SharedBucket), made at first use
         t = time.perf_counter()
-        self.llm = LLM(
-            model=model_dir,
-            dtype="bfloat16" if cuda else "float32",
-            enforce_eager=True,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=sleep_mode,
-            worker_extension_cls="megatron_ba.generation.vllm_worker.RefitWorkerExtension",
-            max_model_len=max_model_len,
-            seed=seed,
-            disable_log_stats=True,
-        )
+        gpu = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}
+        with _visible_devices(device, tensor_parallel_size, in_process):
+            self.llm = LLM(
+                model=model_dir,
+                dtype="bfloat16" if cuda else "float32",
+                enforce_eager=True,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=sleep_mode,
+                worker_extension_cls="megatron_ba.generation.vllm_worker.RefitWorkerExtension",
+                max_model_len=max_model_len,
+                seed=seed,
+                disable_log_stats=True,
+                **gpu,
+            )
         self.start_seconds = time.perf_counter() - t
         torch.set_num_threads = set_threads
         set_threads(threads)

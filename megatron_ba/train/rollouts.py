@@ -104,7 +104,8 @@ class Rollouts:
             return cls(sampler, tokenizer, recipe, groups=None, engines_group=None, is_main=True)
         groups = _replica_groups()
         engines = _engines_group() if groups.is_engine_rank else None
-        engine = _vllm_engine(recipe, hf_dir, policy) if groups.is_engine_rank else None
+        device = getattr(ctx, "device", None)  # DistContext.device (cuda:LOCAL_RANK or cpu)
+        engine = _vllm_engine(recipe, hf_dir, policy, device) if groups.is_engine_rank else None
         return cls(
             engine, tokenizer, recipe, groups=groups, engines_group=engines, is_main=ctx.is_main
         )
@@ -246,7 +247,7 @@ def _engine_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def _vllm_engine(recipe: Recipe, hf_dir: Path, policy):
+def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
     from megatron_ba.generation.vllm_engine import VLLMEngine
 
     r = recipe.rollout
@@ -259,6 +260,7 @@ def _vllm_engine(recipe: Recipe, hf_dir: Path, policy):
         threads=r.threads,
         tensor_parallel_size=r.engine_tp,
         sleep_mode=r.sleep,
+        device=device,
     )
 
 
