@@ -13,6 +13,8 @@ refit, the parameters moved, and seconds per 1e9 parameters, a LINEAR EXTRAPOLAT
 small model (the refit is a stream of copies, so its time should grow with the bytes; larger
 models are not measured here). A correctness check rides along: after the last refit the
 engine's log-probs of a fixed sequence equal the trainer's (max abs difference reported).
+Also reported: the trainer's side alone (the same stream into a sink that drops the buckets)
+and the engine's finish, so the transport + engine load is the rest.
 """
 
 from __future__ import annotations
@@ -79,14 +81,19 @@ def main(argv: list[str] | None = None) -> int:
             chunks, spec, _replica_groups(), bucket_bytes=args.bucket_mb << 20, dtype=engine.dtype
         )
         g = torch.Generator().manual_seed(0)
-        seconds, moved = [], 0
+        seconds, trainer_side, finish, moved = [], [], [], 0
         for _ in range(args.repeats):
             with torch.no_grad():
                 for prm in chunks[0].parameters():
                     prm.add_(1e-3 * torch.randn(prm.shape, generator=g).to(prm))
             t = time.perf_counter()
+            refit.stream(lambda bucket: None)  # the trainer's side alone: gathers, HF names
+            trainer_side.append(time.perf_counter() - t)
+            t = time.perf_counter()
             moved = refit.stream(engine.load_bucket)
+            t_finish = time.perf_counter()
             engine.finish_refit()
+            finish.append(time.perf_counter() - t_finish)
             seconds.append(time.perf_counter() - t)
         ids = [(7 * i + 3) % spec.vocab_size for i in range(32)]
         mine, _ = compute_logprobs(chunks, torch.tensor([ids]))
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         "refit_seconds_median": median,
         "refit_seconds_all": seconds,
         "seconds_per_1e9_params_extrapolated": median * 1e9 / params,
+        "trainer_side_seconds_median": statistics.median(trainer_side),
+        "engine_finish_seconds_median": statistics.median(finish),
         "gb_per_second": moved / median / 1e9,
         "engine_start_seconds": start_s,
         "engine_vs_trainer_logprob_max_abs": diff,
