@@ -98,3 +98,34 @@ def test_shared_bucket_is_seen_through_its_handle_and_removed_on_close():
     assert not os.path.exists(path)
     with pytest.raises(ValueError, match="unknown bucket transport"):
         open_bucket({"kind": "file"})
+
+
+def _recipe(*overrides: str):
+    from pathlib import Path
+
+    from megatron_ba.recipe import load_recipe
+
+    root = Path(__file__).resolve().parents[1]
+    return load_recipe(str(root / "tests/fixtures/tiny-train.yaml"), list(overrides))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU errors")
+def test_gpu_only_rollout_keys_fail_clearly_on_cpu():
+    from megatron_ba.train.rollouts import _check_device_keys
+
+    _check_device_keys(_recipe())  # the defaults pass
+    with pytest.raises(ValueError, match=r"rollout\.sleep: .*needs CUDA"):
+        _check_device_keys(_recipe("rollout.sleep=true"))
+    with pytest.raises(ValueError, match=r"rollout\.engine_tp: 2 needs CUDA"):
+        _check_device_keys(_recipe("rollout.engine_tp=2"))
+
+
+def test_rollout_keys_are_validated():
+    from megatron_ba.recipe import RecipeError
+
+    r = _recipe()
+    assert (r.rollout.engine_tp, r.rollout.sleep, r.rollout.refit_bucket_mb) == (1, False, 256)
+    with pytest.raises(RecipeError, match=r"rollout\.engine_tp: must be >= 1"):
+        _recipe("rollout.engine_tp=0")
+    with pytest.raises(RecipeError, match=r"rollout\.refit_bucket_mb: must be >= 1"):
+        _recipe("rollout.refit_bucket_mb=0")
