@@ -191,6 +191,9 @@ class RolloutSection:
     in_process: bool = False  # vLLM in the trainer's process (single-process runs only)
     kv_cache_gb: float = 1.0
     threads: int | None = None  # torch threads; default: all cores
+    engine_tp: int = 1  # each replica's vLLM engine's tensor parallelism (CUDA only above 1)
+    sleep: bool = False  # vLLM sleep mode between rollout and update (CUDA only)
+    refit_bucket_mb: int = 256  # MiB of weights per in-memory refit bucket
 
 
 @dataclass
@@ -374,6 +377,8 @@ def validate(recipe: Recipe) -> Recipe:
     )
     need(recipe.grpo.std in ("population", "sample"), "grpo.std", "population or sample")
     need(recipe.rollout.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
+    need(recipe.rollout.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
+    need(recipe.rollout.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
     p = recipe.parallel
     for k in ("tp", "pp", "cp", "micro_batch_size"):
         need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")

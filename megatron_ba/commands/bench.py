@@ -28,6 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.conversion",
         "HF -> megatron-core load of a Qwen2.5-0.5B-shaped checkpoint: s per 1e9 params, peak RSS",
     ),
+    "refit": (
+        "benchmarks.refit",
+        "in-memory weight refit megatron-core -> vLLM: s per refit, s per 1e9 params (CPU)",
+    ),
     "stats-allreduce": (
         "benchmarks.stats_allreduce",
         "the plan-statistics all-reduce over DP: payload bytes per step for 128 / 4,096 groups",

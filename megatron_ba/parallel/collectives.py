@@ -5,6 +5,9 @@
   can check "one collective of O(groups) numbers per step").
 - `gather_tensor_parallel` / `gather_pipeline_stages`: full-shape parameters and gradients from
   TP shards and PP stages (checks, weight sync to an inference engine).
+- `gather_tensor_parallel_to`, `send_within_group`, `gather_object_to`: the rollout engines'
+  share of the work (weight refit within a model-parallel group to its engine rank; samples of
+  every engine to the scoring rank).
 - `broadcast_from_last_stage`, `gather_context_parallel`: results of the last pipeline stage
   (log-probs) to every stage, and whole sequences from context-parallel shards.
 - `singleton_group`: a process group of this rank alone (a model that must not see CP).
@@ -125,6 +128,52 @@ def gather_pipeline_stages(local: dict[str, torch.Tensor], *, group) -> dict[str
             )
             dist.broadcast(t, src=src, group=group)
             out[name] = t
+    return out
+
+
+def gather_tensor_parallel_to(
+    shard: torch.Tensor, *, dim: int, stride: int, group, dst: int = 0
+) -> torch.Tensor | None:
+    """The full tensor from the TP shards of `group` on its rank `dst` only (None elsewhere):
+    the weight refit needs it on the engine's rank alone, not on every rank."""
+    size = _world(group)
+    if size == 1:
+        return shard.clone()
+    device = comm_device(group)
+    buf = shard.to(device).contiguous()
+    me = dist.get_rank(group)
+    parts = [torch.empty_like(buf) for _ in range(size)] if me == dst else None
+    dist.gather(buf, gather_list=parts, dst=dist.get_global_rank(group, dst), group=group)
+    if me != dst:
+        return None
+    return tp_unshard(parts, dim=dim, stride=stride).to(shard.device)
+
+
+def send_within_group(
+    tensor: torch.Tensor | None, *, src: int, dst: int, shape, dtype, device, group
+) -> torch.Tensor | None:
+    """`tensor` of group rank `src` on group rank `dst` (point to point; only those two ranks
+    call; None on the sender). `device`: where the receiver wants it."""
+    me = dist.get_rank(group)
+    comm = comm_device(group)
+    if me == src:
+        dist.send(tensor.to(comm).contiguous(), dst=dist.get_global_rank(group, dst), group=group)
+        return None
+    if me != dst:
+        raise ValueError(f"send_within_group: group rank {me} is neither src {src} nor dst {dst}")
+    buf = torch.empty(shape, dtype=dtype, device=comm)
+    dist.recv(buf, src=dist.get_global_rank(group, src), group=group)
+    return buf.to(device)
+
+
+def gather_object_to(obj, *, group, dst: int = 0) -> list | None:
+    """Every rank's picklable `obj` on group rank `dst`, in group rank order (None elsewhere):
+    each rollout engine's samples to the scoring rank."""
+    if group is None or _world(group) == 1:
+        return [obj]
+    me = dist.get_rank(group)
+    out: list | None = [None] * dist.get_world_size(group) if me == dst else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, dst), group=group)
     return out
 
 

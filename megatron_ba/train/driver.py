@@ -3,14 +3,15 @@
     megatron-ba train recipes/tiny-cpu.yaml [key=value ...] [--run-dir DIR] [--resume DIR]
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
 
-One step: rank 0 samples G responses for each of P prompts (train/rollouts.py) and scores them
-(train/scoring.py); every rank receives the batch (train/experience.py), takes its data-parallel
-rows, computes the old log-probs and runs the GRPO loss through megatron-core's schedule, the
-plan's statistics all-reduced once over DP (train/update.py); then the new weights are synced into
-the engine. Evaluation (Acc@k at the sampling temperature on held-out prompts, through the same
-runner as `megatron-ba eval`) runs at step 0 (the warm-start policy), every `eval.every` steps and
-at the end; checkpoints (train/checkpoint.py) every `checkpoint.every` steps; the run folder's
-files are written by train/run_log.py. This module only orchestrates.
+One step: rank 0 picks P prompts, each data-parallel replica's engine samples G responses for
+its share of them and rank 0 scores them all (train/rollouts.py, train/scoring.py); every rank
+receives the batch (train/experience.py), takes its data-parallel rows, computes the old
+log-probs and runs the GRPO loss through megatron-core's schedule, the plan's statistics
+all-reduced once over DP (train/update.py); then each engine is refit in memory from its
+replica's shards. Evaluation (Acc@k at the sampling temperature on held-out prompts, through
+the same runner as `megatron-ba eval`) runs at step 0 (the warm-start policy), every
+`eval.every` steps and at the end; checkpoints (train/checkpoint.py) every `checkpoint.every`
+steps; the run folder's files are written by train/run_log.py. This module only orchestrates.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Trainer:
         if ctx.is_main:
             t = time.perf_counter()
             prompts, ids, samples, rewards, sampling = self._rollout_batch(step)
+            self.rollouts.end_batch()
             timings["time/reward"] = sampling.pop("reward_seconds")
             timings["time/rollout"] = time.perf_counter() - t - timings["time/reward"]
             self.folder.log_samples(step + 1, prompts, samples, rewards)
@@ -136,6 +138,8 @@ class Trainer:
                 multiple_of=2 * r.parallel.cp,
             )
             exp.report.update(sampling)
+        else:
+            self.rollouts.serve()  # this replica's engine generates its share of each round
         exp = ctx.broadcast(exp)
         t = time.perf_counter()
         self.policy.set_lr(step)
