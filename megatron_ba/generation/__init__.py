@@ -4,6 +4,9 @@
     from megatron_ba.generation.builtin_sampler import BuiltinSampler  # the policy itself, slow
     from megatron_ba.generation.samples import Sample
 
-Both return `Sample`s (response token ids, text, finished at EOS). This package imports neither
-vLLM nor megatron-core at import time.
+The in-memory weight refit: `refit` (a replica's megatron shards -> HF-named buckets on its
+engine rank), `weight_buckets` (packing, the shared-memory / CUDA IPC buffer), `vllm_worker`
+(the methods vLLM's worker gains to load a bucket). Both engines return `Sample`s (response
+token ids, text, finished at EOS). This package imports neither vLLM nor megatron-core at
+import time.
 """
