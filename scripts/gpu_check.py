@@ -483,6 +483,7 @@ def summarise(c: Check) -> None:
     step = s.get("step", {}).get("figures", {})
     for k in (
         "ratio_ba_over_token_mean",
+        "paired_ratio_median",
         "ba_median_s",
         "token_mean_median_s",
         "ba_peak_mib",

@@ -13,7 +13,8 @@
 #
 # Environment: GPU_CHECK_ALLOW_CPU=1 runs the stages on the CPU at tiny sizes (the plumbing,
 # e.g. here, without a GPU); GPU_CHECK_NO_VENV=1 uses the current python as it is (no install);
-# GPU_CHECK_VENV (default /tmp/gpu-check-venv); PYTHON (default python3); GPU_CHECK_STAGES: the
+# GPU_CHECK_VENV (default /tmp/gpu-check-venv); GPU_CHECK_WHEELS (default .gpu-wheels);
+# PYTHON (default python3); GPU_CHECK_STAGES: the
 # stages after env to run, comma-separated (default all).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -21,16 +22,17 @@ root=$(pwd)
 out=${1:-${OUT:-.}/gpu_check.json}
 python=${PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-/tmp/gpu-check-venv}
+wheel_dir=${GPU_CHECK_WHEELS:-.gpu-wheels}
 log() { echo "gpu_check.sh: $*" >&2; }
 
 if [ "${GPU_CHECK_NO_VENV:-0}" = 1 ]; then
   py=$python
 else
   shopt -s nullglob
-  wheels=(.gpu-wheels/*.whl)
+  wheels=("$wheel_dir"/*.whl)
   shopt -u nullglob
   if [ ${#wheels[@]} -eq 0 ]; then
-    log "no wheels in .gpu-wheels/: run scripts/fetch_gpu_wheels.sh where pip reaches PyPI"
+    log "no wheels in $wheel_dir/: run scripts/fetch_gpu_wheels.sh where pip reaches PyPI"
     exit 2
   fi
   # --without-pip: the venv runs the system's pip (seen through the system site-packages), which
@@ -40,11 +42,17 @@ else
     exit 2
   fi
   py=$venv/bin/python
+  # The image's python3 is itself a venv (/opt/torch/.venv): a venv made from it sees the BASE
+  # interpreter's site-packages, not that venv's, where torch is. A .pth file appends the parent's
+  # site-packages after the new venv's own, so torch (and pip) are found and our wheels win.
+  parent_site=$("$python" -c 'import site; print("\n".join(site.getsitepackages()))') || exit 2
+  venv_site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || exit 2
+  printf '%s\n' "$parent_site" >"$venv_site/_gpu_check_parent.pth"
   # --no-deps: the wheels are the whole set (fetch_gpu_wheels.sh); the rest, torch first, is the
   # system's. The env stage records `pip check` so that a missing or clashing one shows.
   if ! timeout 30 "$py" -m pip install -q --no-index --no-deps --no-compile \
-    --find-links .gpu-wheels "${wheels[@]}"; then
-    log "pip install from .gpu-wheels/ failed (see above)"
+    --find-links "$wheel_dir" "${wheels[@]}"; then
+    log "pip install from $wheel_dir/ failed (see above)"
     exit 2
   fi
 fi
