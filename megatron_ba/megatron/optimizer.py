@@ -119,9 +119,11 @@ class ShardedAdamW:
             raise ValueError(f"optimizer: parameters at different step counts {sorted(steps)}")
         return steps.pop() if steps else 0
 
-    def sharded_state_dict(self, model_sharded_sd: dict) -> dict:
+    def sharded_state_dict(self, model_sharded_sd: dict, is_loading: bool = False) -> dict:
         """The moments as ShardedTensors shaped like `model_sharded_sd`'s (from the chunks'
-        `sharded_state_dict()`), the step count and the hyper-parameters as common state."""
+        `sharded_state_dict()`), the step count and the hyper-parameters as common state.
+        `is_loading` is megatron-core's optimiser argument (the same call builds the target of a
+        load); here the target is the same structure either way."""
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map,
             make_sharded_optimizer_tensor,

@@ -113,9 +113,10 @@ def layout_of(ctx) -> dict:
     return {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp}
 
 
-def _sharded_state(chunks, optimizer) -> dict:
+def _sharded_state(chunks, optimizer, *, is_loading: bool = False) -> dict:
     model_sd = dc.model_sharded_state_dict(chunks)
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd)}
+    opt_sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return {"model": model_sd, "optimizer": opt_sd}
 
 
 def save(
@@ -123,8 +124,9 @@ def save(
 ) -> Path:
     """Write checkpoint `step` collectively (every rank calls it). Returns its folder.
 
-    `optimizer` offers `sharded_state_dict(model_sharded_sd)` and `load_sharded(state)`
-    (ShardedAdamW; megatron-core's optimiser on CUDA). `spec` and `source_dir` (the HF folder
+    `optimizer` offers `sharded_state_dict(model_sharded_sd, is_loading=False)` (megatron-core's
+    optimiser signature; `load` passes is_loading=True) and `load_sharded(state)` (ShardedAdamW;
+    megatron-core's optimiser on CUDA). `spec` and `source_dir` (the HF folder
     the run started from: config and tokenizer) make `dist/` convertible to Hugging Face.
     """
     root = Path(run_dir) / "checkpoints"
@@ -184,7 +186,7 @@ def load(ctx, ckpt: Path, chunks, optimizer, *, seed: int, log=print) -> dict:
         )
         raise ValueError(f"resume: {str(ckpt)!r} lacks meta.json or its {DIST}/ folder{old}")
     meta = json.loads((ckpt / "meta.json").read_text())
-    target = _sharded_state(chunks, optimizer)
+    target = _sharded_state(chunks, optimizer, is_loading=True)
     state = dc.load_sharded(target, ckpt / DIST)
     dc.load_model_state(chunks, state["model"])
     optimizer.load_sharded(state["optimizer"])
