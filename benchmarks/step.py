@@ -178,16 +178,17 @@ def _layer_spec(impl: str, accel: bool, qk_layernorm: bool):
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm), impl
 
 
-def _optimizer(chunks, dtype: torch.dtype):
-    """fp32: the project's ShardedAdamW; bf16: megatron-core's mixed-precision optimiser."""
-    if dtype == torch.float32:
-        from megatron_ba.megatron.optimizer import ShardedAdamW
+def _optimizer(chunks, dtype: torch.dtype, device: torch.device):
+    """The trainer's own choice (megatron/mcore_optimizer.build_optimizer): ShardedAdamW for
+    fp32, megatron-core's distributed optimiser (bf16 params, fp32 main weights) for bf16."""
+    from megatron_ba.megatron.mcore_optimizer import build_optimizer
+    from megatron_ba.recipe import OptimizerSection
 
-        return ShardedAdamW(chunks, lr=1e-6, clip_grad=1.0), "ShardedAdamW"
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    config = OptimizerConfig(optimizer="adam", lr=1e-6, bf16=True, clip_grad=1.0)
-    return get_megatron_optimizer(config, chunks), "megatron-core get_megatron_optimizer (bf16)"
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    optimizer = build_optimizer(
+        chunks, OptimizerSection(lr=1e-6, grad_clip=1.0), precision=precision, device=device
+    )
+    return optimizer, type(optimizer).__name__
 
 
 def _rss_kib() -> dict[str, int]:
@@ -242,6 +243,8 @@ def run_benchmark(args) -> dict:
         torch.cuda.set_device(device)  # megatron-core builds parameters on the current device
     setup(tp=1, pp=1, cp=1, seed=args.seed)
     try:
+        from megatron_ba.megatron.mcore_optimizer import ddp_overrides
+
         spec = _spec(args)
         overrides: dict = {"bf16": True} if args.dtype == "bf16" else {}
         if args.recompute == "full":  # keep each layer's input only, redo the layer in backward
@@ -250,8 +253,14 @@ def run_benchmark(args) -> dict:
             )
         config = mm.transformer_config(spec, cpu=not accel, **overrides)
         layer_spec, impl = _layer_spec(args.transformer_impl, accel, spec.qk_layernorm)
-        chunks = mm.build_model_chunks(spec, config=config, layer_spec=layer_spec)
-        optimizer, optimizer_name = _optimizer(chunks, spec.params_dtype)
+        chunks = mm.build_model_chunks(
+            spec,
+            config=config,
+            layer_spec=layer_spec,
+            # the distributed optimiser needs DDP's contiguous buffers (as the trainer builds)
+            ddp_config_overrides=ddp_overrides(args.dtype),
+        )
+        optimizer, optimizer_name = _optimizer(chunks, spec.params_dtype, device)
         batch = _batch(args, spec, chunks, device)
         base = StepConfig(
             num_groups=args.sequences // args.group_size,

@@ -137,6 +137,10 @@ class MegatronCoreAdamW:
         # A found inf/NaN skips the step and returns no norm.
         return bool(applied), float("nan") if grad_norm is None else float(grad_norm)
 
+    def zero_grad(self) -> None:
+        """As ShardedAdamW's (step() already zeroes; a caller may also ask)."""
+        self.optimizer.zero_grad()
+
     def set_step(self, step: int) -> None:
         set_scheduler_step(self.scheduler, step)
 
@@ -156,10 +160,22 @@ class MegatronCoreAdamW:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
-    def sharded_state_dict(self, model_sharded_state_dict: dict) -> dict:
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False) -> dict:
         """The distributed optimiser's state for megatron-core dist_checkpointing (each rank's
-        shard of the fp32 main weights and Adam moments)."""
-        return self.optimizer.sharded_state_dict(model_sharded_state_dict)
+        shard of the fp32 main weights and Adam moments) and the LR scheduler's counters, in the
+        interface train/checkpoint.py calls (ShardedAdamW's): `is_loading=True` builds the
+        target of a load, as megatron-core's own checkpointing does."""
+        return {
+            "optimizer": self.optimizer.sharded_state_dict(
+                model_sharded_state_dict, is_loading=is_loading
+            ),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_sharded(self, state: dict) -> None:
+        """Restore what `sharded_state_dict` saved, as returned by dist_checkpointing.load."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
 
 
 def build_optimizer(chunks: list[torch.nn.Module], opt, *, precision: str, device):

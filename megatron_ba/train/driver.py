@@ -74,7 +74,7 @@ class Trainer:
             self.tokenizer = load_hf_tokenizer(r.tokenizer.path or self.hf_dir)
         else:  # trained-bpe: the one the warm start trained and saved beside its model
             self.tokenizer = load_tokenizer(self.hf_dir)
-        self.policy = Policy.from_hf(self.hf_dir, r, is_main=ctx.is_main)
+        self.policy = Policy.from_hf(self.hf_dir, r, is_main=ctx.is_main, device=ctx.device)
         self.task = build_task(r, self.tokenizer) if ctx.is_main else None
         if self.task is not None and getattr(self.task, "report", None):
             self.log(f"[data] {self.task.report}")
