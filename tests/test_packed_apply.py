@@ -35,8 +35,9 @@ def test_hand_computed_value_and_gradient():
     assert x.grad.tolist() == [0.5, 0.5, 2.0, 2.0, 2.0, 0.0]
 
 
+@pytest.mark.parametrize("host_counts", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_equals_padded_apply_in_float64(seed):
+def test_equals_padded_apply_in_float64(seed, host_counts):
     g = torch.Generator().manual_seed(100 + seed)
     lengths = torch.randint(0, 9, (7,), generator=g).tolist()
     padded, mask, packed = _pack(lengths, padding=seed * 3, seed=seed)
@@ -44,7 +45,8 @@ def test_equals_padded_apply_in_float64(seed):
     padded.requires_grad_()
     packed.requires_grad_()
     ref = apply_weights(padded, mask, w)
-    out = apply_weights_packed(packed, None, w, counts=torch.tensor(lengths))
+    counts = lengths if host_counts else torch.tensor(lengths)
+    out = apply_weights_packed(packed, None, w, counts=counts)
     torch.testing.assert_close(out, ref, rtol=1e-14, atol=1e-14)
     ref.backward()
     out.backward()
@@ -67,6 +69,9 @@ def test_token_weights_follow_the_values_dtype():
         (torch.tensor([3, 3, 3]), RuntimeError, "at most the pack's 6 tokens"),
         (torch.tensor([1, 1]), ValueError, "counts: must be \\[N\\]"),
         (torch.tensor([1.0, 1.0, 1.0]), ValueError, "counts: must be integer"),
+        ([3, 3, 3], ValueError, "counts: must be 3 token counts >= 0 summing to at most"),
+        ([2, -1, 1], ValueError, "counts: must be 3 token counts"),
+        ([1, 1], ValueError, "got 2 summing to 2"),
     ],
 )
 def test_bad_counts_are_named(counts, err, match):
@@ -92,10 +97,10 @@ def _no_host_reads(monkeypatch):
         monkeypatch.undo()
 
 
-def test_contiguous_apply_reads_nothing_back_to_the_host(monkeypatch):
+@pytest.mark.parametrize("counts", [torch.tensor([3, 0, 9, 12, 7]), [3, 0, 9, 12, 7]])
+def test_contiguous_apply_reads_nothing_back_to_the_host(monkeypatch, counts):
     x = torch.randn(40, dtype=torch.float64, requires_grad=True)
     w = torch.rand(5, dtype=torch.float64)
-    counts = torch.tensor([3, 0, 9, 12, 7])
     with _no_host_reads(monkeypatch):
         out = apply_weights_packed(x, None, w, counts=counts)
         out.backward()

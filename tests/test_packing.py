@@ -100,9 +100,11 @@ def test_budget_microbatches_are_cut_to_their_longest():
 def test_uniform_pads_rows_and_width_with_masked_rows():
     b = _batch([10, 3, 4, 9, 2])
     data, seq_len, mbs = prepare_microbatches(b, CPView(), 1, max_tokens=20, uniform=True)
-    assert (seq_len, mbs) == (10, 3)  # [[0, 3], [1, 2, 4]]: the largest has 3 rows
-    assert all(tuple(mb["input_ids"].shape) == (3, 10) for mb in data)
-    assert data[0]["num_rows"] == 2 and not data[0]["mask"][2].any()
+    # Planned as five sequences of 10 tokens: [[0, 1], [2, 3], [4]], each padded to 2 x 10.
+    assert (seq_len, mbs) == (10, 2)
+    assert [mb["rows"].tolist() for mb in data] == [[0, 1], [2, 3], [4]]
+    assert all(tuple(mb["input_ids"].shape) == (2, 10) for mb in data)
+    assert data[2]["num_rows"] == 1 and not data[2]["mask"][1].any()
 
 
 def test_logprob_chunk_rule():

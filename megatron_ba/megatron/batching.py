@@ -174,8 +174,10 @@ def prepare_microbatches(
 
     `uniform` (pipeline parallelism): megatron-core's pipeline schedules send every micro-batch's
     activations with one shape (seq_length, micro_batch_size), so all micro-batches are padded
-    to the longest and the largest; every stage of a model replica gets the same batch and
-    plans the same layout, so they agree on the number and the shapes without communicating.
+    to the longest and the largest (under a budget, packed as if every sequence were the
+    longest, so the padded micro-batches stay within it); every stage of a model replica gets
+    the same batch and plans the same layout, so they agree on the number and the shapes
+    without communicating.
 
     `thd` (with `max_tokens`; CUDA + Transformer Engine): packed micro-batches instead, one
     [1, total] row each with PackedSeqParams and the budget bounding the sum of the sequences'
@@ -195,7 +197,10 @@ def prepare_microbatches(
             raise ValueError(
                 f"seq_tokens: must have one entry per row ({n}), got {len(seq_tokens)}"
             )
-        groups = token_budget_microbatches(seq_tokens, max_tokens, cost="padded", multiple=multiple)
+        # Uniform shapes make every micro-batch as wide as the longest sequence: plan with that
+        # width for all, so that rows x width stays within the budget after the padding.
+        plan = [max(seq_tokens)] * n if uniform else seq_tokens
+        groups = token_budget_microbatches(plan, max_tokens, cost="padded", multiple=multiple)
         widths = [max(seq_tokens[i] for i in g) for g in groups]
     widths = [view.padded_length(w) for w in widths]
     rows_per = [len(g) for g in groups]

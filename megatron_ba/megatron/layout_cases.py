@@ -53,13 +53,16 @@ class Case:
 
     def __str__(self) -> str:
         extra = " per-token" if self.per_token_loss else ""
-        if self.token_budget is not None:
-            return f"{self.rule}/{self.scope} token-budget={self.token_budget}{extra}"
         extra += " PER-MICROBATCH-NORMALISED" if self.normalization != "plan" else ""
         if self.assume_megatron_version is not None:
             major, minor = self.assume_megatron_version
             extra += f" SCALED-AS-{major}.{minor}"
-        return f"{self.rule}/{self.scope} M={self.num_microbatches}{extra}"
+        split = (
+            f"M={self.num_microbatches}"
+            if self.token_budget is None
+            else f"token-budget={self.token_budget}"
+        )
+        return f"{self.rule}/{self.scope} {split}{extra}"
 
 
 @dataclass
