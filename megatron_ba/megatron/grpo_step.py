@@ -220,7 +220,7 @@ def forward_backward(
     # the micro-batch's plan comes from whole-sequence lengths).
     share = 1.0 if global_plan else 1.0 / (len(data) * dp)
     with_entropy = cfg.loss.entropy_coef > 0
-    one = torch.ones((), dtype=torch.int)
+    one = torch.ones((), dtype=torch.int, device=batch.tokens.device)
 
     def loss_func(mb, output):
         logp, ent = _logprobs(
@@ -332,10 +332,16 @@ def compute_logprobs(
     """
     n, s = shape2("tokens", tokens)
     view = _cp_view(cp_mode, explicit_causal_mask)
+    check_cp_agreement(chunks, view.mode, view.cp)  # model CP == batch CP sharding, or raise
     ps = _ps()
     no_response = torch.zeros_like(tokens, dtype=torch.bool)
+    dev = tokens.device
     dummy = GRPOBatch(
-        tokens, no_response, torch.zeros(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, s)
+        tokens,
+        no_response,
+        torch.zeros(n, device=dev),
+        torch.zeros(n, dtype=torch.long, device=dev),
+        torch.zeros(n, s, device=dev),
     )
     logprob_chunk(chunk_size, 0)
     if max_tokens_per_microbatch is not None and seq_tokens is None:
@@ -360,7 +366,8 @@ def compute_logprobs(
             with_entropy=with_entropy,
         )
         res = {"logprobs": logp} if ent is None else {"logprobs": logp, "entropy": ent}
-        return torch.zeros((), dtype=torch.float32), torch.ones((), dtype=torch.int), res
+        zero = torch.zeros((), dtype=torch.float32, device=dev)
+        return zero, torch.ones((), dtype=torch.int, device=dev), res
 
     store = run_schedule(chunks, data, seq_len, mbs, forward_only=True, loss_func=loss_func)
     last = ps.is_pipeline_last_stage()
