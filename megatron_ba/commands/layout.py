@@ -109,8 +109,6 @@ def _text(plan) -> str:
         f"generation phase {b['generate_phase']} (vLLM KV cache {b['vllm_kv_cache']})",
         "  recipe overrides: " + " ".join(j["overrides"]),
     ]
-    if j["requires"]:
-        lines.append("  assumes (no recipe key yet): " + "; ".join(j["requires"]))
     for a in j["alternatives"]:
         lines.append(
             f"  also fits: tp={a['tp']} pp={a['pp']} cp={a['cp']} dp={a['dp']} "

@@ -46,7 +46,12 @@ class Plan:
     alternatives: list[dict] = field(default_factory=list)
 
     def overrides(self) -> list[str]:
-        """Recipe keys (docs/recipes.md) that select this layout."""
+        """Recipe keys (docs/recipes.md) that select this layout and the settings its estimate
+        assumes: sequence parallelism, full recomputation, chunked log-probs (the key only where
+        `parallel.logprob_chunk_size: null`'s auto rule would not chunk: micro-batches of at most
+        grpo_step.AUTO_CHUNK_ABOVE tokens, or a chunk other than its AUTO_CHUNK)."""
+        from megatron_ba.megatron.grpo_step import AUTO_CHUNK, AUTO_CHUNK_ABOVE
+
         lo = self.layout
         out = [
             f"parallel.tp={lo.tp}",
@@ -54,20 +59,13 @@ class Plan:
             f"parallel.cp={lo.cp}",
             f"parallel.micro_batch_size={self.micro_batch_size}",
         ]
-        return out
-
-    def requires(self) -> list[str]:
-        """What the estimate assumes that no recipe key selects yet (megatron-core settings)."""
-        out = []
-        if self.layout.tp > 1 and self.layout.sequence_parallel:
-            out.append("sequence parallelism (megatron-core sequence_parallel=True)")
-        if self.layout.recompute:
-            out.append("full activation recomputation (megatron-core recompute_granularity=full)")
-        if self.layout.chunked_logprobs:
-            out.append(
-                f"chunked vocab-parallel log-probs (grpo_step logprob_chunk_size="
-                f"{self.layout.logprob_chunk})"
-            )
+        if lo.tp > 1 and lo.sequence_parallel:
+            out.append("parallel.sequence_parallel=true")
+        if lo.recompute:
+            out.append("parallel.recompute=full")
+        auto = lo.micro_batch_tokens > AUTO_CHUNK_ABOVE and lo.logprob_chunk == AUTO_CHUNK
+        if lo.chunked_logprobs and not auto:
+            out.append(f"parallel.logprob_chunk_size={lo.logprob_chunk}")
         return out
 
     def to_json(self) -> dict:
@@ -93,7 +91,6 @@ class Plan:
             "breakdown_gib": self.estimate.breakdown_gib(),
             "sequences_per_step": self.sequences_per_step,
             "overrides": self.overrides(),
-            "requires": self.requires(),
             "alternatives": self.alternatives,
         }
 

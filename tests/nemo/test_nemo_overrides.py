@@ -19,6 +19,7 @@ from megatron_ba.recipe import load_recipe
 
 CONF = REPO / "megatron_ba/integrations/nemo_aligner/conf/gpt_grpo_balanced.yaml"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+TINY = REPO / "recipes/tiny-cpu.yaml"
 
 
 def _as_dict(overrides: list[str]) -> dict[str, str]:
@@ -145,3 +146,34 @@ def test_check_layout_says_which_megatron_core_it_supports():
     )
     assert proc.returncode == 2
     assert "megatron-core 0.10.0 is not supported" in proc.stderr and "0.16.1" in proc.stderr
+
+
+def test_precision_recompute_and_sequence_parallel_carry_over():
+    """The 32B recipe's bf16 / sequence parallelism / full recomputation become NeMo's keys;
+    a tiny fp32 recipe without them gets NeMo's off values (a wrong mapping fails either)."""
+    big = load_recipe(
+        REPO / "recipes/qwen2.5-32b-dapo17k-16k.yaml", ["model.pretrained=/ckpt/q32.nemo"]
+    )
+    got = _as_dict(recipe_to_nemo_overrides(big, num_nodes=4, devices=8))
+    assert got["trainer.precision"] == "bf16"
+    assert got["model.sequence_parallel"] == "true"
+    assert got["model.activations_checkpoint_granularity"] == "full"
+    assert got["model.activations_checkpoint_method"] == "uniform"
+    assert got["model.activations_checkpoint_num_layers"] == "1"
+    tiny = _as_dict(recipe_to_nemo_overrides(load_recipe(TINY)))
+    assert tiny["trainer.precision"] == "32"
+    assert tiny["model.sequence_parallel"] == "false"
+    assert tiny["model.activations_checkpoint_granularity"] == "null"
+    selective = load_recipe(TINY, ["parallel.recompute=selective"])
+    sel = _as_dict(recipe_to_nemo_overrides(selective))
+    assert sel["model.activations_checkpoint_granularity"] == "selective"
+    assert sel["model.activations_checkpoint_method"] == "null"
+
+
+@pytest.mark.parametrize(
+    "override", ["parallel.max_tokens_per_microbatch=4096", "parallel.logprob_chunk_size=512"]
+)
+def test_local_backend_only_keys_are_refused_by_name(override):
+    recipe = load_recipe(TINY, [override])
+    with pytest.raises(ValueError, match=override.split("=")[0].replace(".", r"\.")):
+        recipe_to_nemo_overrides(recipe)

@@ -6,7 +6,11 @@
 The keys are those of conf/gpt_grpo_balanced.yaml (NeMo-Aligner's REINFORCE layout plus our
 `model.grpo` section). What does not carry over fails with the recipe key named: context
 parallelism (NeMo-Aligner's actor does not shard sequences), the entropy bonus (not wired in the
-actor), a Hugging Face checkpoint (convert it to `.nemo` first, docs/nemo-aligner.md).
+actor), a Hugging Face checkpoint (convert it to `.nemo` first, docs/nemo-aligner.md), token-budget
+micro-batches and an explicit log-prob chunk (`parallel.max_tokens_per_microbatch`,
+`parallel.logprob_chunk_size`: the local backend's). Precision, sequence parallelism and
+recomputation map to NeMo's `trainer.precision`, `model.sequence_parallel` and
+`model.activations_checkpoint_*`.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ def recipe_to_nemo_overrides(
         raise ValueError(
             "loss.entropy_coef: the NeMo-Aligner GRPO actor has no entropy bonus (use 0)"
         )
+    for key, value in (
+        ("max_tokens_per_microbatch", p.max_tokens_per_microbatch),
+        ("logprob_chunk_size", p.logprob_chunk_size),
+    ):
+        if value is not None:  # NeMo-Aligner's actor micro-batches by sequences, its own log-probs
+            raise ValueError(
+                f"parallel.{key}: not available on the nemo_aligner backend, got {value}; "
+                "use null (the local backend has it)"
+            )
     devices = p.tp * p.pp if devices is None else devices
     if not (isinstance(num_nodes, int) and num_nodes >= 1):
         raise ValueError(f"num_nodes: must be an integer >= 1, got {num_nodes!r}")
@@ -70,12 +83,20 @@ def recipe_to_nemo_overrides(
             f"model.pretrained: NeMo-Aligner restores a .nemo checkpoint, got {restore!r}; "
             "convert a Hugging Face model with NeMo's converter first (docs/nemo-aligner.md)"
         )
+    # NeMo's megatron GPT config: activations_checkpoint_* (selective: core attention; full:
+    # uniform over blocks of one layer, as the local backend's parallel.recompute=full).
+    full = p.recompute == "full"
+    recompute = None if p.recompute == "none" else p.recompute
     pairs = [
         ("trainer.num_nodes", num_nodes),
+        ("trainer.precision", "bf16" if recipe.model.precision == "bf16" else 32),
         ("trainer.devices", devices),
         ("model.tensor_model_parallel_size", p.tp),
         ("model.pipeline_model_parallel_size", p.pp),
-        ("model.sequence_parallel", False),  # not a recipe key yet: megatron-ba runs without it
+        ("model.sequence_parallel", p.sequence_parallel),
+        ("model.activations_checkpoint_granularity", recompute),
+        ("model.activations_checkpoint_method", "uniform" if full else None),
+        ("model.activations_checkpoint_num_layers", 1 if full else None),
         ("pretrained_checkpoint.restore_from_path", restore),
         ("model.seed", recipe.seed),
         ("trainer.reinforce.max_steps", g.steps),
