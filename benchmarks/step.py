@@ -258,7 +258,7 @@ def run_benchmark(args) -> dict:
             config=config,
             layer_spec=layer_spec,
             # the distributed optimiser needs DDP's contiguous buffers (as the trainer builds)
-            ddp_config_overrides=ddp_overrides(args.dtype),
+            ddp_config_overrides=ddp_overrides(args.dtype, device),
         )
         optimizer, optimizer_name = _optimizer(chunks, spec.params_dtype, device)
         batch = _batch(args, spec, chunks, device)

@@ -30,7 +30,7 @@ OPT = SimpleNamespace(
 
 def test_optimizer_choice_by_device_and_precision():
     assert mo.choose_optimizer(CPU, "fp32") == mo.SHARDED_ADAMW
-    assert mo.choose_optimizer(GPU, "fp32") == mo.SHARDED_ADAMW
+    assert mo.choose_optimizer(GPU, "fp32") == mo.MEGATRON_CORE
     assert mo.choose_optimizer(GPU, "bf16") == mo.MEGATRON_CORE
     with pytest.raises(ValueError, match=r"^model\.precision: bf16 needs CUDA .* device is cpu"):
         mo.choose_optimizer(CPU, "bf16")
@@ -52,7 +52,7 @@ def test_bf16_optimizer_config_is_distributed_mixed_precision_adam():
     fp32 = mo.optimizer_config(OPT, precision="fp32")
     assert (fp32.bf16, fp32.use_distributed_optimizer, fp32.params_dtype) == (
         False,
-        False,
+        True,
         torch.float32,
     )
     # grad_clip 0 (off): an infinite threshold, so that the norm is still computed.
@@ -67,9 +67,10 @@ def test_bf16_ddp_config_lays_buffers_out_for_the_distributed_optimizer():
     base = dict(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )
-    bf16 = DistributedDataParallelConfig(**{**base, **mo.ddp_overrides("bf16")})
+    bf16 = DistributedDataParallelConfig(**{**base, **mo.ddp_overrides("bf16", GPU)})
     assert bf16.use_distributed_optimizer and bf16.grad_reduce_in_fp32
-    assert mo.ddp_overrides("fp32") == {}
+    assert mo.ddp_overrides("fp32", GPU) == mo.ddp_overrides("bf16", GPU)
+    assert mo.ddp_overrides("fp32", CPU) == {}
 
 
 @pytest.mark.parametrize("warmup", [0, 1, 3])

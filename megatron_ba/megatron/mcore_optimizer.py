@@ -9,7 +9,10 @@ parameters and megatron_ba.megatron.optimizer.ShardedAdamW (megatron-core 0.16.1
 allocate `device="cuda"` tensors, so they cannot run there); on CUDA, megatron-core's
 `get_megatron_optimizer` with bf16 parameters and fp32 main weights, the optimiser state sharded
 over the data-parallel group (`use_distributed_optimizer`, ZeRO-1). bf16 on the CPU is an error
-naming `model.precision`. fp32 on CUDA keeps ShardedAdamW (plain torch, device-agnostic).
+naming `model.precision`. fp32 on CUDA also takes megatron-core's distributed optimiser (fp32
+parameters are their own main weights; the state is still sharded over DP), so that every CUDA
+run has megatron-core's grad norm, clipping and scheduler and none does ShardedAdamW's per-tensor
+host reads.
 
 Both optimisers present the same small interface, which megatron_ba.train.policy uses:
 `step() -> (applied, grad_norm)`, `lr` (get and set), `set_step(step)`, `state_dict()` /
@@ -17,9 +20,10 @@ Both optimisers present the same small interface, which megatron_ba.train.policy
 
 The chunks must be built for the optimiser: bf16 parameters (`model.transformer_config(...,
 precision="bf16")`, wrapped by `model.build_model_chunks` in megatron-core's Float16Module) and
-DDP with `ddp_config_overrides=ddp_overrides(precision)` (the distributed optimiser needs DDP's
-buffers laid out for it). The loss scaling of grpo_step is unchanged: with the distributed
-optimiser DDP reduce-scatters instead of all-reducing, with the same 1/(DP x CP) factor.
+DDP with `ddp_config_overrides=ddp_overrides(precision, device)` (the distributed optimiser
+needs DDP's buffers laid out for it). The loss scaling of grpo_step is unchanged: with the
+distributed optimiser DDP reduce-scatters instead of all-reducing, with the same 1/(DP x CP)
+factor.
 
 Weight decay: megatron-core's optimiser does not decay biases and norm weights (its default
 param groups give them wd_mult 0); ShardedAdamW decays every parameter. They agree when
@@ -45,19 +49,20 @@ def choose_optimizer(device: torch.device, precision: str) -> str:
             f"model.precision: must be one of {', '.join(PRECISIONS)}, got {precision!r}"
         )
     device = torch.device(device)
-    if precision == "bf16":
-        if device.type != "cuda":
-            raise ValueError(
-                f"model.precision: bf16 needs CUDA (megatron-core's mixed-precision optimiser); "
-                f"this rank's device is {device}: use model.precision: fp32"
-            )
+    if device.type == "cuda":
         return MEGATRON_CORE
+    if precision == "bf16":
+        raise ValueError(
+            f"model.precision: bf16 needs CUDA (megatron-core's mixed-precision optimiser); "
+            f"this rank's device is {device}: use model.precision: fp32"
+        )
     return SHARDED_ADAMW
 
 
-def ddp_overrides(precision: str) -> dict[str, Any]:
-    """DistributedDataParallelConfig fields for chunks that `precision`'s optimiser steps."""
-    if precision == "bf16":
+def ddp_overrides(precision: str, device) -> dict[str, Any]:
+    """DistributedDataParallelConfig fields for chunks that the optimiser of `precision` on
+    `device` steps (see `choose_optimizer`)."""
+    if choose_optimizer(device, precision) == MEGATRON_CORE:
         # ZeRO-1: DDP lays its buffers out for the distributed optimiser and reduce-scatters the
         # gradients (fp32 buffers: the main gradients the fp32 main weights step with).
         return {"use_distributed_optimizer": True, "grad_reduce_in_fp32": True}
@@ -85,7 +90,7 @@ def optimizer_config(opt, *, precision: str):
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         main_params_dtype=torch.float32,  # fp32 main weights
         main_grads_dtype=torch.float32,
-        use_distributed_optimizer=bf16,
+        use_distributed_optimizer=True,  # built only for CUDA runs: ZeRO-1 in either precision
     )
 
 

@@ -73,7 +73,9 @@ class Policy:
         config = transformer_config(spec, cpu=device.type == "cpu", **opts.config_fields())
         build = dict(config=config, layer_spec=opts.layer_spec(spec))
         build["pg_collection"] = opts.pg_collection()
-        chunks = build_model_chunks(spec, ddp_config_overrides=ddp_overrides(m.precision), **build)
+        chunks = build_model_chunks(
+            spec, ddp_config_overrides=ddp_overrides(m.precision, device), **build
+        )
         load_hf_into_chunks(chunks, hf_dir, spec)
         ref_chunks = None
         if recipe.loss.kl_coef > 0:
