@@ -63,3 +63,20 @@ def test_bench_vocab_parallel_device_flag(tmp_path):
     assert d["args"]["device"] == "cpu" and d["memory_kind"] == "VmHWM - VmRSS before"
     assert {r["variant"] for r in d["rows"]} == {"naive", "unchunked", "chunked:8"}
     assert max(r["max_abs_diff_vs_naive"] for r in d["rows"]) < 1e-2
+
+
+def test_in_process_setup_leaves_no_rendezvous_for_children():
+    """A world of one set up in this process (as `bench step` does) and torn down must not
+    leave RANK / MASTER_PORT behind: children launched later (the convert and train commands of
+    other tests) would inherit a rendezvous whose port this process still holds (EADDRINUSE)."""
+    import os
+
+    from megatron_ba.train.distributed import setup, teardown
+
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if any(k in os.environ for k in keys):
+        pytest.skip("this process was launched with a rendezvous of its own")
+    setup(tp=1, pp=1, cp=1, seed=0)
+    assert os.environ["RANK"] == "0"  # the world of one's rendezvous, while it lasts
+    teardown()
+    assert [k for k in keys if k in os.environ] == []

@@ -64,6 +64,9 @@ def rank_device(local_rank: int | None = None) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+_ENV_SET: dict[str, str] = {}  # the variables setup() wrote for a world of one
+
+
 def setup(*, tp: int, pp: int, cp: int, seed: int) -> DistContext:
     """Initialise torch.distributed (NCCL with CUDA, gloo on CPU) and megatron-core's parallel
     state; with CUDA, bind this process to its GPU (cuda:LOCAL_RANK) first, as NCCL needs."""
@@ -71,13 +74,18 @@ def setup(*, tp: int, pp: int, cp: int, seed: int) -> DistContext:
 
     if not collectives.is_initialized():
         if "RANK" not in os.environ:  # a plain `python` launch: a world of one
-            os.environ.update(
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-                RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_RANK="0",
-            )
+            world_of_one = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()),
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+            }
+            # Undone by teardown: a process that sets up in-process (a test, a benchmark) and
+            # later launches children must not hand them this rendezvous (its store's port is
+            # still held here: EADDRINUSE), nor make them believe they are torchrun ranks.
+            _ENV_SET.update(world_of_one)
+            os.environ.update(world_of_one)
     device = rank_device()
     if device.type == "cuda":
         # Before the process group: NCCL's communicators and every `torch.cuda.current_device()`
@@ -127,3 +135,7 @@ def teardown() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     collectives.destroy_process_group()  # a no-op if an in-process vLLM engine did it already
+    for key, value in list(_ENV_SET.items()):
+        if os.environ.get(key) == value:  # unless something else replaced it since
+            del os.environ[key]
+        del _ENV_SET[key]
