@@ -89,7 +89,6 @@ def recipe_to_nemo_overrides(
     recompute = None if p.recompute == "none" else p.recompute
     pairs = [
         ("trainer.num_nodes", num_nodes),
-        ("trainer.precision", "bf16" if recipe.model.precision == "bf16" else 32),
         ("trainer.devices", devices),
         ("model.tensor_model_parallel_size", p.tp),
         ("model.pipeline_model_parallel_size", p.pp),
@@ -97,6 +96,7 @@ def recipe_to_nemo_overrides(
         ("model.activations_checkpoint_granularity", recompute),
         ("model.activations_checkpoint_method", "uniform" if full else None),
         ("model.activations_checkpoint_num_layers", 1 if full else None),
+        ("trainer.precision", "bf16" if recipe.model.precision == "bf16" else 32),
         ("pretrained_checkpoint.restore_from_path", restore),
         ("model.seed", recipe.seed),
         ("trainer.reinforce.max_steps", g.steps),
