@@ -96,7 +96,10 @@ def install() -> list[str]:
         done.append("schedules.torch.zeros")
     from megatron.core.tensor_parallel import random as mcore_random
 
-    if mcore_random._get_cuda_rng_state is not _no_cuda_rng_state:
+    # megatron-core 0.10 (NeMo-Aligner's) has no _get_cuda_rng_state helper to shim: its
+    # recomputation reads torch.cuda directly, and recomputation is not run on CPU there.
+    helper = getattr(mcore_random, "_get_cuda_rng_state", None)
+    if helper is not None and helper is not _no_cuda_rng_state:
         mcore_random._get_cuda_rng_state = _no_cuda_rng_state
         mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
         done.append("tensor_parallel.random._get/_set_cuda_rng_state")
