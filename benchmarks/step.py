@@ -162,22 +162,6 @@ def _batch(args, spec: mm.ModelSpec, chunks, device: torch.device) -> GRPOBatch:
     )
 
 
-def _layer_spec(impl: str, accel: bool, qk_layernorm: bool):
-    """(layer spec or None for build_model_chunks' default local spec, the name used)."""
-    if impl == "auto":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            impl = "local"
-        else:
-            impl = "transformer_engine" if accel else "local"
-    if impl == "local":
-        return None, "local"
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm), impl
-
-
 def _optimizer(chunks, dtype: torch.dtype, device: torch.device):
     """The trainer's own choice (megatron/mcore_optimizer.build_optimizer): ShardedAdamW for
     fp32, megatron-core's distributed optimiser (bf16 params, fp32 main weights) for bf16."""
@@ -243,20 +227,24 @@ def run_benchmark(args) -> dict:
         torch.cuda.set_device(device)  # megatron-core builds parameters on the current device
     setup(tp=1, pp=1, cp=1, seed=args.seed)
     try:
+        from megatron_ba.megatron.build_options import resolve_build_options
         from megatron_ba.megatron.mcore_optimizer import ddp_overrides
 
         spec = _spec(args)
-        overrides: dict = {"bf16": True} if args.dtype == "bf16" else {}
-        if args.recompute == "full":  # keep each layer's input only, redo the layer in backward
-            overrides.update(
-                recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-            )
-        config = mm.transformer_config(spec, cpu=not accel, **overrides)
-        layer_spec, impl = _layer_spec(args.transformer_impl, accel, spec.qk_layernorm)
+        # The trainer's own resolution of precision, layer spec ("auto": Transformer Engine
+        # when it imports on a GPU) and recomputation (train/policy.py builds through it too).
+        opts = resolve_build_options(
+            precision=args.dtype,
+            transformer_impl=args.transformer_impl,
+            recompute=args.recompute,
+            device=device,
+        )
+        impl = opts.transformer_impl
+        config = mm.transformer_config(spec, cpu=not accel, **opts.config_fields())
         chunks = mm.build_model_chunks(
             spec,
             config=config,
-            layer_spec=layer_spec,
+            layer_spec=opts.layer_spec(spec),
             # the distributed optimiser needs DDP's contiguous buffers (as the trainer builds)
             ddp_config_overrides=ddp_overrides(args.dtype, device),
         )
