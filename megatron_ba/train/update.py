@@ -80,12 +80,16 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     groups_per = exp.num_groups // m
     parts = []
     for j in range(m):
-        rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
         budget = r.parallel.max_tokens_per_microbatch
+        seq_tokens = None
         if budget:  # DP shards balanced by tokens (groups may split: the plan is all-reduced)
             mini = exp.rows(1, 0, mini_batches=m, index=j)
-            shards = balanced_dp_shards(response_end(exp.response_mask[mini]), ctx.dp)
-            rows = mini[torch.tensor(shards[ctx.dp_rank], dtype=torch.long)]
+            ends = response_end(exp.response_mask[mini])  # one host read per mini-batch
+            mine = balanced_dp_shards(ends, ctx.dp)[ctx.dp_rank]
+            rows = mini[torch.tensor(mine, dtype=torch.long)]
+            seq_tokens = [ends[i] for i in mine]
+        else:
+            rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
         n_local = len(rows)
         mbs = min(r.parallel.micro_batch_size, n_local)
         kw = dict(
@@ -93,7 +97,7 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             temperature=r.grpo.temperature,
             chunk_size=r.parallel.logprob_chunk_size,
             max_tokens_per_microbatch=budget,
-            seq_tokens=response_end(exp.response_mask[rows]) if budget else None,
+            seq_tokens=seq_tokens,
             cp_mode=cp_mode,
         )
         old, entropy = compute_logprobs(chunks, exp.tokens[rows], with_entropy=True, **kw)
