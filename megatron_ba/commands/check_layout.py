@@ -81,18 +81,18 @@ def unsupported_megatron_core() -> str | None:
     """Why the installed megatron-core cannot run the layout check, or None.
 
     The check builds its model with megatron-core's process-group collections
-    (`megatron.core.process_groups_config`, absent in 0.10) and is tested with 0.16.1.
+    (`megatron.core.process_groups_config`, absent in 0.10) and is tested with 0.16.1 and 0.19.
     """
-    import importlib.util
-
     from megatron.core import package_info
 
-    if importlib.util.find_spec("megatron.core.process_groups_config") is None:
+    from megatron_ba.megatron.mcore_compat import has_pg_collection
+
+    if not has_pg_collection():
         return (
             f"megatron-core {package_info.__version__} is not supported: the layout check needs "
-            "megatron.core.process_groups_config (megatron-core 0.16.1 is tested; 0.10, "
-            "NeMo-Aligner 0.7.0's, lacks it). Under megatron-core 0.10 the GRPO loss is checked "
-            "inside NeMo-Aligner by tests/nemo/ (bash scripts/run_nemo_tests.sh)"
+            "megatron.core.process_groups_config (megatron-core 0.16.1 through 0.19 are tested; "
+            "0.10, NeMo-Aligner 0.7.0's, lacks it). Under megatron-core 0.10 the GRPO loss is "
+            "checked inside NeMo-Aligner by tests/nemo/ (bash scripts/run_nemo_tests.sh)"
         )
     return None
 

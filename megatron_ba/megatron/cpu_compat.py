@@ -55,9 +55,41 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+class _NullStream:
+    """A CUDA stream's waiting interface with nothing to wait for (a CPU process has no streams)."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CudaOnCpu(types.SimpleNamespace):
+    """torch.cuda as seen by a shimmed megatron-core module: `current_stream()` is a stream
+    with nothing to wait for (megatron-core >= 0.19's DDP grad sync waits on it for CUDA-graph
+    replays), `current_device()` is "cpu"; everything else is torch.cuda's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _NullStream:
+        return _NullStream()
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+
 class _TorchWithCpuZeros(types.SimpleNamespace):
-    """torch as seen by megatron-core's schedules module: `zeros(device="cuda")` lands on the
-    CPU (the literal "cpu" is what this CPU-only shim exists for)."""
+    """torch as seen by a shimmed megatron-core module: `zeros(device="cuda")` lands on the
+    CPU (the literal "cpu" is what this CPU-only shim exists for) and `cuda` is `_CudaOnCpu`."""
+
+    cuda = _CudaOnCpu()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -78,6 +110,24 @@ def _set_no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None  # ... and nothing to restore
 
 
+def _modules_seeing_cpu_torch() -> list[types.ModuleType]:
+    """The megatron-core modules whose view of torch is shimmed: the schedules (their
+    `total_num_tokens` counter) and, where it exists, the DDP bucket module (0.19's
+    `start_grad_sync` reads `torch.cuda.current_stream()`)."""
+    import importlib
+
+    out = []
+    for name in (
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.distributed.param_and_grad_buffer",
+    ):
+        try:
+            out.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return out
+
+
 def install() -> list[str]:
     """Install the CPU shims (idempotent). Returns the shims installed by this call."""
     if torch.cuda.is_available():
@@ -89,11 +139,10 @@ def install() -> list[str]:
     if torch.cuda.current_device is not _cpu_current_device:
         torch.cuda.current_device = _cpu_current_device
         done.append("torch.cuda.current_device")
-    from megatron.core.pipeline_parallel import schedules
-
-    if not isinstance(schedules.torch, _TorchWithCpuZeros):
-        schedules.torch = _TorchWithCpuZeros()
-        done.append("schedules.torch.zeros")
+    for module in _modules_seeing_cpu_torch():
+        if not isinstance(module.torch, _TorchWithCpuZeros):
+            module.torch = _TorchWithCpuZeros()
+            done.append(f"{module.__name__.removeprefix('megatron.core.')}.torch")
     from megatron.core.tensor_parallel import random as mcore_random
 
     # megatron-core 0.10 (NeMo-Aligner's) has no _get_cuda_rng_state helper to shim: its

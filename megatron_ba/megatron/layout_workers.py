@@ -169,14 +169,14 @@ def _max_rel_err(tensors: dict, refs: dict) -> float:
 def _cp_layout_matches_megatron(tokens: torch.Tensor) -> bool:
     """Our CP shard of the tokens is megatron-core's get_batch_on_this_cp_rank (real CP group)."""
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
+    from megatron_ba.megatron.mcore_compat import cp_shard_batch
     from megatron_ba.parallel.layout import cp_shard
 
     cp = parallel_state.get_context_parallel_world_size()
     rank = parallel_state.get_context_parallel_rank()
     group = parallel_state.get_context_parallel_group()
-    theirs = get_batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=group)["tokens"]
+    theirs = cp_shard_batch({"tokens": tokens.clone()}, group)["tokens"]
     return bool(torch.equal(theirs, cp_shard(tokens, cp=cp, rank=rank, dim=1)))
 
 

@@ -1,0 +1,44 @@
+"""What differs between the megatron-core releases this project runs on, decided by feature.
+
+Supported: megatron-core 0.16.1 (Python 3.11, `.venv`) through 0.19.x (Python >= 3.12,
+`.venv-current`), both tested in CI; docs/versions.md has the table. NeMo-Aligner's own
+environment runs megatron-core 0.10, where only the NeMo-Aligner actor is supported.
+
+Each helper below asks the installed megatron-core whether it has a feature (a parameter, a
+module) and never compares version strings, so a patch release that back-ports a change is read
+correctly. The one exception is the loss-scale table of megatron_ba.megatron.scaling: a change in
+what the schedules divide by leaves no signature to detect, and both ends of the range are
+proven by the layout check.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+
+@functools.cache
+def _parameters(fn) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def cp_shard_batch(batch: dict[str, Any], cp_group) -> dict[str, Any]:
+    """megatron-core's own context-parallel split of a padded batch (`get_batch_on_this_cp_rank`).
+
+    0.19 made `is_hybrid_cp` a required positional argument (hybrid CP needs packed `cu_seqlens`,
+    which a padded batch has not); 0.16 has no such argument.
+    """
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in _parameters(get_batch_on_this_cp_rank):
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
+
+
+def has_pg_collection() -> bool:
+    """Whether models take explicit process groups (`megatron.core.process_groups_config`,
+    0.14 on): the layout check's CP-at-the-loss model needs it."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.core.process_groups_config") is not None
