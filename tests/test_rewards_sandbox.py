@@ -235,3 +235,26 @@ def test_fallbacks_without_namespaces_still_contain(tmp_path):
     limits = SandboxLimits(timeout_s=1.0, processes=8)
     assert run_program(bomb, [""], limits=limits, namespaces=False).outputs[0].status == "timeout"
     assert sandbox_processes() == []
+
+
+def test_the_sandbox_runs_this_interpreter_with_its_own_libpython():
+    """The bound interpreter loads its own shared libpython, not the system's (or none: an
+    interpreter under /root built with --enable-shared exited 127 there, and every program,
+    right or wrong, scored 0.0)."""
+    run = run_program("import sys; print(sys.version)", [""])
+    assert run.outputs[0].status == "ok", run
+    assert run.outputs[0].stdout.strip() == sys.version
+
+
+def test_a_runner_that_never_starts_is_an_error_not_a_zero(monkeypatch, tmp_path):
+    """No ready handshake from the runner: the sandbox failed, so code_score raises rather
+    than score the program 0.0. The control: the same call with the real runner scores 1.0."""
+    from megatron_ba.rewards import sandbox
+
+    tests = stdin_test("cba\n", "abc\n")
+    assert code_score(fenced("print(input()[::-1])"), tests) == 1.0
+    dead = tmp_path / "runner.py"
+    dead.write_text("import sys\nsys.exit(127)\n")  # as an interpreter that cannot load
+    monkeypatch.setattr(sandbox, "RUNNER", dead)
+    with pytest.raises(sandbox.SandboxError, match="never started"):
+        code_score(fenced("print(input()[::-1])"), tests)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_metrics import trajectory, trajectory_mismatches
 
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
@@ -116,24 +117,6 @@ def test_killed_run_resumes_with_the_saved_state(resumed_run):
     assert r["run_hf"] and not r["checkpoint_hf"]
 
 
-def _trajectory(run_dir: Path) -> list[dict]:
-    """Every metrics line without its wall-clock timings (the only thing allowed to differ)."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")} for x in lines]
-
-
-def trajectory_mismatches(a: list[dict], b: list[dict]) -> list[str]:
-    """The first differences between two runs' metrics, bit for bit ([] when identical)."""
-    if [r["step"] for r in a] != [r["step"] for r in b]:
-        return [f"steps {[r['step'] for r in a]} != {[r['step'] for r in b]}"]
-    out = []
-    for ra, rb in zip(a, b, strict=True):
-        for k in sorted(set(ra) | set(rb)):
-            if ra.get(k, "absent") != rb.get(k, "absent"):
-                out.append(f"step {ra['step']} {k}: {ra.get(k, 'absent')} != {rb.get(k, 'absent')}")
-    return out
-
-
 def test_resumed_run_follows_the_uninterrupted_trajectory(resumed_run, cache_dir, tmp_path):
     killed_dir, step, _ = resumed_run
     straight = tmp_path / "straight"
@@ -146,7 +129,7 @@ def test_resumed_run_follows_the_uninterrupted_trajectory(resumed_run, cache_dir
     assert not [x for x in terminal if "INFO" in x or "WARNING" in x or "warn" in x.lower()]
     log = (straight / "logs" / "rank-0.log").read_text()
     assert "Loading safetensors checkpoint shards" in log  # vLLM's weight loader, not ours
-    a, b = _trajectory(straight), _trajectory(killed_dir)
+    a, b = trajectory(straight), trajectory(killed_dir)
     assert trajectory_mismatches(a, b) == [], f"resumed from step {step}"
     samples = [json.loads(x)["step"] for x in (killed_dir / "samples.jsonl").open()]
     assert samples == sorted(samples) and len(samples) == len(set(samples)) * 4  # none twice

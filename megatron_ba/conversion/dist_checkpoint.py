@@ -107,6 +107,9 @@ def load_sharded(sharded_sd: dict, ckpt_dir: str | Path) -> dict:
     """`dist_checkpointing.load`: the tensors of `sharded_sd`'s keys, resharded to this layout."""
     from megatron.core import dist_checkpointing
 
+    from megatron_ba.megatron.mcore_compat import check_checkpoint_readable
+
+    check_checkpoint_readable(ckpt_dir)
     return dist_checkpointing.load(sharded_sd, str(ckpt_dir))
 
 

@@ -168,8 +168,13 @@ def seed_model_parallel_rng(seed: int) -> None:
     from megatron.core import tensor_parallel
 
     seed_fn = tensor_parallel.model_parallel_cuda_manual_seed
-    if "inference_rng_tracker" in inspect.signature(seed_fn).parameters:
-        seed_fn(seed, inference_rng_tracker=True)
+    params = inspect.signature(seed_fn).parameters
+    if "inference_rng_tracker" in params:
+        # force_reset: a tracker made earlier in this process by a plain get_cuda_rng_tracker()
+        # (megatron-core's default, which reads CUDA generator states) would otherwise be kept
+        # and fail on the first add().
+        reset = {"force_reset_rng": True} if "force_reset_rng" in params else {}
+        seed_fn(seed, inference_rng_tracker=True, **reset)
     else:
         # megatron-core 0.10 (NeMo-Aligner 0.7.0's) has no CUDA-free tracker: its
         # CudaRNGStatesTracker.add calls torch.cuda.get_rng_state. Install one whose fork() is a

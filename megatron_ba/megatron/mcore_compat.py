@@ -42,3 +42,27 @@ def has_pg_collection() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("megatron.core.process_groups_config") is not None
+
+
+def check_checkpoint_readable(ckpt_dir) -> None:
+    """ValueError when this megatron-core cannot read the torch_dist checkpoint in `ckpt_dir`.
+
+    megatron-core 0.19 writes a checkpoint's common (non-tensor) state inside its `.distcp`
+    files and still reads the older separate `common.pt`; 0.16.1 reads `common.pt` only, and
+    without this check fails with a FileNotFoundError deep inside its loader. The feature: 0.19's
+    serialization module knows the older layout as the legacy one.
+    """
+    from pathlib import Path
+
+    from megatron.core import package_info
+    from megatron.core.dist_checkpointing import serialization
+
+    folder = Path(ckpt_dir)
+    if (folder / "common.pt").exists() or hasattr(serialization, "_legacy_common_state_exists"):
+        return
+    raise ValueError(
+        f"checkpoint: {str(folder)!r} keeps its common state inside its .distcp files (written "
+        f"by megatron-core 0.19 or newer), which megatron-core {package_info.__version__} cannot "
+        "read: load it with megatron-core >= 0.19 (.venv-current, scripts/setup_current_env.sh), "
+        "or convert it to Hugging Face there (megatron-ba convert CKPT OUT --to hf)"
+    )

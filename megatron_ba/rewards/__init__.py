@@ -7,7 +7,8 @@
 
 math-verify is imported only inside the scoring workers (a server process of their own, started
 with subprocess: works from unguarded scripts, `python -` and REPLs); a failure of the
-scoring machinery raises MathRewardError, never a 0.0. The sandbox needs the stdlib alone.
+scoring machinery raises MathRewardError, never a 0.0; a sandbox whose runner never started
+raises SandboxError, never a 0.0. The sandbox needs the stdlib alone.
 """
 
 from megatron_ba.rewards.code import code_score, extract_code, run_tests
@@ -20,12 +21,13 @@ from megatron_ba.rewards.math_pool import (
     math_score,
     math_score_batch,
 )
-from megatron_ba.rewards.sandbox import SandboxLimits, SandboxRun, run_program
+from megatron_ba.rewards.sandbox import SandboxError, SandboxLimits, SandboxRun, run_program
 
 __all__ = [
     "MathRewardError",
     "MathRewardPool",
     "MathScores",
+    "SandboxError",
     "SandboxLimits",
     "SandboxRun",
     "code_score",

@@ -142,6 +142,12 @@ def _start_runner(cfg: dict, python: str, workdir: str) -> int:
             "LANG": "C.UTF-8",
             "OMP_NUM_THREADS": "1",
         }
+        if python.startswith(PYTHON_MOUNT + "/") and cfg.get("python_libdir_rel"):
+            # The bound interpreter's RUNPATH names its libpython where the caller installed it
+            # (e.g. under /root, which the sandbox uid cannot traverse): point the loader at the
+            # bound copy. Without it an interpreter built with --enable-shared exits 127 (or
+            # silently loads the system's libpython of the same version, where there is one).
+            env["LD_LIBRARY_PATH"] = os.path.join(PYTHON_MOUNT, cfg["python_libdir_rel"])
         os.execve(python, [python, "-I", "-S", "runner.py"], env)
     except BaseException as exc:  # report and die, never return into the launcher
         os.write(2, f"sandbox runner setup failed: {exc!r}\n".encode())

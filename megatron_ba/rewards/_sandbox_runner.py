@@ -4,7 +4,8 @@ Started by _sandbox_launch.py as `python -I -S runner.py` inside the sandbox's p
 directory, as the throw-away sandbox uid, with payload.json beside it:
     {"mode": "stdio" | "call", "program": str, "inputs": [str, ...], "func_name": str | None,
      "timeout_s": float, "max_output_bytes": int, "block_sockets": bool, "header": str}
-For every input it writes one JSON line to stdout:
+It first writes {"ready": true} (before any model code runs), then for every input one JSON
+line to stdout:
     {"i": 0, "status": "ok" | "timeout" | "error", "stdout": "..."}     (stdio mode)
     {"i": 0, "status": "ok" | "timeout" | "error", "result": "<json>"}  (call mode)
 and stops at the first test that does not end "ok" (that test already fails the program).
@@ -136,6 +137,9 @@ def main() -> int:
     out_fd = os.dup(1)  # the result channel; fd 1 itself goes to /dev/null for model code
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
+    # Before any model code runs: the caller tells "the runner never started" (a broken
+    # interpreter, a failed set-up: an error) from "the program failed" (a score of 0).
+    _emit(out_fd, {"ready": True})
     if payload["mode"] == "stdio":
         run_stdio(payload, out_fd)
     else:

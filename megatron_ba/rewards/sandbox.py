@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import uuid
@@ -72,6 +73,10 @@ class TestOutput:
     status: str  # "ok" | "timeout" | "error" | "not_run"
     stdout: str | None = None  # stdio mode
     result: str | None = None  # call mode: the JSON text of the return value
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program in it): nothing was scored."""
 
 
 @dataclass
@@ -231,6 +236,7 @@ def run_program(
             "tmpfs_bytes": int(limits.tmpfs_bytes),
             "python_prefix": sys.base_prefix,
             "python_rel": str(base_python.relative_to(sys.base_prefix)) if base_python else "",
+            "python_libdir_rel": _libdir_under_base_prefix(),
             "python_fallback": _fallback_python(),
             "fallback_workdir": str(fallback_work),
             "runner_src": str(RUNNER),
@@ -245,6 +251,19 @@ def run_program(
             cgroups.remove()
         shutil.rmtree(private, ignore_errors=True)
         shutil.rmtree(fallback_work, ignore_errors=True)
+
+
+def _libdir_under_base_prefix() -> str:
+    """Where the interpreter's shared libpython lives, relative to sys.base_prefix ("" when it
+    is elsewhere or static): the launcher points the bound interpreter's loader there."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not libdir:
+        return ""
+    try:
+        rel = Path(os.path.realpath(libdir)).relative_to(os.path.realpath(sys.base_prefix))
+    except ValueError:
+        return ""
+    return str(rel)
 
 
 def _base_interpreter() -> Path | None:
@@ -292,15 +311,28 @@ def _launch(private: Path, config: dict, n_inputs: int, cgroups, limits) -> Sand
     status.setdefault("status", "error")
     if status_lines and not status_lines[-1].startswith("{"):
         status["detail"] = status_lines[-1][:500]
-    outputs = _read_outputs(result_path, n_inputs, limits)
+    outputs, ready = _read_outputs(result_path, n_inputs, limits)
+    if not ready:
+        raise SandboxError(
+            f"the sandbox's runner never started (launcher status {status}): no program was "
+            "run, so no score can be given; the interpreter or the sandbox set-up is broken"
+        )
     return SandboxRun(outputs, status.pop("status"), status, elapsed)
 
 
-def _read_outputs(path: Path, n_inputs: int, limits: SandboxLimits) -> list[TestOutput]:
+def _read_outputs(
+    path: Path, n_inputs: int, limits: SandboxLimits
+) -> tuple[list[TestOutput], bool]:
+    """The per-input outputs, and whether the runner's first line was its ready handshake."""
     outputs: dict[int, TestOutput] = {}
     with open(path, "rb") as f:
         data = f.read(limits.file_size_bytes)
-    for line in data.splitlines():
+    lines = data.splitlines()
+    try:
+        ready = json.loads(lines[0]) == {"ready": True} if lines else False
+    except ValueError:
+        ready = False
+    for line in lines[1:] if ready else lines:
         try:
             rec = json.loads(line)
             i = int(rec["i"])
@@ -315,4 +347,4 @@ def _read_outputs(path: Path, n_inputs: int, limits: SandboxLimits) -> list[Test
                 out if isinstance(out, str) else None,
                 res if isinstance(res, str) else None,
             )
-    return [outputs.get(i, TestOutput("not_run")) for i in range(n_inputs)]
+    return [outputs.get(i, TestOutput("not_run")) for i in range(n_inputs)], ready
