@@ -1,7 +1,8 @@
 """requirements/gpu.txt (the GPU cluster environment) and the scripts around it: its pins agree
 with requirements/current.txt's; the report checks of scripts/gpu_requirements.py on made-up pip
 reports, each beside a control that differs in one property; the container route's plan; and
-(slow) pip's resolver on the real file and on planted conflicts (scripts/check_gpu_requirements.sh).
+(slow) pip's resolver on the real file and on planted conflicts (scripts/check_gpu_requirements.sh),
+the container route's dry run against a stand-in container Python, and the set-up script's refusals.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU = ROOT / "requirements/gpu.txt"
 CURRENT = ROOT / "requirements/current.txt"
 CHECK = ROOT / "scripts/check_gpu_requirements.sh"
+SETUP = ROOT / "scripts/setup_gpu_env.sh"
 # The packages both environments must pin alike (the stack the megatron-core 0.19 CPU suite runs).
 SHARED = ["transformers", "tokenizers", "safetensors", "numpy", "pyyaml", "datasets", "pyarrow",
           "math-verify", "latex2sympy2-extended", "matplotlib", "tqdm", "torch",
@@ -227,7 +229,7 @@ def test_container_plan_uses_the_containers_vllm_and_needs_torch():
 def test_shellcheck_clean():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
-    p = subprocess.run(["shellcheck", "-x", str(CHECK)], cwd=ROOT,
+    p = subprocess.run(["shellcheck", "-x", str(CHECK), str(SETUP)], cwd=ROOT,
                        capture_output=True, text=True)  # fmt: skip
     assert p.returncode == 0, p.stdout
 
@@ -293,3 +295,139 @@ def test_resolver_check_arguments(tmp_path):
     assert p.returncode == 2 and "--report: needs a file path" in p.stderr
     p = _run(["bash", str(CHECK), "--frobnicate"])
     assert p.returncode == 2 and "unknown option --frobnicate" in p.stderr
+
+
+# -- scripts/setup_gpu_env.sh -----------------------------------------------------------------
+def _path_with_fake_smi(tmp_path, gpu: bool) -> str:
+    """PATH whose nvidia-smi lists one GPU (gpu=True) or is absent (only this PATH's tools)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    if gpu:
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+        smi.chmod(0o755)
+    # the system's tools, minus any directory that holds a real nvidia-smi
+    dirs = [d for d in os.environ["PATH"].split(":") if not Path(d, "nvidia-smi").exists()]
+    return ":".join([str(bin_dir), *dirs])
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_setup_refuses_without_a_gpu(tmp_path, gpu):
+    # Both runs point at a folder that is not a venv: with a GPU the script gets past the GPU
+    # check and stops there (the control), without one it stops at the GPU check.
+    target = tmp_path / "not-a-venv"
+    target.mkdir()
+    (target / "data.txt").write_text("mine")
+    p = _run(["bash", str(SETUP), str(target)], env={"PATH": _path_with_fake_smi(tmp_path, gpu)})
+    assert p.returncode in (2, 3), p.stdout + p.stderr
+    if gpu:
+        if p.returncode == 3:
+            pytest.skip("no Python 3.12 interpreter here")
+        assert "1 GPU(s): GPU 0: NVIDIA H100" in p.stdout
+        assert "exists and is not a virtual environment" in p.stderr
+        assert "no GPU here" not in p.stderr
+    else:
+        assert p.returncode == 2
+        assert "no GPU here: nvidia-smi is not on PATH" in p.stderr
+        assert "--dry-run" in p.stderr  # says how to preview instead
+    assert (target / "data.txt").read_text() == "mine"  # nothing touched
+
+
+def test_setup_argument_errors(tmp_path):
+    cases = [
+        (["--bogus"], "unknown option --bogus"),
+        (["--no-resolve"], "--no-resolve goes with --dry-run"),
+        (["--system", "somewhere"], "--system installs into this Python: give no VENV"),
+        (["--requirements", str(tmp_path / "x.txt")], "--requirements: "),
+        (["a", "b"], "one VENV only"),
+    ]
+    for args, msg in cases:
+        p = _run(["bash", str(SETUP), *args])
+        assert p.returncode == 2, (args, p.stderr)
+        assert msg in p.stderr, (args, p.stderr)
+
+
+def test_setup_dry_run_prints_the_venv_plan(tmp_path):
+    venv = tmp_path / "gpu-env"
+    p = _run(["bash", str(SETUP), "--dry-run", "--no-resolve", str(venv)],
+             env={"PATH": _path_with_fake_smi(tmp_path, False)})  # fmt: skip
+    if p.returncode == 3:
+        pytest.skip("no Python 3.12 interpreter here")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "dry run on a machine without a GPU" in out
+    steps = [line.strip() for line in out.splitlines() if line.startswith("  + ")]
+    assert steps[0].endswith(f"-m venv {venv}")
+    assert steps[1] == f"+ {venv}/bin/python -m pip install -q -r requirements/pip.txt"
+    assert steps[2] == f"+ {venv}/bin/python -m pip install --only-binary=:all: -r {GPU}"
+    assert steps[3] == (f"+ {venv}/bin/python -m pip install --no-build-isolation -c {GPU} "
+                        "transformer-engine-torch==2.20.2")  # fmt: skip
+    assert steps[4] == f"+ {venv}/bin/python -m pip install --no-deps -e ."
+    assert not venv.exists()  # a dry run creates nothing
+
+
+def _fake_container_python(tmp_path, torch_version: str, pip: bool = False) -> Path:
+    """A Python 3.12 venv holding only a stand-in `torch` distribution at torch_version (what
+    `pip list` sees in a PyTorch container). pip=True: requirements/pip.txt's pip in it (a recent
+    pip's fast-deps reads 31 MB where the interpreter's bundled pip 23.2 read 170 MB)."""
+    p = subprocess.run(["bash", "-c", f". {ROOT}/scripts/env_lib.sh && find_python 3.12"],
+                       capture_output=True, text=True)  # fmt: skip
+    if p.returncode != 0:
+        pytest.skip("no Python 3.12 interpreter here")
+    venv = tmp_path / f"container-{torch_version}"
+    subprocess.run([p.stdout.strip(), "-m", "venv", str(venv)], check=True)
+    site = next(venv.glob("lib/python3.12/site-packages"))
+    (site / "torch").mkdir()
+    (site / "torch/__init__.py").write_text(f'__version__ = "{torch_version}"\n')
+    info = site / f"torch-{torch_version}.dist-info"
+    info.mkdir()
+    meta = f"Metadata-Version: 2.1\nName: torch\nVersion: {torch_version}\n"
+    (info / "METADATA").write_text(meta)
+    (info / "RECORD").write_text("torch/__init__.py,,\n")
+    if pip:
+        pip_txt = ROOT / "requirements/pip.txt"
+        cmd = [venv / "bin/python", "-m", "pip", "install", "-q", "-r", pip_txt]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            pytest.skip("could not install requirements/pip.txt: the package registry unreachable?")
+    return venv / "bin/python"
+
+
+def test_setup_system_dry_run_plan(tmp_path):
+    py = _fake_container_python(tmp_path, "2.8.0a0+5228986c39.nv25.6")
+    path = _path_with_fake_smi(tmp_path, False)
+    p = _run(["bash", str(SETUP), "--dry-run", "--no-resolve", "--system"],
+             env={"PYTHON": str(py), "PATH": path})  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    kept = "constraints (the container's builds, kept): torch==2.8.0a0+5228986c39.nv25.6"
+    assert kept in p.stdout
+    assert "vllm: NOT installed" in p.stdout and "venv route" in p.stdout
+    (todo,) = [line for line in p.stdout.splitlines() if "to install: " in line]
+    assert "megatron-core==0.19.2" in todo and "vllm" not in todo and "torch==" not in todo
+    # a Python that is not 3.12 is refused by name
+    p = _run(["bash", str(SETUP), "--dry-run", "--no-resolve", "--system"],
+             env={"PYTHON": sys.executable, "PATH": path})  # fmt: skip
+    if sys.version_info[:2] != (3, 12):
+        assert p.returncode == 2 and f"is Python {sys.version_info[0]}.{sys.version_info[1]}" in (
+            p.stderr
+        )
+
+
+@pytest.mark.slow
+def test_setup_system_dry_run_resolves_beside_the_containers_torch(tmp_path):
+    # The container route's install set resolves against a torch that is not the registry's
+    # (an NGC-style build): nothing in it may need to replace that torch. Control: a container
+    # torch older than megatron-core 0.19's torch>=2.6.0 must fail to resolve.
+    path = _path_with_fake_smi(tmp_path, False)
+    py = _fake_container_python(tmp_path, "2.8.0a0+5228986c39.nv25.6", pip=True)
+    p = _run(["bash", str(SETUP), "--dry-run", "--system"], env={"PYTHON": str(py), "PATH": path})
+    if p.returncode == 1 and "NewConnectionError" in p.stdout + p.stderr:
+        pytest.skip("the package registry cannot be reached")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "ok: resolves in this Python, the container's builds kept" in p.stdout
+    assert "megatron-core-0.19.2" in p.stdout  # pip's "Would install" line
+
+    old = _fake_container_python(tmp_path, "2.5.0", pip=True)
+    p = _run(["bash", str(SETUP), "--dry-run", "--system"], env={"PYTHON": str(old), "PATH": path})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "megatron-core 0.19.2 depends on torch>=2.6.0" in p.stdout
+    assert "pip cannot install that into this Python" in p.stderr
