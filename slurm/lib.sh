@@ -132,10 +132,11 @@ mba_plan() {
     esac
     mba_find_python "$home"
     mba_check_python
-    # What runs in the job: this interpreter and the torchrun beside it; in a container, the
-    # container's own (PYTHON and TORCHRUN, when set, are used as given).
+    # What runs in the job: this interpreter and the torchrun beside it (TORCHRUN overrides it);
+    # in a container (CONTAINER) the image's python3 and torchrun: this interpreter only reads
+    # the recipe here, outside the container.
     if [[ -n ${CONTAINER:-} ]]; then
-        read -r -a MBA_JOB_PYTHON <<<"${PYTHON:-python3}"
+        MBA_JOB_PYTHON=(python3)
         read -r -a MBA_TORCHRUN <<<"${TORCHRUN:-torchrun}"
     else
         MBA_JOB_PYTHON=("${MBA_PYTHON[@]}")

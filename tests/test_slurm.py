@@ -101,7 +101,8 @@ def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
     assert "--container-mounts=/data:/data " in cmd
     if backend == "local":
         assert "--ntasks-per-node=1 " in cmd
-        assert f"torchrun --nnodes={nodes} --nproc-per-node=8 --rdzv-backend=c10d" in cmd
+        # in the container: the image's torchrun, not the one beside the launcher's interpreter
+        assert f" torchrun --nnodes={nodes} --nproc-per-node=8 --rdzv-backend=c10d" in cmd
         assert (
             f"-m megatron_ba.cli train {TP2} backend=local parallel.pp=2 "
             "parallel.micro_batch_size=2 --run-dir"
@@ -110,7 +111,8 @@ def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
     else:
         assert "--ntasks-per-node=8 " in cmd
         assert (
-            f"-m megatron_ba.integrations.nemo_aligner.train_grpo ++trainer.num_nodes={nodes} "
+            f" python3 -m megatron_ba.integrations.nemo_aligner.train_grpo "
+            f"++trainer.num_nodes={nodes} "
             "++trainer.devices=8 ++model.tensor_model_parallel_size=2 "
             "++model.pipeline_model_parallel_size=2 "
         ) in cmd
