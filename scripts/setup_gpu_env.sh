@@ -28,7 +28,7 @@
 # constraints that pin the container's torch and the rest of its compiled stack (numpy, triton,
 # Transformer Engine, ...; scripts/gpu_requirements.py CONTAINER_KEEPS) at their installed
 # versions, so none of them is replaced. vLLM 0.32.0 from the registry pins torch==2.13.0: where
-# the container's torch is another version (an NGC build such as 2.x.0a0+<commit> always is), vLLM
+# the container's torch is another version (an NGC build, versioned like 2.x.0a0+<commit>, is), vLLM
 # cannot be installed from the registry into that container; the script says so and leaves it
 # out: use a container that ships its own vLLM (it is then used), or the venv route.
 #
