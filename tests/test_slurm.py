@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,6 +40,9 @@ SMALL = [
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_JOB")}
     env["PYTHONPATH"] = str(ROOT) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    # The launcher runs this interpreter (and the torchrun beside it), activated or not; the
+    # tests of how it finds one without PYTHON are below (_no_env).
+    env.setdefault("PYTHON", sys.executable)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -97,7 +101,8 @@ def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
     assert "--container-mounts=/data:/data " in cmd
     if backend == "local":
         assert "--ntasks-per-node=1 " in cmd
-        assert f"torchrun --nnodes={nodes} --nproc-per-node=8 --rdzv-backend=c10d" in cmd
+        # in the container: the image's torchrun, not the one beside the launcher's interpreter
+        assert f" torchrun --nnodes={nodes} --nproc-per-node=8 --rdzv-backend=c10d" in cmd
         assert (
             f"-m megatron_ba.cli train {TP2} backend=local parallel.pp=2 "
             "parallel.micro_batch_size=2 --run-dir"
@@ -106,7 +111,8 @@ def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
     else:
         assert "--ntasks-per-node=8 " in cmd
         assert (
-            f"-m megatron_ba.integrations.nemo_aligner.train_grpo ++trainer.num_nodes={nodes} "
+            f" python3 -m megatron_ba.integrations.nemo_aligner.train_grpo "
+            f"++trainer.num_nodes={nodes} "
             "++trainer.devices=8 ++model.tensor_model_parallel_size=2 "
             "++model.pipeline_model_parallel_size=2 "
         ) in cmd
@@ -131,6 +137,122 @@ def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):
     assert p.returncode == 2
     assert "is not a multiple of parallel.tp x pp x cp = 2 x 2 x 1 = 4" in p.stderr
     assert "--nodes a multiple of 2" in p.stderr and "nothing launched" in p.stderr
+    assert "the allocation does not fit" in p.stderr  # the planner's verdict, and only it
+
+
+def test_a_bad_override_is_not_blamed_on_the_allocation(tmp_path):
+    p = _dry(BATCH, str(TP2), "parallel.nonsense=1", cwd=tmp_path, SLURM_JOB_NODELIST="gpu[1-2]",
+             GPUS_PER_NODE=2)  # fmt: skip
+    assert p.returncode == 2
+    assert "parallel.nonsense" in p.stderr and "were refused (above); nothing launched" in p.stderr
+    assert "allocation" not in p.stderr
+
+
+# -- which interpreter ------------------------------------------------------------------------
+def _bare_python(tmp_path, torch_error: str | None = None) -> Path:
+    """A venv with no packages (no torch); torch_error: a `torch` that raises ImportError with
+    that text on import (an install whose CUDA libraries are missing)."""
+    venv = tmp_path / ("broken-torch" if torch_error else "bare")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    if torch_error:
+        site = next(venv.glob("lib/python3.*/site-packages"))
+        (site / "torch").mkdir()
+        (site / "torch/__init__.py").write_text(f"raise ImportError({torch_error!r})\n")
+    return venv / "bin/python"
+
+
+def _checkout(tmp_path, **venvs: Path) -> Path:
+    """A checkout (links to this one's code) whose .venv-gpu / .venv / .venv-current are links
+    to the given environment folders, as setup scripts leave them."""
+    home = tmp_path / "checkout"
+    home.mkdir()
+    for name in ("slurm", "megatron_ba", "recipes"):
+        (home / name).symlink_to(ROOT / name)
+    for name, target in venvs.items():
+        (home / {"gpu": ".venv-gpu", "main": ".venv", "current": ".venv-current"}[name]).symlink_to(
+            target
+        )
+    return home
+
+
+def _no_env(python3: Path, **extra) -> dict:
+    """The environment of a shell with no project environment: no PYTHON, no VIRTUAL_ENV, and
+    python3 on PATH is `python3` (an interpreter without torch)."""
+    env = _env(DRY_RUN=1, SLURM_JOB_NODELIST="gpu[01-02]", GPUS_PER_NODE=8)
+    env.pop("PYTHON")
+    env.pop("VIRTUAL_ENV", None)
+    env["PATH"] = f"{python3.parent}:/usr/bin:/bin"
+    assert (python3.parent / "python3").exists()  # venv made it
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _launch(home: Path, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(home / "slurm/grpo_balanced.sh"), str(TP2)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_no_environment_says_which_interpreter_and_the_fix(tmp_path):
+    home = _checkout(tmp_path)
+    p = _launch(home, _no_env(_bare_python(tmp_path)), tmp_path)
+    assert p.returncode == 2, p.stderr
+    err = p.stderr
+    assert (
+        "the interpreter python3 (python3 on PATH: no PYTHON, no active virtual environment, "
+        f"no .venv-gpu, .venv or .venv-current in {home})"
+    ) in err
+    assert "cannot import the project (import megatron_ba, torch): No module named 'torch'" in err
+    assert "PYTHON=/path/to/env/bin/python" in err and "bash scripts/setup_gpu_env.sh" in err
+    assert "bash scripts/setup_env.sh" in err
+    assert "Traceback" not in err and "allocation" not in err
+    assert not p.stdout  # no launch command printed
+
+
+def test_python_is_honoured(tmp_path):
+    home = _checkout(tmp_path)
+    bare = _bare_python(tmp_path)
+    p = _launch(home, _no_env(bare, PYTHON=sys.executable), tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert f"# recipe read with {sys.executable} (PYTHON)" in p.stdout
+    beside = Path(sys.executable).parent / "torchrun"
+    if beside.exists():  # the torchrun of that interpreter, not PATH's
+        assert f" {beside} --nnodes=2 --nproc-per-node=8 " in p.stdout
+    # control: the same launch with PYTHON naming the interpreter without torch
+    p = _launch(home, _no_env(bare, PYTHON=bare), tmp_path)
+    assert p.returncode == 2
+    assert f"the interpreter {bare} (PYTHON) cannot import the project" in p.stderr
+    assert "allocation" not in p.stderr
+
+
+def test_the_checkouts_environments_in_order(tmp_path):
+    bare, good = _bare_python(tmp_path), Path(sys.prefix)
+    # .venv-gpu wins over .venv: a broken .venv-gpu is reported, never skipped for .venv
+    home = _checkout(tmp_path, gpu=bare.parent.parent, main=good)
+    p = _launch(home, _no_env(bare), tmp_path)
+    assert p.returncode == 2
+    assert f"the interpreter {home}/.venv-gpu/bin/python (the checkout's .venv-gpu)" in p.stderr
+    # control: the same checkout with a working .venv-gpu launches with it
+    (home / ".venv-gpu").unlink()
+    (home / ".venv-gpu").symlink_to(good)
+    p = _launch(home, _no_env(bare), tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert f"# recipe read with {home}/.venv-gpu/bin/python (the checkout's .venv-gpu)" in p.stdout
+    # an active virtual environment comes before the checkout's
+    p = _launch(home, _no_env(bare, VIRTUAL_ENV=bare.parent.parent), tmp_path)
+    assert p.returncode == 2
+    assert f"{bare.parent.parent}/bin/python (the active virtual environment" in p.stderr
+
+
+def test_an_interpreter_whose_torch_fails_to_import(tmp_path):
+    # torch is there (the cheap look passes) but its import fails: the planner crashes, and the
+    # launcher says the interpreter cannot import the project, with torch's own error
+    home = _checkout(tmp_path)
+    broken = _bare_python(tmp_path, torch_error="libcudart.so.13: cannot open shared object file")
+    p = _launch(home, _no_env(_bare_python(tmp_path), PYTHON=broken), tmp_path)
+    assert p.returncode == 2
+    assert f"the interpreter {broken} (PYTHON) cannot import the project" in p.stderr
+    assert "ImportError: libcudart.so.13: cannot open shared object file" in p.stderr
+    assert "allocation" not in p.stderr
 
 
 def test_nemo_aligner_launch_says_it_is_not_installed(tmp_path):

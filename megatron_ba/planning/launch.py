@@ -7,7 +7,8 @@
 `fit` loads the recipe with its overrides (strictly, as `megatron-ba train` does), checks that
 nodes x GPUs per node holds the recipe's TP x PP x CP a whole number of times (DP is what is
 left), and prints shell assignments (NAME=..., TP=..., DP=..., RUN_NAME=...) for slurm/lib.sh to
-`eval`. When it does not fit it exits 2 with a message saying what to change. `--gpus-per-node 0`
+`eval`. When it does not fit it exits 3 with a message saying what to change; a recipe, override
+or host list it cannot read exits 2 (slurm/lib.sh tells the two apart). `--gpus-per-node 0`
 means "not given and no GPU here": the CPU default, one gloo process per model-parallel rank.
 `--write-recipe PATH` saves the resolved recipe. `hosts` expands a Slurm host list (the fallback
 when `scontrol show hostnames` cannot run, e.g. a DRY_RUN away from any cluster).
@@ -27,6 +28,9 @@ from megatron_ba.recipe import RecipeError, load_recipe
 
 class FitError(ValueError):
     """The allocation cannot hold the recipe's layout; the message says what to change."""
+
+
+FIT_EXIT = 3  # `fit`'s exit status when the allocation cannot hold the layout (2: bad input)
 
 
 def check_fit(tp: int, pp: int, cp: int, nodes: int, gpus_per_node: int) -> dict:
@@ -122,7 +126,7 @@ def _fit(args: argparse.Namespace) -> int:
         fit = check_fit(p.tp, p.pp, p.cp, nodes, gpus)
     except FitError as e:
         print(f"launch: {args.recipe}: {e}", file=sys.stderr)
-        return 2
+        return FIT_EXIT
     if args.write_recipe:
         Path(args.write_recipe).parent.mkdir(parents=True, exist_ok=True)
         recipe.dump(args.write_recipe)
