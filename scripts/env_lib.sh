@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the scripts/setup_*_env.sh scripts (sourced, not run): find an interpreter, and keep
 # each virtual environment in a cache outside the checkout, keyed by the hash of its inputs.
 #
