@@ -25,9 +25,9 @@ needs DDP's buffers laid out for it). The loss scaling of grpo_step is unchanged
 distributed optimiser DDP reduce-scatters instead of all-reducing, with the same 1/(DP x CP)
 factor.
 
-Weight decay: megatron-core's optimiser does not decay biases and norm weights (its default
-param groups give them wd_mult 0); ShardedAdamW decays every parameter. They agree when
-`optimizer.weight_decay` is 0 (every shipped recipe).
+Weight decay: both optimisers take megatron-core's parameter groups (`_get_param_groups`: no
+decay on biases and 1-D parameters such as norm weights), so they decay the same parameters
+(tests/test_optimizer_parity.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,10 @@ optimizer/clip_grads.py, so it cannot):
    model-parallel group (TP x PP). DP and CP ranks hold the same reduced gradient;
 3. clipping by `clip_grad / (norm + 1e-6)` when the norm exceeds `clip_grad` (megatron-core's
    clip_grad_by_total_norm_fp32 factor); a non-finite norm skips the step;
-4. torch.optim.AdamW on the shards (element-wise, so sharding does not change it).
+4. torch.optim.AdamW on the shards (element-wise, so sharding does not change it), with
+   megatron-core's parameter groups: its own `_get_param_groups` decides each parameter's
+   weight-decay and learning-rate multipliers (by default no decay on biases and on 1-D
+   parameters such as norm weights), so the CPU and the GPU optimiser decay the same parameters.
 
 The clip threshold applies to the norm of the global objective's gradient, the same under every
 layout. Parameters must be fp32 (mixed precision keeps fp32 master copies: use megatron-core's
@@ -56,9 +59,17 @@ class ShardedAdamW:
         if bad:
             raise ValueError(f"chunks: ShardedAdamW needs fp32 parameters, got {bad[0]}")
         self.clip_grad = float(clip_grad)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
+        self._lr, self._weight_decay = float(lr), float(weight_decay)
+        groups = megatron_param_groups(chunks, lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+        self._apply_multipliers()
+
+    def _apply_multipliers(self) -> None:
+        """Each group's lr and weight decay: the base values times its multipliers (what
+        megatron-core's OptimizerParamScheduler sets)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr * group["lr_mult"]
+            group["weight_decay"] = self._weight_decay * group["wd_mult"]
 
     def grad_norm(self) -> float:
         """The L2 norm of the whole model's gradient (a collective over TP x PP)."""
@@ -99,12 +110,13 @@ class ShardedAdamW:
 
     @property
     def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
+        """The base learning rate (each group runs it times its lr_mult)."""
+        return self._lr
 
     @lr.setter
     def lr(self, value: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = value
+        self._lr = float(value)
+        self._apply_multipliers()
 
     # -- sharded checkpoints (train/checkpoint.py) -------------------------------------------
     # The Adam moments are saved as megatron-core ShardedTensors keyed like the model's own
@@ -143,7 +155,9 @@ class ShardedAdamW:
                 prefix = f"optimizer.{name}"
                 moments[name][i] = make_sharded_optimizer_tensor(by_id[i], data, prefix)
         group = self.optimizer.param_groups[0]
-        hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        # The base values: the groups' own follow from their multipliers.
+        hyper = {"lr": self._lr, "betas": group["betas"], "eps": group["eps"]}
+        hyper["weight_decay"] = self._weight_decay
         return {**moments, "step": self.step_count(), "hyper": hyper, "clip_grad": self.clip_grad}
 
     def load_sharded(self, state: dict) -> None:
@@ -157,6 +171,30 @@ class ShardedAdamW:
                     "exp_avg": state["exp_avg"][i].to(p.device).clone(),
                     "exp_avg_sq": state["exp_avg_sq"][i].to(p.device).clone(),
                 }
+        hyper = state["hyper"]
         for group in self.optimizer.param_groups:
-            group.update({k: tuple(v) if k == "betas" else v for k, v in state["hyper"].items()})
+            group.update(betas=tuple(hyper["betas"]), eps=hyper["eps"])
+        self._lr, self._weight_decay = float(hyper["lr"]), float(hyper["weight_decay"])
+        self._apply_multipliers()
         self.clip_grad = float(state["clip_grad"])
+
+
+def megatron_param_groups(chunks: list[torch.nn.Module], *, lr: float, weight_decay: float):
+    """torch param groups of `chunks` as megatron-core's optimiser forms them: its own
+    `_get_param_groups` with the overrides `get_megatron_optimizer` applies by default
+    (`get_standard_config_overrides`: wd_mult 0 for biases and 1-D parameters), each group
+    {"params", "wd_mult", "lr_mult"}. The overrides are passed explicitly: 0.16.1's
+    `_get_param_groups` supplies them itself when given None, 0.19's does not. A collective over
+    the world (megatron-core aligns the groups across ranks): every rank calls it."""
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_param_groups,
+        get_standard_config_overrides,
+    )
+
+    config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay)
+    groups = []
+    for g in _get_param_groups(chunks, config, get_standard_config_overrides(config)):
+        if g["params"]:  # megatron-core keeps groups empty on this rank to align the ranks
+            groups.append({"params": g["params"], "wd_mult": g["wd_mult"], "lr_mult": g["lr_mult"]})
+    return groups
