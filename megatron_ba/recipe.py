@@ -185,6 +185,11 @@ class ParallelSection:
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
 
 
+# vLLM's share of each GPU while it generates (weights + KV cache), colocated with training: the
+# one default of `rollout.gpu_memory_utilization`, which the engine and the layout planner read.
+VLLM_GPU_MEMORY_UTILIZATION = 0.6
+
+
 @dataclass
 class RolloutSection:
     engine: str = "vllm"  # vllm | builtin (slower, only when asked for)
@@ -193,6 +198,7 @@ class RolloutSection:
     threads: int | None = None  # torch threads; default: all cores
     engine_tp: int = 1  # each replica's vLLM engine's tensor parallelism (CUDA only above 1)
     sleep: bool = False  # vLLM sleep mode between rollout and update (CUDA only)
+    gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION  # CUDA only; see above
     refit_bucket_mb: int = 256  # MiB of weights per in-memory refit bucket
 
 
@@ -379,6 +385,11 @@ def validate(recipe: Recipe) -> Recipe:
     need(recipe.rollout.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
     need(recipe.rollout.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
     need(recipe.rollout.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
+    need(
+        0 < recipe.rollout.gpu_memory_utilization < 1,
+        "rollout.gpu_memory_utilization",
+        "must be in (0, 1): vLLM's share of the GPU",
+    )
     p = recipe.parallel
     for k in ("tp", "pp", "cp", "micro_batch_size"):
         need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,8 @@ from megatron_ba.planning.memory import (
     load_model,
     stage_params,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 Q7 = PRESETS["Qwen2.5-Math-7B"]
 
@@ -175,3 +178,33 @@ def test_layout_command_json(capsys):
     assert "recipe overrides: parallel.tp=" in text and "optimizer (distributed)" in text
     assert cli_main([*args[:-1], "--group-size", "0"]) == 2
     assert "--group-size: must be >= 1" in capsys.readouterr().err
+
+
+def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):
+    """rollout.gpu_memory_utilization: the planner's default share is the recipe's default, the
+    planner names the key (and rollout.sleep) among its overrides, and the trainer hands the
+    recipe's value to the engine."""
+    import types
+
+    from megatron_ba.generation import vllm_engine
+    from megatron_ba.planning.layout import DEFAULT_VLLM, propose
+    from megatron_ba.planning.memory import VLLMShare, load_model
+    from megatron_ba.recipe import RolloutSection, load_recipe
+    from megatron_ba.train import rollouts
+
+    assert DEFAULT_VLLM.gpu_util == VLLMShare().gpu_util == RolloutSection().gpu_memory_utilization
+    plan = propose(
+        load_model("qwen2.5-math-7b"),
+        nodes=1,
+        gpus_per_node=8,
+        gpu_mem_gib=80,
+        max_response_len=3072,
+        vllm=VLLMShare(0.55, sleeps=True),
+    )
+    assert {"rollout.gpu_memory_utilization=0.55", "rollout.sleep=true"} <= set(plan.overrides())
+    seen = {}
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda *a, **kw: seen.update(kw))
+    recipe = load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["rollout.gpu_memory_utilization=0.45"])
+    policy = types.SimpleNamespace(spec=types.SimpleNamespace(max_position_embeddings=64))
+    rollouts._vllm_engine(recipe, ROOT, policy, None)
+    assert seen["gpu_memory_utilization"] == 0.45

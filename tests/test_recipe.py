@@ -206,7 +206,10 @@ def test_paper_recipe_settings_and_the_planners_layout(path):
     )
     assert out.returncode == 0, out.stderr
     overrides = json.loads(out.stdout)["overrides"]
-    assert r.parallel == load_recipe(path, overrides).parallel, f"the planner says {overrides}"
+    planned = load_recipe(path, overrides)
+    assert r.parallel == planned.parallel, f"the planner says {overrides}"
+    # The colocated engine as the estimate assumes it (its share of the GPU, asleep in training).
+    assert r.rollout == planned.rollout, f"the planner says {overrides}"
 
 
 def test_eval_benchmarks_from_the_command_line():

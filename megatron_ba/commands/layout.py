@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name or HF config.json (or its folder)")
@@ -29,8 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vllm-gpu-util",
         type=float,
-        default=0.6,
-        help="colocated vLLM's share of the GPU while it generates (default 0.6; 0: no vLLM)",
+        default=VLLM_GPU_MEMORY_UTILIZATION,
+        help=(
+            "colocated vLLM's share of the GPU while it generates (the recipe's "
+            f"rollout.gpu_memory_utilization; default {VLLM_GPU_MEMORY_UTILIZATION}; 0: no vLLM)"
+        ),
     )
     p.add_argument(
         "--vllm-awake",

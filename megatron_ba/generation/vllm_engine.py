@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from megatron_ba.generation.samples import Sample
+from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
 def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0, first_index=0):
@@ -91,12 +92,13 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         sleep_mode: bool = False,
         device: torch.device | None = None,
-        gpu_memory_utilization: float = 0.4,
+        gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION,
     ) -> None:
         """device: the trainer rank's CUDA device, where a colocated engine must run (its
         process sees only that device and the next engine_tp - 1); None on CPU.
         gpu_memory_utilization: the engine's share of the GPU (weights + KV cache), leaving the
-        rest to training on the same GPU (CUDA only)."""
+        rest to training on the same GPU (CUDA only; the recipe's
+        `rollout.gpu_memory_utilization`, whose default the layout planner assumes)."""
         cuda = torch.cuda.is_available()
         if tensor_parallel_size != 1 and not cuda:
             raise ValueError(

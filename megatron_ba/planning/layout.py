@@ -29,7 +29,7 @@ from megatron_ba.planning.memory import (
     kv_cache_bytes_per_token,
 )
 
-DEFAULT_VLLM = VLLMShare()  # colocated, 0.6 of the GPU while generating, asleep while training
+DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep while training
 
 
 @dataclass
@@ -44,12 +44,14 @@ class Plan:
     gpus_per_node: int
     gpu_mem_gib: float
     alternatives: list[dict] = field(default_factory=list)
+    vllm: VLLMShare | None = None  # the colocated engine the estimate assumes (None: none)
 
     def overrides(self) -> list[str]:
         """Recipe keys (docs/recipes.md) that select this layout and the settings its estimate
         assumes: sequence parallelism, full recomputation, chunked log-probs (the key only where
         `parallel.logprob_chunk_size: null`'s auto rule would not chunk: micro-batches of at most
-        grpo_step.AUTO_CHUNK_ABOVE tokens, or a chunk other than its AUTO_CHUNK)."""
+        grpo_step.AUTO_CHUNK_ABOVE tokens, or a chunk other than its AUTO_CHUNK), and the
+        colocated vLLM engine's share of the GPU and sleep mode."""
         from megatron_ba.megatron.grpo_step import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
         lo = self.layout
@@ -66,6 +68,9 @@ class Plan:
         auto = lo.micro_batch_tokens > AUTO_CHUNK_ABOVE and lo.logprob_chunk == AUTO_CHUNK
         if lo.chunked_logprobs and not auto:
             out.append(f"parallel.logprob_chunk_size={lo.logprob_chunk}")
+        if self.vllm is not None:
+            out.append(f"rollout.gpu_memory_utilization={self.vllm.gpu_util}")
+            out.append(f"rollout.sleep={str(self.vllm.sleeps).lower()}")
         return out
 
     def to_json(self) -> dict:
@@ -230,5 +235,15 @@ def propose(
         for a, ae, m in fits[1:6]
     ]
     return Plan(
-        shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib, alternatives
+        shape,
+        lo,
+        e,
+        mbs,
+        seq_len,
+        sequences,
+        nodes,
+        gpus_per_node,
+        gpu_mem_gib,
+        alternatives,
+        vllm=vllm,
     )

@@ -19,6 +19,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
+
 GIB = 1024**3
 
 
@@ -166,8 +168,8 @@ class VLLMShare:
     and the trainer keeps only its weights on the GPU during generation (gradients and optimiser
     states offloaded), else everything of both stays."""
 
-    gpu_util: float = 0.6
-    sleeps: bool = True
+    gpu_util: float = VLLM_GPU_MEMORY_UTILIZATION  # the recipe's rollout.gpu_memory_utilization
+    sleeps: bool = True  # the recipe's rollout.sleep
 
 
 @dataclass

@@ -261,6 +261,7 @@ def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
         tensor_parallel_size=r.engine_tp,
         sleep_mode=r.sleep,
         device=device,
+        gpu_memory_utilization=r.gpu_memory_utilization,
     )
 
 
