@@ -61,6 +61,7 @@ class Policy:
         opts = resolve_build_options(
             precision=m.precision,
             transformer_impl=m.transformer_impl,
+            attention=m.attention,
             sequence_parallel=p.sequence_parallel,
             recompute=p.recompute,
             device=device,
