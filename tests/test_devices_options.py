@@ -81,9 +81,12 @@ def test_megatron_scheduler_warms_up_as_the_cpu_schedule(warmup):
     sched = mo.param_scheduler(torch_opt, opt)
     for step in range(6):
         mo.set_scheduler_step(sched, step)
-        # policy.set_lr's CPU schedule, by hand: (step + 1) / warmup of the peak, then the peak.
+        # The CPU schedule, by hand: (step + 1) / warmup of the peak, then the peak.
         want = opt.lr * min(1.0, (step + 1) / warmup) if warmup else opt.lr
         assert torch_opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12), step
+        plain = SimpleNamespace(lr=None)  # an optimiser without set_step (ShardedAdamW's case)
+        mo.apply_lr_schedule(plain, opt, step)
+        assert plain.lr == pytest.approx(want, rel=1e-12), step
     # Negative control: without the +1 the first step would have lr 0 when warming up.
     if warmup > 1:
         sched.num_steps = 0
