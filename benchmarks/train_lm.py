@@ -195,7 +195,7 @@ def train_run(spec, precision: str, steps: int, data, args, device, init=None, l
         torch.cuda.reset_peak_memory_stats(device)
     losses, seconds, norms = [], [], []
     for step in range(steps):
-        apply_lr_schedule(optimizer, section, step)
+        apply_lr_schedule(optimizer, step, lr=section.lr, warmup_steps=section.warmup_steps)
         _sync(device)
         t0 = time.perf_counter()
         losses.append(lm_forward_backward(chunks, data, args.seq_len, args.logprob_chunk_size))

@@ -85,7 +85,7 @@ def test_megatron_scheduler_warms_up_as_the_cpu_schedule(warmup):
         want = opt.lr * min(1.0, (step + 1) / warmup) if warmup else opt.lr
         assert torch_opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12), step
         plain = SimpleNamespace(lr=None)  # an optimiser without set_step (ShardedAdamW's case)
-        mo.apply_lr_schedule(plain, opt, step)
+        mo.apply_lr_schedule(plain, step, lr=opt.lr, warmup_steps=opt.warmup_steps)
         assert plain.lr == pytest.approx(want, rel=1e-12), step
     # Negative control: without the +1 the first step would have lr 0 when warming up.
     if warmup > 1:

@@ -99,7 +99,8 @@ class Policy:
         by megatron-core's OptimizerParamScheduler, the same schedule)."""
         from megatron_ba.megatron.mcore_optimizer import apply_lr_schedule
 
-        apply_lr_schedule(self.optimizer, self.recipe.optimizer, step)
+        o = self.recipe.optimizer
+        apply_lr_schedule(self.optimizer, step, lr=o.lr, warmup_steps=o.warmup_steps)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Gather the full policy (a collective: every rank calls it); HF-named on rank 0."""
