@@ -151,25 +151,7 @@ def resolve_build_options(
             f"model.precision: bf16 needs CUDA (megatron-core's mixed-precision distributed "
             f"optimiser); this rank's device is {device}: use model.precision: fp32"
         )
-    if transformer_impl not in TRANSFORMER_IMPLS:
-        raise ValueError(
-            f"model.transformer_impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
-            f"got {transformer_impl!r}"
-        )
-    impl = transformer_impl
-    if impl == "auto":
-        impl = "transformer_engine" if (te and cuda) else "local"
-    elif impl == "transformer_engine":
-        if not te:
-            raise ValueError(
-                "model.transformer_impl: transformer_engine, but transformer_engine does not "
-                "import here; install it or use auto / local"
-            )
-        if not cuda:
-            raise ValueError(
-                f"model.transformer_impl: transformer_engine needs CUDA; this rank's device is "
-                f"{device}: use auto or local"
-            )
+    impl = _resolve_impl(transformer_impl, te, device)
     attention = _resolve_attention(attention, impl, cuda)
     if recompute not in RECOMPUTE:
         raise ValueError(
@@ -199,6 +181,30 @@ def resolve_build_options(
         recompute=recompute,
         cp=int(cp),
     )
+
+
+def _resolve_impl(transformer_impl: str, te: bool, device: torch.device) -> str:
+    """model.transformer_impl for this rank ("auto" decided; see the docstring)."""
+    cuda = device.type == "cuda"
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"model.transformer_impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
+            f"got {transformer_impl!r}"
+        )
+    if transformer_impl == "auto":
+        return "transformer_engine" if (te and cuda) else "local"
+    if transformer_impl == "transformer_engine":
+        if not te:
+            raise ValueError(
+                "model.transformer_impl: transformer_engine, but transformer_engine does not "
+                "import here; install it or use auto / local"
+            )
+        if not cuda:
+            raise ValueError(
+                f"model.transformer_impl: transformer_engine needs CUDA; this rank's device is "
+                f"{device}: use auto or local"
+            )
+    return transformer_impl
 
 
 def _resolve_attention(attention: str, impl: str, cuda: bool) -> str:
