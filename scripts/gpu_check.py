@@ -7,7 +7,7 @@ Stages (each "pass", "fail" or "skipped", with its command, seconds, exit status
 tail of its output; the file is rewritten after every stage, so a kill leaves what was done):
   env            torch / CUDA / GPU / Transformer Engine / vLLM / megatron-core versions, SDPA
                  kernels enabled, pip check
-  train_0p5b, memory_1p5b, step, train, vocab_parallel: scripts/gpu_check_stages.py
+  attention, train_0p5b, memory_1p5b, step, train, vocab_parallel: scripts/gpu_check_stages.py
 
 Without CUDA every stage but env is skipped unless GPU_CHECK_ALLOW_CPU=1, which runs them on the
 CPU at tiny sizes in fp32 (the plumbing, not the figures), with CPU_BUDGET_SCALE times the time
@@ -39,11 +39,12 @@ import gpu_check_stages as stages  # noqa: E402
 # (495 s): with its venv (20 s), install (30 s) and kill grace (10 s), 555 s < 10 minutes.
 BUDGET = {
     "env": 25,
-    "train_0p5b": 150,
+    "attention": 30,
+    "train_0p5b": 140,
     "memory_1p5b": 90,
     "step": 75,
-    "train": 90,
-    "vocab_parallel": 60,
+    "train": 75,
+    "vocab_parallel": 55,
 }
 STAGE_BUDGET_S = sum(BUDGET.values())
 # The CPU dry run proves the plumbing on a (possibly shared) CPU machine, where the 10 minutes do
@@ -206,6 +207,13 @@ def _why(text: str, rc: int) -> str:
 
 
 def _summarise_new_stages(s: dict, f: dict) -> None:
+    att = s.get("attention", {}).get("figures", {})
+    for dtype, a in att.get("accuracy", {}).items():
+        f[f"attention_{dtype}_sdpa_rel_err"] = a["sdpa_rel_err"]
+        f[f"attention_{dtype}_unfused_rel_err"] = a["unfused_rel_err"]
+    for core in ("sdpa", "unfused"):
+        if core in att.get("memory", {}):
+            f[f"attention_{core}_peak_extra_mib"] = att["memory"][core]["peak_extra_mib"]
     lm = s.get("train_0p5b", {}).get("figures", {})
     if lm:
         t, fell = lm["throughput"], lm["loss_fell"]
@@ -298,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--stages: unknown {', '.join(sorted(unknown))}; known: {list(BUDGET)}")
     for name, fn in (
+        ("attention", lambda: stages.stage_attention(c, device)),
         ("train_0p5b", lambda: stages.stage_train_lm(c)),
         ("memory_1p5b", lambda: stages.stage_memory_1p5b(c)),
         ("step", lambda: stages.stage_step(c, device)),

@@ -1,6 +1,9 @@
 """The stages of scripts/gpu_check.py after `env`: each runs one command under its budget and
 reads its figures (the driver's Check records them). GPU sizes, and the CPU dry run's tiny ones.
 
+  attention      `bench attention`: the SDPA core vs megatron-core's unfused core on the GPU's
+                 kernels, bf16 and fp32, error against float64 (criterion: no worse than twice
+                 the unfused core's), and each core's memory and time at 8,192 tokens
   train_0p5b     `bench train-lm`: a random Qwen2.5-0.5B-shaped model, SDPA core, 20 bf16 steps
                  through megatron-core's distributed optimiser on a fixed synthetic batch (8 x
                  4,096 tokens), then 6 fp32 steps from the same weights: loss fall, bf16 vs fp32
@@ -34,6 +37,23 @@ def _json_file(path: Path):
 
 def _args(text: str) -> list[str]:
     return text.split()
+
+
+def stage_attention(c, device: str) -> None:
+    path = c.work / "attention.json"
+    size = (
+        _args("--dtypes fp32 --seq-len 64 --memory-seq-len 256")
+        if c.cpu
+        else _args("--dtypes bf16,fp32 --seq-len 2048 --batch 2 --memory-seq-len 8192")
+    )
+    cmd = [*CLI, "bench", "attention", "--device", device, *size, "--json", str(path)]
+
+    def figures(_text: str) -> dict:
+        d = json.loads(path.read_text())
+        d.pop("args", None)
+        return d
+
+    c.run("attention", cmd, figures=figures)
 
 
 def stage_train_lm(c) -> None:

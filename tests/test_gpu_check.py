@@ -54,6 +54,7 @@ def test_budgets_fit_ten_minutes():
     assert 20 + 30 + 495 + 10 <= 10 * 60
     assert list(gc.BUDGET) == [
         "env",
+        "attention",
         "train_0p5b",
         "memory_1p5b",
         "step",
@@ -81,7 +82,14 @@ def test_without_cuda_only_env_runs(tmp_path):
     assert {"megatron_core", "transformer_engine", "vllm", "gpu_name", "pip_check"} <= set(env)
     assert env["sdpa_attention_import_error"] is None
     others = {k: v["status"] for k, v in d["stages"].items() if k != "env"}
-    assert set(others) == {"train_0p5b", "memory_1p5b", "step", "train", "vocab_parallel"}
+    assert set(others) == {
+        "attention",
+        "train_0p5b",
+        "memory_1p5b",
+        "step",
+        "train",
+        "vocab_parallel",
+    }
     assert set(others.values()) == {"skipped"}
     assert d["figures"]["stages_failed"] == []
 
@@ -132,12 +140,13 @@ def test_measured_over_estimate_by_hand():
 def test_cpu_dry_run_figures(tmp_path):
     # train (the CLI) is left out: a minute or more on 2 CPU cores; the training path on CPU is
     # tests/test_train_integration.py's.
-    stages = "train_0p5b,memory_1p5b,step,vocab_parallel"
+    stages = "attention,train_0p5b,memory_1p5b,step,vocab_parallel"
     p, d = _run_driver(tmp_path, "--stages", stages, allow_cpu=True)
     assert d["mode"] == "cpu-dry-run"
     status = {k: v["status"] for k, v in d["stages"].items()}
     assert status == {
         "env": "pass",
+        "attention": "pass",
         "train_0p5b": "pass",
         "memory_1p5b": "pass",
         "step": "pass",
@@ -146,6 +155,8 @@ def test_cpu_dry_run_figures(tmp_path):
     }, {k: v.get("error") for k, v in d["stages"].items()}
     assert p.returncode == 0
     f = d["figures"]
+    assert f["attention_fp32_sdpa_rel_err"] <= 1e-5 and f["attention_fp32_unfused_rel_err"] <= 1e-5
+    assert f["attention_sdpa_peak_extra_mib"] is None  # memory is measured on CUDA only
     assert f["train_0p5b_loss_fell"] and f["train_0p5b_loss_last"] < f["train_0p5b_loss_first"]
     assert f["train_0p5b_precision_max_rel_diff"] == 0.0  # fp32 twice on the CPU
     assert f["train_0p5b_tokens_per_s"] > 0 and f["train_0p5b_mfu"] is None  # no GPU peak

@@ -9,7 +9,9 @@ control that differs in one property and fails. Run under both environments:
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -243,3 +245,44 @@ def test_whole_model_equals_unfused(found, tp):
         # Control: the SDPA model with softmax_scale 1.25 / sqrt(d).
         assert c["logits"] > 1e-4 and c["grads"] > 1e-4, c
         assert c["loss"] > 1e-7 and c["step_grads"] > 1e-4, c
+
+
+# --- `megatron-ba bench attention` (the GPU check's accuracy criterion), on the CPU ---------------
+
+BENCH_CONTROL = """
+import json, sys
+from types import SimpleNamespace
+import torch
+from benchmarks import attention as ba
+from megatron_ba.megatron.batching import causal_mask
+from megatron_ba.train.distributed import setup, teardown
+
+args = ba.build_parser().parse_args("--device cpu --seq-len 48 --batch 2".split())
+cpu, mask = torch.device("cpu"), causal_mask(48)
+setup(tp=1, pp=1, cp=1, seed=0)
+right = ba.accuracy(args, "fp32", cpu, mask)
+cores = ba._cores
+def wrong_scale(a, dtype):  # control: the SDPA core with 1.1 times the softmax scale
+    out = cores(a, dtype)
+    out["sdpa"].softmax_scale *= 1.1
+    return out
+ba._cores = wrong_scale
+wrong = ba.accuracy(args, "fp32", cpu, mask)
+teardown()
+print(json.dumps({"right": right, "wrong": wrong}))
+"""
+
+
+def test_bench_attention_criterion_and_its_control():
+    p = subprocess.run(
+        [sys.executable, "-c", BENCH_CONTROL],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    found = json.loads(p.stdout.strip().splitlines()[-1])
+    right, wrong = found["right"], found["wrong"]
+    assert right["ok"] and right["sdpa_rel_err"] <= 1e-5 and right["unfused_rel_err"] <= 1e-5
+    assert not wrong["ok"] and wrong["sdpa_rel_err"] > 1e-2, wrong
