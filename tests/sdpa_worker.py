@@ -124,6 +124,12 @@ def core_findings(tp: int, rank: int) -> dict:
         runs["sdpa_none"] = _run_core(sdpa, mine, None)  # the causal mask type, no mask
         runs["control_non_causal"] = _run_core(no_mask, mine, None)
         runs["control_scale"] = _run_core(wrong_scale, mine, causal)
+        # apply_query_key_layer_scaling (layer 3): the unfused core divides the scale by 3 and
+        # multiplies the scores back in its softmax; SDPA ignores it. Both: the same function.
+        scaled = _config(heads, groups, tp, apply_query_key_layer_scaling=True)
+        for core, module in (("unfused", DotProductAttention), ("sdpa", SDPAttention)):
+            layer3 = module(scaled, 3, AttnMaskType.causal, "self")
+            runs[f"layer_scaled_{core}"] = _run_core(layer3, mine, causal)
         ref, unf = runs["reference_causal"], runs["unfused_causal"]
         found[name] = {
             "heads_on_rank": hp,
@@ -135,6 +141,8 @@ def core_findings(tp: int, rank: int) -> dict:
             "padded_sdpa_vs_unfused": _diff(runs["sdpa_padded"], runs["unfused_padded"]),
             "control_non_causal_vs_unfused": _diff(runs["control_non_causal"], unf),
             "control_scale_vs_unfused": _diff(runs["control_scale"], unf),
+            "layer_scaled_unfused_vs_unfused": _diff(runs["layer_scaled_unfused"], unf),
+            "layer_scaled_sdpa_vs_unfused": _diff(runs["layer_scaled_sdpa"], unf),
         }
     return found
 

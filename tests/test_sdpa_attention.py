@@ -224,6 +224,8 @@ def test_core_equals_unfused_in_float64(found, tp, shape):
             "sdpa_no_mask_vs_unfused",
             "padded_unfused_vs_reference",
             "padded_sdpa_vs_unfused",
+            "layer_scaled_unfused_vs_unfused",
+            "layer_scaled_sdpa_vs_unfused",
         ):
             assert f[key] <= FLOAT64_TOL, (rank, key, f[key])
         # Controls, one property each: no causal mask; a softmax scale 1.25 times the right one.

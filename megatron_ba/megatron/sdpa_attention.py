@@ -5,7 +5,7 @@
 
 megatron-core's local (Transformer-Engine-free) spec computes attention with its unfused
 `DotProductAttention`, which materialises the scores and the probabilities, [b, heads, s, s]
-each: memory quadratic in the length (two 28 x 16,384^2 bf16 tensors are 31.5 GiB). torch's
+each: memory quadratic in the length (two 28 x 16,384^2 bf16 tensors are 28 GiB). torch's
 SDPA dispatches to flash or memory-efficient kernels on CUDA (and a flash-style kernel on CPU)
 that keep O(s) per head, so long contexts run without Transformer Engine.
 
