@@ -32,6 +32,7 @@ from dataclasses import replace
 
 import torch
 
+from benchmarks.shapes import add_shape_arguments, model_spec
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch
 from megatron_ba.megatron.grpo_step import StepConfig, compute_logprobs, forward_backward
@@ -39,40 +40,11 @@ from megatron_ba.megatron.grpo_step import StepConfig, compute_logprobs, forward
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RULES = ("balanced", "token")  # BA, token-mean: the only difference between the two variants
 MIB = 2**20
-# Qwen2-family shapes: field -> value (ModelSpec names). "qwen2.5-0.5b" is Qwen2.5-0.5B's shape.
-SHAPES = {
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=128,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=384,
-    ),
-    "small": dict(
-        vocab_size=32768,
-        hidden_size=512,
-        num_layers=8,
-        num_attention_heads=8,
-        num_query_groups=2,
-        ffn_hidden_size=1408,
-    ),
-    "qwen2.5-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        num_layers=24,
-        num_attention_heads=14,
-        num_query_groups=2,
-        ffn_hidden_size=4864,
-    ),
-}
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="megatron-ba bench step")
-    p.add_argument("--shape", choices=SHAPES, default="tiny", help="Qwen2 shape preset")
-    for name in ("hidden", "layers", "heads", "query-groups", "ffn", "vocab"):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"override the preset's {name}")
+    add_shape_arguments(p)
     p.add_argument("--sequences", type=int, default=16, help="sequences per step (N)")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")
     p.add_argument("--seq-len", type=int, default=256, help="prompt + response tokens (S)")
@@ -92,6 +64,12 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         help="layer spec; auto: Transformer Engine when it imports on an accelerator, else local",
     )
     p.add_argument(
+        "--attention",
+        choices=("auto", "sdpa", "unfused"),
+        default="auto",
+        help="the local spec's core attention (model.attention); auto: sdpa on CUDA",
+    )
+    p.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="torch device of the step (default: CUDA when available, else the CPU)",
@@ -106,24 +84,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 
 def _spec(args) -> mm.ModelSpec:
-    shape = dict(SHAPES[args.shape])
-    names = dict(
-        hidden="hidden_size",
-        layers="num_layers",
-        heads="num_attention_heads",
-        query_groups="num_query_groups",
-        ffn="ffn_hidden_size",
-        vocab="vocab_size",
-    )
-    for arg, field in names.items():
-        if getattr(args, arg) is not None:
-            shape[field] = getattr(args, arg)
-    return mm.ModelSpec(
-        **shape,
-        max_position_embeddings=args.seq_len,
-        rope_theta=10_000.0,
-        params_dtype=DTYPES[args.dtype],
-    )
+    return model_spec(args, seq_len=args.seq_len, dtype=DTYPES[args.dtype])
 
 
 def _check_args(args) -> None:
@@ -203,8 +164,10 @@ class _Meter:
         self.seconds = time.perf_counter() - self.t0
         if self.accel:
             self.peak_mib = torch.cuda.max_memory_allocated(self.device) / MIB
+            # what the caching allocator held at its peak: the allocations plus its slack
+            self.peak_reserved_mib = torch.cuda.max_memory_reserved(self.device) / MIB
         else:
-            self.peak_mib = _rss_kib()["VmHWM"] / 1024
+            self.peak_mib = self.peak_reserved_mib = _rss_kib()["VmHWM"] / 1024
         return False
 
 
@@ -236,6 +199,7 @@ def run_benchmark(args) -> dict:
         opts = resolve_build_options(
             precision=args.dtype,
             transformer_impl=args.transformer_impl,
+            attention=args.attention,
             recompute=args.recompute,
             device=device,
         )
@@ -258,6 +222,7 @@ def run_benchmark(args) -> dict:
         cfgs = {rule: replace(base, rule=rule) for rule in RULES}
         times: dict[str, list[float]] = {r: [] for r in RULES}
         peaks: dict[str, list[float]] = {r: [] for r in RULES}
+        reserved: dict[str, list[float]] = {r: [] for r in RULES}
         losses: dict[str, float] = {}
         for i in range(args.warmup + args.repeats):
             order = RULES[i % 2 :] + RULES[: i % 2]  # rotate which variant goes first
@@ -270,6 +235,7 @@ def run_benchmark(args) -> dict:
                 if i >= args.warmup:
                     times[rule].append(m.seconds)
                     peaks[rule].append(m.peak_mib)
+                    reserved[rule].append(m.peak_reserved_mib)
     finally:
         teardown()
     med = {r: statistics.median(times[r]) for r in RULES}
@@ -280,6 +246,7 @@ def run_benchmark(args) -> dict:
         "threads": torch.get_num_threads(),
         "optimizer": optimizer_name,
         "transformer_impl": impl,
+        "attention": opts.attention,
         "recompute": args.recompute,
         "parameters": spec.num_parameters(),
         "tokens_per_step": int(batch.tokens.numel()),
@@ -297,6 +264,7 @@ def run_benchmark(args) -> dict:
         out[f"{name}_min_s"] = min(times[rule])
         out[f"{name}_times_s"] = times[rule]
         out[f"{name}_peak_mib"] = max(peaks[rule])
+        out[f"{name}_peak_reserved_mib"] = max(reserved[rule])
         out[f"{name}_last_loss"] = losses[rule]
     return out
 

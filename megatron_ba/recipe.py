@@ -67,6 +67,9 @@ class ModelSection:
     # auto (Transformer Engine when it imports and the device is a GPU, else local) | local |
     # transformer_engine
     transformer_impl: str = "auto"
+    # The local spec's core attention: auto (sdpa on CUDA, unfused on the CPU) | sdpa (torch's
+    # scaled_dot_product_attention) | unfused (megatron-core's DotProductAttention)
+    attention: str = "auto"
 
     def _shape_keys(self) -> dict[str, Any]:
         return {
@@ -411,6 +414,17 @@ def validate(recipe: Recipe) -> Recipe:
         recipe.model.transformer_impl in ("auto", "local", "transformer_engine"),
         "model.transformer_impl",
         "must be auto, local or transformer_engine",
+    )
+    need(
+        recipe.model.attention in ("auto", "sdpa", "unfused"),
+        "model.attention",
+        "must be auto, sdpa or unfused",
+    )
+    need(
+        recipe.model.attention == "auto" or recipe.model.transformer_impl != "transformer_engine",
+        "model.attention",
+        "chooses the local spec's core attention; with model.transformer_impl: "
+        "transformer_engine (its own fused attention) use auto",
     )
     m, d = recipe.model, recipe.data
     need(d.task in TASKS, "data.task", f"must be one of {', '.join(TASKS)}")

@@ -1,24 +1,18 @@
-"""The single-GPU check of issue 10: each stage a subprocess with its own timeout, figures in JSON.
+"""The single-GPU check: each stage a subprocess with its own time budget, figures in JSON.
 
     python scripts/gpu_check.py --out gpu_check.json      # normally via scripts/gpu_check.sh
     GPU_CHECK_ALLOW_CPU=1 python scripts/gpu_check.py --out /tmp/g.json   # CPU dry run, tiny sizes
 
 Stages (each "pass", "fail" or "skipped", with its command, seconds, exit status, figures and the
 tail of its output; the file is rewritten after every stage, so a kill leaves what was done):
-  env            torch / CUDA / GPU / Transformer Engine / vLLM / megatron-core versions, pip check
-  train          `megatron-ba train recipes/tiny-cpu.yaml` in bf16 (model.precision=bf16,
-                 model.transformer_impl=auto, rollout.engine=builtin without vLLM), 2 GRPO steps
-  check_layout   `megatron-ba check-layout --dp 1 --micro-batches 2`: the BA plan exact at DP=1
-  vocab_parallel `megatron-ba bench vocab-parallel --device cuda` at T=16,384: time, peak vs naive
-  step           `megatron-ba bench step` BA vs token-mean, bf16 (goal: <= 1.02x)
-  memory_7b      a 7B-width slice (Qwen2.5-Math-7B's layers, 2 of 28) at 1,024 + 16,384 tokens:
-                 measured peak vs planning.memory's estimate of that slice, and the estimate of
-                 the whole 7B step in the recipes' chosen layout (`megatron-ba layout ... --json`)
+  env            torch / CUDA / GPU / Transformer Engine / vLLM / megatron-core versions, SDPA
+                 kernels enabled, pip check
+  attention, train_0p5b, memory_1p5b, step, train, vocab_parallel: scripts/gpu_check_stages.py
 
 Without CUDA every stage but env is skipped unless GPU_CHECK_ALLOW_CPU=1, which runs them on the
 CPU at tiny sizes in fp32 (the plumbing, not the figures), with CPU_BUDGET_SCALE times the time
-budgets. On a GPU the stages' budgets add up to STAGE_BUDGET_S, so the whole check ends within
-8 minutes with the install of gpu_check.sh.
+budgets. On a GPU the stages' budgets add up to STAGE_BUDGET_S, so the whole check (with
+gpu_check.sh's venv and install) ends within 10 minutes.
 """
 
 from __future__ import annotations
@@ -37,32 +31,26 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "megatron_ba.cli"]
-# Seconds per stage; their sum (STAGE_BUDGET_S, 410) + gpu_check.sh's 50 s install < 8 min.
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]  # megatron_ba, the stages
+
+import gpu_check_stages as stages  # noqa: E402
+
+# Seconds per stage, most wanted first; their sum (STAGE_BUDGET_S, 490) fits gpu_check.sh's cap
+# (495 s): with its venv (20 s), install (30 s) and kill grace (10 s), 555 s < 10 minutes.
 BUDGET = {
     "env": 25,
-    "train": 100,
-    "check_layout": 70,
-    "vocab_parallel": 75,
+    "attention": 30,
+    "train_0p5b": 140,
+    "memory_1p5b": 90,
     "step": 75,
-    "memory_7b": 65,
+    "train": 75,
+    "vocab_parallel": 55,
 }
 STAGE_BUDGET_S = sum(BUDGET.values())
-# The CPU dry run proves the plumbing on a (possibly shared) CPU machine, where the 8 minutes do not
-# apply: its budgets are this many times the GPU's.
+# The CPU dry run proves the plumbing on a (possibly shared) CPU machine, where the 10 minutes do
+# not apply: its budgets are this many times the GPU's.
 CPU_BUDGET_SCALE = 4
-NEW_KEYS = ("model.precision", "model.transformer_impl")  # issue 10's keys (devices helper)
-# Qwen2.5-Math-7B's shape (planning.memory.PRESETS) for the bench's overrides; 2 of its 28 layers.
-SLICE_LAYERS = 2
-QWEN25_MATH_7B = dict(hidden=3584, heads=28, query_groups=4, ffn=18944, vocab=152064)
-PROMPT, RESPONSE = 1024, 16384
-# The recipes' layout at 16K: the planner's proposal for recipes/qwen2.5-math-7b-*.yaml's cluster
-# (1 node x 8 GPUs of 80 GiB, G = 16, 128 prompts per step), response length 16,384.
-LAYOUT_CMD = (
-    "layout --model qwen2.5-math-7b --nodes 1 --gpus-per-node 8 --gpu-mem 80 "
-    f"--max-response-len {RESPONSE} --prompt-len {PROMPT} --group-size 16 "
-    "--prompts-per-step 128 --json"
-).split()
+NEW_KEYS = ("model.precision", "model.transformer_impl", "model.attention")
 
 
 def _version(dist: str) -> str | None:
@@ -97,6 +85,11 @@ def env_report() -> dict:
         ),
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "bf16_supported": bool(cuda and torch.cuda.is_bf16_supported()),
+        # which of SDPA's CUDA kernels torch may pick (all on unless someone turned one off)
+        "sdpa_kernels_enabled": {
+            name: getattr(torch.backends.cuda, f"{name}_sdp_enabled", lambda: None)()
+            for name in ("flash", "mem_efficient", "math", "cudnn")
+        },
     }
     for dist in (
         "megatron-core",
@@ -113,6 +106,7 @@ def env_report() -> dict:
     out["transformer_engine_import_error"] = _importable("transformer_engine.pytorch")
     out["vllm_import_error"] = _importable("vllm") if out["vllm"] else "not installed"
     out["megatron_ba_import_error"] = _importable("megatron_ba.megatron.grpo_step")
+    out["sdpa_attention_import_error"] = _importable("megatron_ba.megatron.sdpa_attention")
     check = subprocess.run(
         [sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=20
     )
@@ -151,7 +145,8 @@ class Check:
         return stage
 
     def run(self, name: str, cmd: list[str], *, figures=None, env=None) -> dict:
-        """Run one stage's command under its budget; figures(stdout) -> dict on exit 0."""
+        """Run one stage's command under its budget; figures(output) -> dict, read whatever the
+        exit status (a command that fails its own criteria still writes its figures)."""
         timeout = max(1, min(BUDGET[name] * self.scale, int(self.deadline - time.monotonic())))
         shown = " ".join(c if c != sys.executable else "python" for c in cmd)
         t0 = time.monotonic()
@@ -180,16 +175,17 @@ class Check:
             "rc": rc,
             "output_tail": text[-3000:],
         }
-        if rc == 0 and figures is not None:
+        if figures is not None:
+            # A command that fails its own criteria (exit 1) may still have written its figures.
             try:
                 stage["figures"] = figures(text)
-                stage["status"] = "pass"
-            except Exception as e:  # the command ran but its figures are not there
-                stage.update(status="fail", error=f"figures: {type(e).__name__}: {e}")
-        elif rc == 0:
-            stage["status"] = "pass"
-        else:
+            except Exception as e:  # the command did not get as far as its figures
+                if rc == 0:
+                    stage["error"] = f"figures: {type(e).__name__}: {e}"
+        if rc != 0:
             stage.update(status="fail", error=_why(text, rc))
+        else:
+            stage["status"] = "fail" if "error" in stage else "pass"
         return self.record(name, **stage)
 
     def skip(self, name: str, why: str) -> None:
@@ -200,7 +196,7 @@ def _why(text: str, rc: int) -> str:
     """The clearest one-line reason a stage failed."""
     for key in NEW_KEYS:
         if key in text and re.search(r"unknown|not a key|no such key|unexpected", text, re.I):
-            return f"recipe key {key} is not known to this checkout (issue 10 adds it); exit {rc}"
+            return f"recipe key {key} is not known to this checkout; exit {rc}"
     if rc == 124:
         return "timed out"
     if "OutOfMemoryError" in text or "CUDA out of memory" in text:
@@ -210,276 +206,43 @@ def _why(text: str, rc: int) -> str:
     return f"exit {rc}: {(errors or lines or [''])[-1].strip()[:400]}"
 
 
-def _json_file(path: Path):
-    def read(_text: str) -> dict:
-        return json.loads(path.read_text())
-
-    return read
-
-
-def stage_train(c: Check, vllm: bool) -> None:
-    run_dir = c.work / "train"
-    keys = [
-        f"model.precision={'fp32' if c.cpu else 'bf16'}",
-        "model.transformer_impl=auto",
-        f"rollout.engine={'vllm' if vllm else 'builtin'}",
-        "warmstart.steps=20",
-        "grpo.steps=2",
-        "grpo.prompts_per_step=4",
-        "grpo.group_size=4",
-        "grpo.max_new_tokens=16",
-        "parallel.micro_batch_size=4",
-        "eval.every=0",
-        "checkpoint.every=0",
-        "logging.plots=false",
-    ]
-
-    def figures(_text: str) -> dict:
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-        if not rows:
-            raise ValueError("metrics.jsonl is empty")
-        last = rows[-1]
-        return {
-            "steps": len(rows),
-            "last_step": {k: v for k, v in last.items() if isinstance(v, int | float)},
-            "run_dir": str(run_dir),
-        }
-
-    cmd = [
-        *CLI,
-        "train",
-        "recipes/tiny-cpu.yaml",
-        *keys,
-        "--run-dir",
-        str(run_dir),
-        "--cache-dir",
-        str(c.work / "cache"),
-    ]
-    c.run("train", cmd, figures=figures)
-
-
-def stage_check_layout(c: Check) -> None:
-    def figures(text: str) -> dict:
-        m = re.search(r"max_rel_grad_err=(\S+) loss_err=(\S+)", text)
-        if not m:
-            raise ValueError("no max_rel_grad_err line")
-        return {"max_rel_grad_err": float(m.group(1)), "loss_err": float(m.group(2))}
-
-    cmd = [
-        *CLI,
-        "check-layout",
-        "--tp",
-        "1",
-        "--pp",
-        "1",
-        "--cp",
-        "1",
-        "--dp",
-        "1",
-        "--micro-batches",
-        "2",
-        "--rule",
-        "balanced",
-    ]
-    c.run("check_layout", cmd, figures=figures)
-
-
-def stage_vocab_parallel(c: Check, device: str) -> None:
-    path = c.work / "vocab_parallel.json"
-    size = (
-        ["--tokens", "256", "--vocab", "4096", "--tp", "1", "--rounds", "1", "--chunk-sizes", "64"]
-        if c.cpu
-        else ["--tokens", "16384", "--rounds", "3", "--chunk-sizes", "256,1024"]
-    )
-    cmd = [*CLI, "bench", "vocab-parallel", "--device", device, *size, "--json", str(path)]
-
-    def figures(_text: str) -> dict:
-        d = json.loads(path.read_text())
-        rows = {r["variant"]: r for r in d["rows"]}
-        keep = (
-            "peak_extra_mib",
-            "memory_ratio",
-            "median_s",
-            "min_s",
-            "time_ratio",
-            "max_abs_diff_vs_naive",
+def _summarise_new_stages(s: dict, f: dict) -> None:
+    att = s.get("attention", {}).get("figures", {})
+    for dtype, a in att.get("accuracy", {}).items():
+        f[f"attention_{dtype}_sdpa_rel_err"] = a["sdpa_rel_err"]
+        f[f"attention_{dtype}_unfused_rel_err"] = a["unfused_rel_err"]
+    for core in ("sdpa", "unfused"):
+        if core in att.get("memory", {}):
+            f[f"attention_{core}_peak_extra_mib"] = att["memory"][core]["peak_extra_mib"]
+    lm = s.get("train_0p5b", {}).get("figures", {})
+    if lm:
+        t, fell = lm["throughput"], lm["loss_fell"]
+        f.update(
+            train_0p5b_loss_first=fell["first"],
+            train_0p5b_loss_last=fell["last"],
+            train_0p5b_loss_fell=fell["ok"],
+            train_0p5b_tokens_per_s=t["tokens_per_s"],
+            train_0p5b_mfu=t["mfu"],
+            train_0p5b_mfu_full_attention=t["mfu_full_attention"],
+            train_0p5b_peak_tflops=t["peak_tflops"],
         )
-        return {
-            "tokens": d["args"]["tokens"],
-            "memory_kind": d["memory_kind"],
-            "variants": {v: {k: r[k] for k in keep} for v, r in rows.items()},
-        }
-
-    c.run("vocab_parallel", cmd, figures=figures)
-
-
-def _step_figures(path: Path):
-    def read(_text: str) -> dict:
-        d = json.loads(path.read_text())
-        d.pop("args", None)
-        return d
-
-    return read
-
-
-def stage_step(c: Check, device: str) -> None:
-    path = c.work / "step.json"
-    size = (
-        [
-            "--shape",
-            "tiny",
-            "--sequences",
-            "8",
-            "--group-size",
-            "4",
-            "--seq-len",
-            "64",
-            "--prompt-len",
-            "16",
-            "--repeats",
-            "2",
-            "--warmup",
-            "1",
-            "--threads",
-            "2",
-        ]
-        if c.cpu
-        else [
-            "--shape",
-            "small",
-            "--sequences",
-            "32",
-            "--group-size",
-            "8",
-            "--seq-len",
-            "2048",
-            "--prompt-len",
-            "256",
-            "--micro-batches",
-            "4",
-            "--repeats",
-            "5",
-            "--warmup",
-            "2",
-            "--dtype",
-            "bf16",
-            "--logprob-chunk-size",
-            "1024",
-        ]
-    )
-    cmd = [*CLI, "bench", "step", "--device", device, *size, "--json", str(path)]
-    c.run("step", cmd, figures=_step_figures(path))
-
-
-def _slice_estimate(
-    layers: int, tokens: int, chunk: int, recompute: bool, shape_name: str, overrides: dict
-) -> dict:
-    """planning.memory's estimate of the slice the bench measures (DP=1, no vLLM)."""
-    from dataclasses import replace
-
-    from megatron_ba.planning.memory import GIB, Layout, estimate, load_model
-
-    shape = replace(load_model(shape_name), num_layers=layers, **overrides)
-    est = estimate(
-        shape,
-        Layout(
-            tp=1,
-            pp=1,
-            cp=1,
-            dp=1,
-            micro_batch_tokens=tokens,
-            recompute=recompute,
-            logprob_chunk=chunk,
-        ),
-        gpu_mem_gib=1e6,
-        vllm=None,
-    )
-    return {
-        "estimated_peak_gib": est.peak / GIB,
-        "breakdown_gib": est.breakdown_gib(),
-        "parameters": shape.total_params(),
-    }
-
-
-def stage_memory_7b(c: Check, device: str) -> None:
-    path = c.work / "memory_7b.json"
-    try:  # the planner's arithmetic: a second on any machine
-        layout = subprocess.run(
-            [*CLI, *LAYOUT_CMD], cwd=ROOT, capture_output=True, text=True, timeout=60
-        )
-        ok = layout.returncode == 0
-        chosen = json.loads(layout.stdout) if ok else {"error": layout.stderr[-500:]}
-    except subprocess.TimeoutExpired:
-        chosen = {"error": "megatron-ba layout timed out (60 s)"}
-    if c.cpu:  # the plumbing: a tiny 2-layer slice, no recompute (megatron-core's needs CUDA)
-        tokens, chunk, recompute = 128, 64, False
-        dims = dict(hidden=128, heads=4, query_groups=2, ffn=384, vocab=1024)
-        est_overrides = dict(
-            hidden_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            intermediate_size=384,
-            vocab_size=1024,
-        )
-    else:
-        tokens, chunk, recompute = PROMPT + RESPONSE, 1024, True
-        dims, est_overrides = QWEN25_MATH_7B, {}
-    args = [
-        "--layers",
-        str(SLICE_LAYERS),
-        "--seq-len",
-        str(tokens),
-        "--prompt-len",
-        str(tokens // 17 or 1),
-        "--sequences",
-        "2",
-        "--group-size",
-        "2",
-        "--micro-batches",
-        "2",
-        "--repeats",
-        "1",
-        "--warmup",
-        "1",
-        "--logprob-chunk-size",
-        str(chunk),
-    ]
-    for k, v in dims.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    if not c.cpu:
-        args += ["--dtype", "bf16", "--recompute", "full"]
-    slice_est = _slice_estimate(
-        SLICE_LAYERS, tokens, chunk, recompute, "Qwen2.5-Math-7B", est_overrides
-    )
-
-    def figures(text: str) -> dict:
-        d = _step_figures(path)(text)
-        measured = max(d["ba_peak_mib"], d["token_mean_peak_mib"]) / 1024
-        return {
-            "slice_layers": SLICE_LAYERS,
-            "tokens_per_microbatch": tokens,
-            "measured_peak_gib": measured,
-            "memory_kind": d["memory_kind"],
-            "transformer_impl": d["transformer_impl"],
-            "recompute": d["recompute"],
-            "slice_estimate": slice_est,
-            "measured_over_estimate": measured / slice_est["estimated_peak_gib"],
-            "step": d,
-        }
-
-    c.record(
-        "memory_7b",
-        chosen_layout_estimate=chosen,
-        chosen_layout_command="megatron-ba " + " ".join(LAYOUT_CMD),
-    )
-    cmd = [*CLI, "bench", "step", "--device", device, *args, "--json", str(path)]
-    c.run("memory_7b", cmd, figures=figures)
+        comparison = lm.get("precision_comparison") or {}
+        if comparison:
+            f["train_0p5b_precision_max_rel_diff"] = comparison["max_rel_diff"]
+            f["train_0p5b_precision_ok"] = comparison["ok"]
+    mem = s.get("memory_1p5b", {})
+    if "figures" in mem:
+        m = mem["figures"]
+        for k in ("measured_peak_gib", "measured_peak_reserved_gib", "measured_over_estimate"):
+            f[f"memory_1p5b_{k}"] = m[k]
+    if "planner" in mem:
+        f["memory_1p5b_estimate_gib"] = mem["planner"]["estimate_gib"]
 
 
 def summarise(c: Check) -> None:
     """The headline figures, one level deep, for docs/performance.md."""
     s, f = c.result["stages"], c.result["figures"]
+    _summarise_new_stages(s, f)
     step = s.get("step", {}).get("figures", {})
     for k in (
         "ratio_ba_over_token_mean",
@@ -489,6 +252,7 @@ def summarise(c: Check) -> None:
         "ba_peak_mib",
         "token_mean_peak_mib",
         "transformer_impl",
+        "attention",
         "parameters",
         "tokens_per_step",
     ):
@@ -498,18 +262,6 @@ def summarise(c: Check) -> None:
     for v, row in vp.items():
         f[f"vocab_parallel_{v}_peak_extra_mib"] = row["peak_extra_mib"]
         f[f"vocab_parallel_{v}_median_s"] = row["median_s"]
-    mem = s.get("memory_7b", {})
-    if "figures" in mem:
-        f["memory_7b_slice_measured_peak_gib"] = mem["figures"]["measured_peak_gib"]
-        f["memory_7b_slice_estimated_peak_gib"] = mem["figures"]["slice_estimate"][
-            "estimated_peak_gib"
-        ]
-    chosen = mem.get("chosen_layout_estimate", {})
-    if isinstance(chosen, dict) and "memory_gib_per_gpu" in chosen:
-        f["memory_7b_16k_chosen_layout_estimate_gib"] = chosen["memory_gib_per_gpu"]
-    cl = s.get("check_layout", {}).get("figures", {})
-    if cl:
-        f["check_layout_max_rel_grad_err"] = cl["max_rel_grad_err"]
     f["stages_passed"] = sorted(k for k, v in s.items() if v.get("status") == "pass")
     f["stages_failed"] = sorted(k for k, v in s.items() if v.get("status") == "fail")
 
@@ -554,11 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--stages: unknown {', '.join(sorted(unknown))}; known: {list(BUDGET)}")
     for name, fn in (
-        ("train", lambda: stage_train(c, vllm)),
-        ("check_layout", lambda: stage_check_layout(c)),
-        ("vocab_parallel", lambda: stage_vocab_parallel(c, device)),
-        ("step", lambda: stage_step(c, device)),
-        ("memory_7b", lambda: stage_memory_7b(c, device)),
+        ("attention", lambda: stages.stage_attention(c, device)),
+        ("train_0p5b", lambda: stages.stage_train_lm(c)),
+        ("memory_1p5b", lambda: stages.stage_memory_1p5b(c)),
+        ("step", lambda: stages.stage_step(c, device)),
+        ("train", lambda: stages.stage_train(c, vllm)),
+        ("vocab_parallel", lambda: stages.stage_vocab_parallel(c, device)),
     ):
         if name not in chosen:
             c.skip(name, "not in --stages")

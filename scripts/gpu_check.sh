@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# The single-GPU check of issue 10 (docs/performance.md, "The GPU check"): for an H200-class
-# machine with Python 3.12 and a CUDA build of torch 2.11 preinstalled and NO network.
+# The single-GPU check (docs/performance.md, "The GPU check"): for a machine with one GPU, Python
+# 3.12 with a CUDA build of torch preinstalled (python3; it may itself be a venv) and NO network.
 #
-#   bash scripts/fetch_gpu_wheels.sh                 # once, where pip reaches PyPI: .gpu-wheels/
-#   bash scripts/gpu_check.sh [OUTPUT.json]          # on the GPU machine, in the checkout's root
+#   bash scripts/fetch_gpu_wheels.sh       # once, where pip reaches PyPI: .gpu-wheels/
+#   # copy the checkout, .gpu-wheels/ included, to the GPU machine; there, in its root:
+#   bash scripts/gpu_check.sh [OUT.json]   # default ./gpu_check.json
 #
-# Output: OUTPUT.json (default $OUT/gpu_check.json when $OUT is set, else ./gpu_check.json): every
-# stage's pass/fail, command, seconds and figures (scripts/gpu_check.py lists the stages).
-# The wheels install into a venv that sees the system's torch (--system-site-packages); nothing
-# is downloaded. Ends within 8 minutes: 20 s for the venv, 30 s for the install, 415 s for the
-# stages (each stage has its own budget inside that).
+# Output: OUT.json, every stage's pass/fail, command, seconds and figures (scripts/gpu_check.py
+# lists the stages), rewritten as each stage ends. The wheels install into a venv that sees the
+# system's torch (--system-site-packages); nothing is downloaded. Ends within 10 minutes: 20 s
+# for the venv, 30 s for the install, 495 s for the stages (each with its own budget inside that),
+# 10 s of grace to kill them.
 #
 # Environment: GPU_CHECK_ALLOW_CPU=1 runs the stages on the CPU at tiny sizes (the plumbing,
 # e.g. here, without a GPU); GPU_CHECK_NO_VENV=1 uses the current python as it is (no install);
 # GPU_CHECK_VENV (default /tmp/gpu-check-venv); GPU_CHECK_WHEELS (default .gpu-wheels);
-# PYTHON (default python3); GPU_CHECK_STAGES: the
-# stages after env to run, comma-separated (default all).
+# PYTHON (default python3); GPU_CHECK_STAGES: the stages after env to run, comma-separated
+# (default all).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 root=$(pwd)
-out=${1:-${OUT:-.}/gpu_check.json}
+out=${1:-./gpu_check.json}
 python=${PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-/tmp/gpu-check-venv}
 wheel_dir=${GPU_CHECK_WHEELS:-.gpu-wheels}
@@ -42,7 +43,7 @@ else
     exit 2
   fi
   py=$venv/bin/python
-  # The image's python3 is itself a venv (/opt/torch/.venv): a venv made from it sees the BASE
+  # When python3 is itself a venv (e.g. /opt/torch/.venv), a venv made from it sees the BASE
   # interpreter's site-packages, not that venv's, where torch is. A .pth file appends the parent's
   # site-packages after the new venv's own, so torch (and pip) are found and our wheels win.
   parent_site=$("$python" -c 'import site; print("\n".join(site.getsitepackages()))') || exit 2
@@ -60,9 +61,9 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 log "python: $py; figures: $out"
 stages=()
 [ -n "${GPU_CHECK_STAGES:-}" ] && stages=(--stages "$GPU_CHECK_STAGES")
-cap=415
+cap=495
 # the CPU dry run's stage budgets are gpu_check.py's CPU_BUDGET_SCALE (4) times the GPU's
-[ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] && cap=$((415 * 4))
+[ "${GPU_CHECK_ALLOW_CPU:-0}" = 1 ] && cap=$((495 * 4))
 timeout --kill-after=10 "$cap" "$py" scripts/gpu_check.py --out "$out" "${stages[@]}"
 rc=$?
 [ $rc -eq 124 ] && log "the stages ran past $cap s; $out holds those that finished"

@@ -45,6 +45,18 @@ def test_passes_on_dp2_with_micro_batches():
     assert "statistics all-reduces per rank: [1, 1]" in out
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sdpa_attention_at_tp2_matches_the_unfused_single_process_run():
+    """The layout under test runs megatron_ba's SDPA core, the reference megatron-core's unfused
+    one (tests/test_sdpa_attention.py has the float64 comparison and its controls)."""
+    out, grad_err, loss_err = _check_layout(
+        "--tp", "2", "--micro-batches", "2", "--attention", "sdpa", exit_code=0
+    )
+    assert "TP2xPP1xCP1xDP1 (sdpa attention)" in out
+    assert grad_err <= 1e-5 and loss_err <= 1e-5
+
+
 # The control's command; only the layout changes between the passing and the failing run.
 CONTROL = ("--rule", "token", "--scope", "batch", "--negative-control")
 

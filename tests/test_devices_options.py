@@ -81,9 +81,12 @@ def test_megatron_scheduler_warms_up_as_the_cpu_schedule(warmup):
     sched = mo.param_scheduler(torch_opt, opt)
     for step in range(6):
         mo.set_scheduler_step(sched, step)
-        # policy.set_lr's CPU schedule, by hand: (step + 1) / warmup of the peak, then the peak.
+        # The CPU schedule, by hand: (step + 1) / warmup of the peak, then the peak.
         want = opt.lr * min(1.0, (step + 1) / warmup) if warmup else opt.lr
         assert torch_opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12), step
+        plain = SimpleNamespace(lr=None)  # an optimiser without set_step (ShardedAdamW's case)
+        mo.apply_lr_schedule(plain, step, lr=opt.lr, warmup_steps=opt.warmup_steps)
+        assert plain.lr == pytest.approx(want, rel=1e-12), step
     # Negative control: without the +1 the first step would have lr 0 when warming up.
     if warmup > 1:
         sched.num_steps = 0
@@ -108,6 +111,34 @@ def test_auto_layer_spec_picks_te_only_where_it_runs():
         r(device=CPU, transformer_impl="transformer_engine", te_imports=True)
     with pytest.raises(ValueError, match=r"^model\.transformer_impl: must be one of"):
         r(device=CPU, transformer_impl="te")
+
+
+def test_attention_auto_is_sdpa_on_gpu_unfused_on_cpu_and_te_with_te():
+    r = resolve_build_options
+    assert r(device=CPU).attention == "unfused"  # the CPU suite's numerics, unchanged
+    assert r(device=GPU, te_imports=False).attention == "sdpa"  # local spec on a GPU
+    assert r(device=GPU, te_imports=True).attention == "transformer_engine"
+    assert r(device=CPU, attention="sdpa").attention == "sdpa"
+    assert r(device=GPU, te_imports=False, attention="unfused").attention == "unfused"
+    assert r(device=GPU, te_imports=True, transformer_impl="local").attention == "sdpa"
+    with pytest.raises(ValueError, match=r"^model\.attention: must be one of auto, sdpa, unfused"):
+        r(device=CPU, attention="flash")
+    for choice in ("sdpa", "unfused"):
+        with pytest.raises(ValueError, match=rf"^model\.attention: {choice} chooses the local"):
+            r(device=GPU, te_imports=True, attention=choice)
+
+
+def test_attention_choice_reaches_the_layer_spec():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_ba.megatron.model import tiny_qwen2_spec
+    from megatron_ba.megatron.sdpa_attention import SDPAttention
+
+    spec = tiny_qwen2_spec()
+    for attention, core in (("sdpa", SDPAttention), ("unfused", DotProductAttention)):
+        layer = resolve_build_options(device=CPU, attention=attention).layer_spec(spec)
+        assert layer.submodules.self_attention.submodules.core_attention is core
 
 
 def test_sequence_parallel_needs_tp_and_transformer_engine():
@@ -153,16 +184,25 @@ def test_context_parallelism_goes_into_te_models_only():
 def test_recipe_keys_are_checked_by_name():
     tiny = ROOT / "recipes/tiny-cpu.yaml"
     r = load_recipe(tiny)
-    assert (r.model.precision, r.model.transformer_impl) == ("fp32", "auto")
+    assert (r.model.precision, r.model.transformer_impl, r.model.attention) == (
+        "fp32",
+        "auto",
+        "auto",
+    )
     assert (r.parallel.sequence_parallel, r.parallel.recompute) == (False, "none")
     for override, message in [
         ("model.precision=fp16", r"^model\.precision: must be fp32 or bf16"),
         ("model.transformer_impl=te", r"^model\.transformer_impl: must be auto"),
+        ("model.attention=flash", r"^model\.attention: must be auto, sdpa or unfused"),
         ("parallel.recompute=most", r"^parallel\.recompute: must be none, selective or full"),
         ("parallel.sequence_parallel=true", r"^parallel\.sequence_parallel: needs parallel\.tp"),
     ]:
         with pytest.raises(RecipeError, match=message):
             load_recipe(tiny, [override])
+    te = ["model.transformer_impl=transformer_engine"]
+    assert load_recipe(tiny, te).model.attention == "auto"
+    with pytest.raises(RecipeError, match=r"^model\.attention: chooses the local spec's core"):
+        load_recipe(tiny, [*te, "model.attention=sdpa"])
 
 
 # --- devices ------------------------------------------------------------------------------

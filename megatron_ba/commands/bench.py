@@ -40,6 +40,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "benchmarks.step",
         "a whole megatron-core GRPO step, BA vs token-mean plan: time ratio, peak memory",
     ),
+    "attention": (
+        "benchmarks.attention",
+        "the SDPA core attention vs megatron-core's unfused one: error vs float64, memory, time",
+    ),
+    "train-lm": (
+        "benchmarks.train_lm",
+        "train a random Qwen2-shaped model on a synthetic LM task: loss, bf16 vs fp32, MFU",
+    ),
 }
 
 

@@ -6,6 +6,7 @@
     megatron-ba check-layout --dp 2 --micro-batches 3 --rule token --per-token-loss
     megatron-ba check-layout --dp 2 --sequences 13 --micro-batches 4 --rule balanced
     megatron-ba check-layout --pp 2 --dp 2 --sequences 14 --token-budget 40 --rule balanced
+    megatron-ba check-layout --tp 2 --micro-batches 2 --attention sdpa
 
 Launches tp*pp*cp*dp gloo processes on CPU with a tiny Qwen2-shaped megatron-core GPTModel
 (RMSNorm, SwiGLU, RoPE, GQA), runs one GRPO forward/backward on a fixed synthetic batch
@@ -14,8 +15,9 @@ than right ones, one zero-variance group in every 4; `--micro-batches` need not 
 sequences; `--token-budget T` packs each rank's sequences into micro-batches of at most T tokens,
 rows x longest, on DP shards balanced by tokens) and compares the loss and every parameter's
 gradient, gathered to full shape, with a
-single-process TP=PP=CP=DP=1 run of the same model and batch. CP is checked at the loss level
-(megatron-core's CP attention needs Transformer Engine). Prints one final line
+single-process TP=PP=CP=DP=1 run of the same model and batch (megatron-core's unfused attention;
+`--attention sdpa` runs the layout under test with megatron_ba's SDPA core). CP is checked at the
+loss level (megatron-core's CP attention needs Transformer Engine). Prints one final line
 
     max_rel_grad_err=<x> loss_err=<y>
 
@@ -66,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--rule", choices=RULES, default="balanced", help="aggregation rule")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch")
+    p.add_argument(
+        "--attention",
+        choices=("unfused", "sdpa"),
+        default="unfused",
+        help="core attention of the layout under test (model.attention); the single-process "
+        "reference runs megatron-core's unfused core",
+    )
     p.add_argument("--scope", choices=SCOPES, default="group")
     p.add_argument(
         "--per-token-loss",
@@ -111,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if unsupported:
         print(f"check-layout: {unsupported}", file=sys.stderr)
         return 2
-    layout = Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp)
+    layout = Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, attention=args.attention)
     case = Case(
         rule=args.rule,
         num_microbatches=args.micro_batches,

@@ -1,15 +1,15 @@
 """How the policy model is built on this rank: precision, layer spec, SP, recomputation, CP.
 
-    opts = resolve_build_options(precision="bf16", transformer_impl="auto",
+    opts = resolve_build_options(precision="bf16", transformer_impl="auto", attention="auto",
                                  sequence_parallel=True, recompute="selective",
                                  device=ctx.device, tp=2, cp=2)
     config = model.transformer_config(spec, **opts.config_fields())
     chunks = model.build_model_chunks(spec, config=config, layer_spec=opts.layer_spec(spec),
                                       pg_collection=opts.pg_collection(), ...)
 
-The recipe keys are `model.precision`, `model.transformer_impl`, `parallel.sequence_parallel`
-and `parallel.recompute`; every rejected combination is a ValueError naming the key. What runs
-where (megatron-core 0.16.1):
+The recipe keys are `model.precision`, `model.transformer_impl`, `model.attention`,
+`parallel.sequence_parallel` and `parallel.recompute`; every rejected combination is a ValueError
+naming the key. What runs where (megatron-core 0.16.1):
 
 * Transformer Engine ("transformer_engine"; "auto" picks it when `transformer_engine` imports and
   the device is a GPU): fused kernels, and attention that runs context parallelism itself, so a
@@ -17,6 +17,15 @@ where (megatron-core 0.16.1):
   (grpo_step's cp_mode "model"). The local spec ("local") runs on CPU; its attention cannot run
   CP, so the model is built without CP (its CP process group is this rank alone,
   `model.model_pg_collection_without_cp`) and CP is applied at the loss (cp_mode "loss").
+* Attention of the local spec (`model.attention`): "unfused" is megatron-core's
+  DotProductAttention (scores and probabilities materialised: [b, heads, s, s] each), "sdpa" is
+  megatron_ba.megatron.sdpa_attention (torch's scaled_dot_product_attention: flash or
+  memory-efficient kernels on CUDA, memory linear in the length; equal to the unfused core in
+  float64, forward and backward, on megatron-core 0.16.1 and 0.19.2:
+  tests/test_sdpa_attention.py). "auto" picks sdpa on CUDA, where long sequences need it, and
+  unfused on the CPU, where sequences are short and the suite's figures were recorded with it
+  (they stay bit-for-bit unchanged). A Transformer Engine build has TE's own attention: naming
+  sdpa or unfused there is an error.
 * Sequence parallelism needs TP > 1 and Transformer Engine: the local spec's norms refuse it
   (megatron-core's WrappedTorchNorm asserts `not config.sequence_parallel`).
 * Recomputation: "full" recomputes each layer in backward (recompute_granularity "full",
@@ -33,6 +42,7 @@ from typing import Any
 import torch
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
+ATTENTIONS = ("auto", "sdpa", "unfused")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")
 
@@ -52,6 +62,7 @@ class BuildOptions:
 
     precision: str = "fp32"
     transformer_impl: str = "local"  # "local" | "transformer_engine"
+    attention: str = "unfused"  # "unfused" | "sdpa" (local spec) | "transformer_engine"
     sequence_parallel: bool = False
     recompute: str = "none"
     cp: int = 1  # the parallel state's CP size
@@ -95,7 +106,12 @@ class BuildOptions:
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
         from megatron_ba.megatron.model import local_layer_spec
 
-        return local_layer_spec(spec.qk_layernorm)
+        local = local_layer_spec(spec.qk_layernorm)
+        if self.attention == "sdpa":
+            from megatron_ba.megatron.sdpa_attention import sdpa_layer_spec
+
+            return sdpa_layer_spec(local)
+        return local
 
     def pg_collection(self):
         """Process groups of the model: the defaults, except that a local-spec model at CP > 1
@@ -111,6 +127,7 @@ def resolve_build_options(
     *,
     precision: str = "fp32",
     transformer_impl: str = "auto",
+    attention: str = "auto",
     sequence_parallel: bool = False,
     recompute: str = "none",
     device: torch.device | str,
@@ -134,25 +151,8 @@ def resolve_build_options(
             f"model.precision: bf16 needs CUDA (megatron-core's mixed-precision distributed "
             f"optimiser); this rank's device is {device}: use model.precision: fp32"
         )
-    if transformer_impl not in TRANSFORMER_IMPLS:
-        raise ValueError(
-            f"model.transformer_impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
-            f"got {transformer_impl!r}"
-        )
-    impl = transformer_impl
-    if impl == "auto":
-        impl = "transformer_engine" if (te and cuda) else "local"
-    elif impl == "transformer_engine":
-        if not te:
-            raise ValueError(
-                "model.transformer_impl: transformer_engine, but transformer_engine does not "
-                "import here; install it or use auto / local"
-            )
-        if not cuda:
-            raise ValueError(
-                f"model.transformer_impl: transformer_engine needs CUDA; this rank's device is "
-                f"{device}: use auto or local"
-            )
+    impl = _resolve_impl(transformer_impl, te, device)
+    attention = _resolve_attention(attention, impl, cuda)
     if recompute not in RECOMPUTE:
         raise ValueError(
             f"parallel.recompute: must be one of {', '.join(RECOMPUTE)}, got {recompute!r}"
@@ -176,7 +176,51 @@ def resolve_build_options(
     return BuildOptions(
         precision=precision,
         transformer_impl=impl,
+        attention=attention,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
         cp=int(cp),
     )
+
+
+def _resolve_impl(transformer_impl: str, te: bool, device: torch.device) -> str:
+    """model.transformer_impl for this rank ("auto" decided; see the docstring)."""
+    cuda = device.type == "cuda"
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"model.transformer_impl: must be one of {', '.join(TRANSFORMER_IMPLS)}, "
+            f"got {transformer_impl!r}"
+        )
+    if transformer_impl == "auto":
+        return "transformer_engine" if (te and cuda) else "local"
+    if transformer_impl == "transformer_engine":
+        if not te:
+            raise ValueError(
+                "model.transformer_impl: transformer_engine, but transformer_engine does not "
+                "import here; install it or use auto / local"
+            )
+        if not cuda:
+            raise ValueError(
+                f"model.transformer_impl: transformer_engine needs CUDA; this rank's device is "
+                f"{device}: use auto or local"
+            )
+    return transformer_impl
+
+
+def _resolve_attention(attention: str, impl: str, cuda: bool) -> str:
+    """model.attention for a build of layer spec `impl` ("auto" decided; see the docstring)."""
+    if attention not in ATTENTIONS:
+        raise ValueError(
+            f"model.attention: must be one of {', '.join(ATTENTIONS)}, got {attention!r}"
+        )
+    if impl == "transformer_engine":
+        if attention != "auto":
+            raise ValueError(
+                f"model.attention: {attention} chooses the local spec's core attention, but the "
+                "layer spec is Transformer Engine's (its own fused attention); use "
+                "model.attention: auto, or model.transformer_impl: local"
+            )
+        return "transformer_engine"
+    if attention == "auto":
+        return "sdpa" if cuda else "unfused"
+    return attention

@@ -25,13 +25,17 @@ class Layout:
     pp: int = 1
     cp: int = 1
     dp: int = 1
+    # The local spec's core attention of the layout under test (model.attention); the
+    # single-process reference always runs megatron-core's unfused core.
+    attention: str = "unfused"
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
     def __str__(self) -> str:
-        return f"TP{self.tp}xPP{self.pp}xCP{self.cp}xDP{self.dp}"
+        core = f" ({self.attention} attention)" if self.attention != "unfused" else ""
+        return f"TP{self.tp}xPP{self.pp}xCP{self.cp}xDP{self.dp}{core}"
 
 
 @dataclass(frozen=True)

@@ -48,13 +48,18 @@ def _init(rank: int, world: int, port: int, layout: Layout) -> None:
     cpu_compat.seed_model_parallel_rng(0)
 
 
-def _build(per_token_loss: bool, seed: int):
+def _build(per_token_loss: bool, seed: int, attention: str = "unfused"):
     from megatron_ba.megatron import model as mm
+    from megatron_ba.megatron.build_options import resolve_build_options
 
     spec = tiny_spec()
     config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss)
+    layer_spec = resolve_build_options(device="cpu", attention=attention).layer_spec(spec)
     chunks = mm.build_model_chunks(
-        spec, config=config, pg_collection=mm.model_pg_collection_without_cp()
+        spec,
+        config=config,
+        layer_spec=layer_spec,
+        pg_collection=mm.model_pg_collection_without_cp(),
     )
     mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, seed))
     return chunks
@@ -190,7 +195,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     batch = ref["batch"]
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_ok = all(collectives.all_gather_object(_cp_layout_matches_megatron(batch["tokens"])))
-    models = {False: _build(False, ref["seed"])}
+    models = {False: _build(False, ref["seed"], layout.attention)}
     # Forward-only log-probs on the first case's rows and micro-batches (token budget: each row
     # run on its prompt + response only; the positions past it are 0 and not compared).
     first = cases[0]
@@ -211,7 +216,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     report = []
     for case in cases:
         if case.per_token_loss not in models:
-            models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"])
+            models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"], layout.attention)
         rows = case_rows(batch, layout, case, dp_rank)
         result, calls, grads = _run_case(models[case.per_token_loss], batch, rows, case)
         loss_ref, grads_ref = ref["results"][(case.rule, case.scope)]

@@ -4,11 +4,11 @@ Supported: megatron-core 0.16.1 (Python 3.11, `.venv`) through 0.19.x (Python >=
 `.venv-current`), both tested in CI; docs/versions.md has the table. NeMo-Aligner's own
 environment runs megatron-core 0.10, where only the NeMo-Aligner actor is supported.
 
-Each helper below asks the installed megatron-core whether it has a feature (a parameter, a
-module) and never compares version strings, so a patch release that back-ports a change is read
-correctly. The one exception is the loss-scale table of megatron_ba.megatron.scaling: a change in
-what the schedules divide by leaves no signature to detect, and both ends of the range are
-proven by the layout check.
+Each helper below asks the installed megatron-core (or torch) whether it has a feature (a
+parameter, a module) and never compares version strings, so a patch release that back-ports a
+change is read correctly. The one exception is the loss-scale table of
+megatron_ba.megatron.scaling: a change in what the schedules divide by leaves no signature to
+detect, and both ends of the range are proven by the layout check.
 """
 
 from __future__ import annotations
@@ -66,3 +66,17 @@ def check_checkpoint_readable(ckpt_dir) -> None:
         "read: load it with megatron-core >= 0.19 (.venv-current, scripts/setup_current_env.sh), "
         "or convert it to Hugging Face there (megatron-ba convert CKPT OUT --to hf)"
     )
+
+
+@functools.cache
+def sdpa_has_enable_gqa() -> bool:
+    """Whether torch's scaled_dot_product_attention takes `enable_gqa` (torch 2.5 on): grouped
+    key/value heads without expanding them. A builtin has no signature to read, so ask it."""
+    import torch
+
+    q, kv = torch.zeros(1, 2, 1, 1), torch.zeros(1, 1, 1, 1)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except TypeError:
+        return False
+    return True

@@ -183,6 +183,17 @@ class MegatronCoreAdamW:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
+def apply_lr_schedule(optimizer, step: int, *, lr: float, warmup_steps: int) -> None:
+    """The learning rate of optimiser step `step` (0-based): linear warm-up over `warmup_steps`
+    steps, then constant `lr`. megatron-core's optimiser (`set_step`) has its scheduler, built
+    from the same two values; ShardedAdamW gets the rate set here."""
+    if hasattr(optimizer, "set_step"):
+        optimizer.set_step(step)
+        return
+    scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    optimizer.lr = lr * scale
+
+
 def build_optimizer(chunks: list[torch.nn.Module], opt, *, precision: str, device):
     """The optimiser of `precision` on `device` (see `choose_optimizer`)."""
     kind = choose_optimizer(device, precision)

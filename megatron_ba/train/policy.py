@@ -61,6 +61,7 @@ class Policy:
         opts = resolve_build_options(
             precision=m.precision,
             transformer_impl=m.transformer_impl,
+            attention=m.attention,
             sequence_parallel=p.sequence_parallel,
             recompute=p.recompute,
             device=device,
@@ -95,13 +96,11 @@ class Policy:
 
     def set_lr(self, step: int) -> None:
         """Linear warm-up over `optimizer.warmup_steps` optimiser steps, then constant (on CUDA
-        in bf16 by megatron-core's OptimizerParamScheduler, the same schedule)."""
-        if hasattr(self.optimizer, "set_step"):
-            self.optimizer.set_step(step)
-            return
+        by megatron-core's OptimizerParamScheduler, the same schedule)."""
+        from megatron_ba.megatron.mcore_optimizer import apply_lr_schedule
+
         o = self.recipe.optimizer
-        scale = min(1.0, (step + 1) / o.warmup_steps) if o.warmup_steps > 0 else 1.0
-        self.optimizer.lr = o.lr * scale
+        apply_lr_schedule(self.optimizer, step, lr=o.lr, warmup_steps=o.warmup_steps)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Gather the full policy (a collective: every rank calls it); HF-named on rank 0."""
