@@ -305,6 +305,10 @@ SCRIPT = re.compile(
     r"|\bsbatch\b[^\n`|;]*?(?<![\w/.-])(slurm/[\w.-]+\.sh)\b"
 )
 TEST_FILE = re.compile(r"(?<![\w/.-])(tests/[\w/.-]+?\.py)\b")
+# A path into the package, the benchmarks, the pins or the docs, as a page names it (`*`: a glob).
+REPO_PATH = re.compile(
+    r"(?<![\w/.<>-])((?:megatron_ba|benchmarks|requirements|docs)/[\w/.*-]*[\w*])(?![\w<>])"
+)
 
 
 def script_problems(text: str) -> list[str]:
@@ -315,6 +319,13 @@ def script_problems(text: str) -> list[str]:
 def missing_test_files(text: str) -> list[str]:
     names = set(TEST_FILE.findall(text))
     return [f"{name} does not exist" for name in sorted(names) if not (ROOT / name).is_file()]
+
+
+def missing_repo_paths(text: str) -> list[str]:
+    """`megatron_ba/...`, `benchmarks/...`, `requirements/...`, `docs/...` paths (or globs) a
+    page names that match nothing in the checkout."""
+    names = set(REPO_PATH.findall(text))
+    return [f"{name} does not exist" for name in sorted(names) if not any(ROOT.glob(name))]
 
 
 # --- the checks on the real pages ---------------------------------------------------------
@@ -360,6 +371,11 @@ def test_named_test_files_exist():
         sources += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh"))
     problems = [f"{_rel(p)}: {x}" for p in sources for x in missing_test_files(p.read_text())]
     assert problems == []
+
+
+@pytest.mark.parametrize("page", [*PAGES, *RECIPES], ids=_rel)
+def test_named_repository_paths_exist(page):
+    assert missing_repo_paths(page.read_text()) == []
 
 
 # --- negative controls: planted text each checker must reject -----------------------------
@@ -498,4 +514,13 @@ def test_planted_missing_scripts_and_test_files_are_caught():
     assert missing_test_files("tests/test_recipe.py and tests/nemo/test_nemo_actor.py") == []
     assert missing_test_files("(tests/test_devices_te_names.py checks it)") == [
         "tests/test_devices_te_names.py does not exist"
+    ]
+    assert (
+        missing_repo_paths("`megatron_ba/train/` `megatron_ba/megatron/*.py` docs/status.md.") == []
+    )
+    assert missing_repo_paths(
+        "megatron_ba/megatron/mcore_optimiser.py, requirements/gpu-*.txt"
+    ) == [
+        "megatron_ba/megatron/mcore_optimiser.py does not exist",
+        "requirements/gpu-*.txt does not exist",
     ]
