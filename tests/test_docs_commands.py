@@ -14,9 +14,11 @@ Pages: README.md, docs/*.md, slurm/README.md, and the comments of recipes/*.yaml
 - Every relative link `[text](path)` / `[text](path#anchor)` of a page points to a file that
   exists; an anchor into a markdown file names one of its headings (GitHub's rule: lowercase,
   punctuation other than `-` and `_` dropped, spaces to `-`, `-1`, `-2` ... for repeats).
-- Every `bash scripts/X.sh`, `bash slurm/X.sh` and `sbatch ... slurm/X.sh` a page mentions, and
-  every `tests/....py` that a page, a recipe or a module of megatron_ba/, scripts/ or
+- Every `bash scripts/X.sh`, `bash slurm/X.sh` and `sbatch ... slurm/X.sh` a page mentions,
+  every `megatron_ba/`, `benchmarks/`, `requirements/` and `docs/` path a page or recipe names,
+  and every `tests/....py` that a page, a recipe or a module of megatron_ba/, scripts/ or
   benchmarks/ names, exists.
+- No file of the repository refers to a numbered issue: the project speaks of itself.
 
 Each checker is also run on planted text that it must reject.
 """
@@ -328,6 +330,15 @@ def missing_repo_paths(text: str) -> list[str]:
     return [f"{name} does not exist" for name in sorted(names) if not any(ROOT.glob(name))]
 
 
+ISSUE_NUMBER = re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)
+
+
+def numbered_issue_references(text: str) -> list[str]:
+    """The word issue(s) followed by a number (`#` optional): the project speaks of itself, not
+    of a tracker's numbers."""
+    return ISSUE_NUMBER.findall(text)
+
+
 # --- the checks on the real pages ---------------------------------------------------------
 
 
@@ -371,6 +382,19 @@ def test_named_test_files_exist():
         sources += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh"))
     problems = [f"{_rel(p)}: {x}" for p in sources for x in missing_test_files(p.read_text())]
     assert problems == []
+
+
+def test_no_numbered_issue_references():
+    folders = ("megatron_ba", "scripts", "benchmarks", "tests", "slurm", "recipes", "docs")
+    files = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    files += [p for f in folders for p in sorted((ROOT / f).rglob("*")) if p.is_file()]
+    suffixes = {".py", ".sh", ".md", ".yaml", ".toml", ".txt", ".json", ".jsonl"}
+    found = {
+        _rel(p): refs
+        for p in files
+        if p.suffix in suffixes and (refs := numbered_issue_references(p.read_text()))
+    }
+    assert found == {}
 
 
 @pytest.mark.parametrize("page", [*PAGES, *RECIPES], ids=_rel)
@@ -499,7 +523,7 @@ def test_planted_broken_links_and_anchors_are_caught():
         assert len(problems) == 1 and why in problems[0], (bad, problems)
 
 
-def test_planted_missing_scripts_and_test_files_are_caught():
+def test_planted_missing_files_and_issue_numbers_are_caught():
     assert script_problems("bash scripts/run_tests.sh; sbatch slurm/grpo_balanced.sh R") == []
     text = (
         "bash scripts/run_test.sh\n"
@@ -524,3 +548,6 @@ def test_planted_missing_scripts_and_test_files_are_caught():
         "megatron_ba/megatron/mcore_optimiser.py does not exist",
         "requirements/gpu-*.txt does not exist",
     ]
+    assert numbered_issue_references("every collective megatron-ba issues; issue tracker") == []
+    planted = "(no sync folder since issue" + " 10); Issue" + " 8, item 2; see issues" + " #3"
+    assert len(numbered_issue_references(planted)) == 3
