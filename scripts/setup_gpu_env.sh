@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU cluster environment of requirements/gpu.txt, on a GPU node: a Python 3.12 venv, or a
-# PyTorch container's own Python. Nothing here has run on a GPU yet.
+# PyTorch container's own Python. What has run where: docs/status.md.
 #
 #   bash scripts/setup_gpu_env.sh [VENV]          # venv route; VENV defaults to .venv-gpu
 #   bash scripts/setup_gpu_env.sh --system        # container route: this Python (PYTHON, else python3)

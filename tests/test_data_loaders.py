@@ -43,7 +43,7 @@ def test_dapo_dedupes_and_round_trips_the_template(tmp_path):
 
 
 def test_dapo_counts_conflicting_ground_truths_apart_from_duplicates(tmp_path, caplog):
-    """Issue 8, item 4: a prompt seen with different ground truths is reported, and dropped
+    """A prompt seen with different ground truths is reported, and dropped
     unless on_conflict="keep_first" keeps the first row's truth."""
     dropped = load_dapo_math(DAPO)
     assert dropped.report.conflicts == 1
@@ -210,7 +210,7 @@ def _ids_and_tests(loaded):
 
 
 def test_livecodebench_reads_one_json_array_of_the_same_records(tmp_path):
-    """Issue 8, item 5: public evaluation repos save LiveCodeBench as one JSON array."""
+    """Public evaluation repos save LiveCodeBench as one JSON array: it is read too."""
     src = BENCH / "livecodebench" / "test.jsonl"
     rows = read_jsonl(src)
     expected = _ids_and_tests(load_livecodebench(src))

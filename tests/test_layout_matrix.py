@@ -1,4 +1,4 @@
-"""The layout matrix: every TP/PP/CP/DP layout of the issue gives the single-process gradients.
+"""The layout matrix: each TP/PP/CP/DP layout it lists gives the single-process gradients.
 
     python -m pytest tests/test_layout_matrix.py        # ~3-5 min on 2 cores
 

@@ -69,7 +69,7 @@ CORRECTNESS_TABLE = [
     ("x = 3", "Answer: 3", 1.0),
 ]
 
-# Issue 8, item 2: a right-hand side alone matches only where the left side is a bare name.
+# A right-hand side alone matches only where the left side is a bare name.
 # The ground truths are MATH-500 / Minerva-style equations.
 EQUATION_TABLE = [
     ("5x - 7y + 11z + 4 = 0", "Answer: 0", 0.0),
@@ -94,7 +94,7 @@ EQUATION_TABLE = [
     ("a_{n} = 2^n", "Answer: 2^n", 1.0),
 ]
 
-# Issue 8, item 3: a box is not overridden by an "answer:" in prose; zero-padded AIME answers;
+# A box is not overridden by an "answer:" in prose; zero-padded AIME answers;
 # hedging (many boxes, repeated Answer lines, several values in one answer) earns nothing.
 PRECEDENCE_TABLE = [
     (

@@ -1,7 +1,7 @@
 """The math reward's machinery: it starts from any caller and its failures raise, never score 0.
 
 Before the pool ran its own server, an unguarded script or `python -` made the workers re-import
-`__main__`, die at start-up, and every answer score 0.0 (issue 8, item 1).
+`__main__`, die at start-up, and every answer score 0.0.
 """
 
 import os

@@ -194,7 +194,7 @@ def run_vllm(out_json: str, dirs: list[str], sync_root: str) -> None:
             k: core.merge_gated(*reversed(core.split_gated(v))) if "linear_fc1" in k else v
             for k, v in full.items()
         }
-        engine = VLLMEngine(  # weights refit in memory (no sync folder since issue 10)
+        engine = VLLMEngine(  # weights refit in memory (no sync folder)
             str(d), in_process=True, max_model_len=64, seed=0, kv_cache_gb=1
         )
         try:

@@ -56,7 +56,8 @@ Rule = Copy | FusedQKV | GatedFC1
 # megatron-core's own map says the same: its local layer spec (0.16.1, gpt_layer_specs.py,
 # get_gpt_layer_local_spec) saves `input_layernorm.` as `self_attention.linear_qkv.layer_norm_`
 # and `pre_mlp_layernorm.` as `mlp.linear_fc1.layer_norm_` (sharded_state_dict_keys_map), so
-# that local and TE checkpoints share keys; tests/test_devices_te_names.py checks the two agree.
+# that local and TE checkpoints share keys; tests/test_devices_step.py
+# (test_local_spec_checkpoint_keys_are_the_converters_te_spelling) checks the two agree.
 TE_SPELLINGS: dict[str, str] = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",

@@ -181,7 +181,7 @@ def prepare_microbatches(
 
     `thd` (with `max_tokens`; CUDA + Transformer Engine): packed micro-batches instead, one
     [1, total] row each with PackedSeqParams and the budget bounding the sum of the sequences'
-    tokens (megatron_ba.megatron.thd; untested here: no GPU).
+    tokens (megatron_ba.megatron.thd; what has run where: docs/status.md).
     """
     n, s = batch.tokens.shape
     multiple = 2 * view.cp if view.cp > 1 else 1

@@ -81,7 +81,7 @@ class StepConfig:
     cp_mode: str | None = None  # "model" | "loss"; default "loss" without CUDA, else "model"
     explicit_causal_mask: bool | None = None  # default: True without CUDA (local attention)
     # Packed (THD) micro-batches under a token budget: None = auto (CUDA, cp_mode "model");
-    # needs Transformer Engine attention; untested without a GPU (megatron_ba.megatron.thd).
+    # needs Transformer Engine attention (megatron_ba.megatron.thd; status: docs/status.md).
     thd: bool | None = None
     # Testing only. "per_microbatch": the same loss with each micro-batch's plan built from that
     # micro-batch's own statistics, averaged over micro-batches and DP ranks (NeMo-Aligner's

@@ -15,10 +15,10 @@ aggregation.apply_weights (local sequence k for a response target, -1 elsewhere)
 weights apply unchanged. Position p of a sequence predicts its token p + 1; each sequence's last
 position predicts nothing.
 
-STATUS: the arithmetic (offsets, positions, targets, masks, scatter back to [N, S]) is tested on
-CPU against the padded layout (tests/test_thd.py); the model forward with THD needs Transformer
-Engine on a GPU and is untested here. CP > 1 is refused: TE's load-balanced THD split
-(thd_get_partitioned_indices) is not built.
+The arithmetic (offsets, positions, targets, masks, scatter back to [N, S]) is tested on CPU
+against the padded layout (tests/test_thd.py); the model forward with THD needs Transformer
+Engine on a GPU (what has run where: docs/status.md). CP > 1 is refused: TE's load-balanced THD
+split (thd_get_partitioned_indices) is not built.
 """
 
 from __future__ import annotations

@@ -108,7 +108,8 @@ PRESETS: dict[str, ModelShape] = {
         "Qwen2.5-Math-7B", 3584, 28, 28, 4, 128, 18944, 152064, False, True, False
     ),
     "Qwen3-1.7B": ModelShape("Qwen3-1.7B", 2048, 28, 16, 8, 128, 6144, 151936, True, False, True),
-    # Not one of the three: the shape of NeMo-RL's Qwen3-32B recipe (docs/scaling.md).
+    # Not a model of the paper's recipes: the shape of NeMo-RL's Qwen3-32B recipe, which
+    # docs/scaling.md compares the planner with.
     "Qwen3-32B": ModelShape("Qwen3-32B", 5120, 64, 64, 8, 128, 25600, 151936, False, False, True),
     "Qwen2.5-32B": ModelShape(
         "Qwen2.5-32B", 5120, 64, 40, 8, 128, 27648, 152064, False, True, False

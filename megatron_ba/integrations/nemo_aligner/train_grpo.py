@@ -8,8 +8,8 @@
 Config: conf/gpt_grpo_balanced.yaml. The wiring follows NeMo-Aligner's REINFORCE script
 (examples/nlp/gpt/train_gpt_reinforce_actor.py at v0.7.0) with our actor and trainer and
 in-process math rewards instead of the reward-model server. Data: JSONL lines
-{"prompt": str, "ground_truth": str}. Run inside NeMo-Aligner 0.7.0's container (GPUs); it has
-not been run end to end here (no GPU; docs/nemo-aligner.md says what ran where).
+{"prompt": str, "ground_truth": str}. Run inside NeMo-Aligner 0.7.0's container (GPUs); what has
+run where: docs/status.md.
 """
 
 from __future__ import annotations

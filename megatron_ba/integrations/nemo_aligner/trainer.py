@@ -16,7 +16,7 @@ the parent's:
 
 The plan's statistics are all-reduced once per optimizer step inside the actor's loss; its
 diagnostics come back in the actor's metrics, which the parent's `run_training` logs with
-prefix `train_optim/` through NeMo's logger. Not run end to end on CPU yet (docs/nemo-aligner.md).
+prefix `train_optim/` through NeMo's logger. What has run where: docs/status.md.
 
 The prompt batches need a `ground_truth` list (one string per prompt) besides NeMo-Aligner's
 `text` and `length`: train_grpo.py's dataset and collate function provide it.

@@ -9,7 +9,7 @@ its result's loss function is replaced by BalancedPGLossFn(master_config["loss_f
 grpo.num_generations_per_prompt), and the returned policy's `train(data, loss_fn, ...)` first
 calls `loss_fn.attach_plan(data)` on the global batch. Positions in setup's result and the call
 `policy.train(train_data, loss_fn, ...)` are NeMo-RL v0.7.0's, checked by the contract test
-(tests/test_integration_nemo_rl.py); this script was not run here (NeMo-RL needs Ray and GPUs).
+(tests/test_integration_nemo_rl.py). NeMo-RL needs Ray and GPUs; what has run: docs/status.md.
 """
 
 from __future__ import annotations
