@@ -345,6 +345,15 @@ def _comparable(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
+def _slurmd_log(conf: str) -> str:
+    """Every slurmd log of the cluster (SlurmdLogFile of its slurm.conf, %n = any node)."""
+    for line in Path(conf).read_text().splitlines():
+        if line.startswith("SlurmdLogFile="):
+            pattern = line.split("=", 1)[1].strip().replace("%n", "*")
+            return "\n".join(p.read_text() for p in sorted(Path("/").glob(pattern.lstrip("/"))))
+    return ""
+
+
 def _slurm_log(cwd: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(cwd.glob("slurm-*.out")))
 
@@ -381,6 +390,10 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     assert (pre / "checkpoints" / f"step-{stopped:06d}" / "meta.json").is_file()
     assert _train_steps(pre) == list(range(1, stopped + 1))
     assert "requeueing job" in _slurm_log(tmp_path)
+    # Slurm holds a requeued job (~2 min) before it runs again; released at once, it can be
+    # scheduled while slurmd still tears down its first run's step, and is then killed as
+    # "non-startable: job credential revoked". Release it once that step is done.
+    _wait(lambda: f"[{job}.0] done with job" in _slurmd_log(slurm), "the first run's step to end")
     subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True,
                    env=_env(SLURM_CONF=slurm))  # fmt: skip
     for j in (job, ref_job):
