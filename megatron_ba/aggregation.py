@@ -43,9 +43,7 @@ from megatron_ba._checks import (
     check_integer_1d,
     check_same_length,
 )
-
-RULES = ("token", "sequence", "dr_grpo", "balanced", "balanced_mass")
-SCOPES = ("group", "batch")
+from megatron_ba.rules import RULES, SCOPES  # the names, kept where torch is not needed
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 

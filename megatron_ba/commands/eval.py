@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from megatron_ba.data.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, find_local_source
+from megatron_ba.errors import UserError
 
 
 def _names(text: str) -> list[str]:
@@ -85,7 +86,7 @@ def load_problems(args: argparse.Namespace) -> dict:
         print(f"[eval] {loaded.report.summary()}", file=sys.stderr)
         items = loaded.problems[: args.limit] if args.limit else loaded.problems
         if not items:
-            raise SystemExit(f"eval: benchmark {name} has no problems left to evaluate")
+            raise UserError(f"eval: benchmark {name} has no problems left to evaluate")
         problems[name] = items
     return problems
 
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ba.evaluation.vllm_engine import build_engine, vllm_generate
 
     if args.samples < 1:
-        raise SystemExit("eval: --samples must be >= 1")
+        raise UserError(f"--samples: must be >= 1, got {args.samples}")
     problems = load_problems(args)
     engine = build_engine(str(args.model_dir), max_model_len=args.max_model_len, seed=args.seed)
     tokenizer = engine.get_tokenizer()
