@@ -6,11 +6,11 @@
 Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`.
 Modules are imported only when their subcommand runs, and at module level they import nothing
 heavy (torch, megatron-core, vLLM are imported inside `run`): `--help` and argument errors of
-every command answer without them (tests/test_cli_face.py).
+every command answer without them (tests/test_cli_help.py).
 
 A user error (errors.UserError: a bad recipe, data set, path or option) that reaches `main`
 prints its message alone on stderr, exit status 2, like an argument error. Any other exception
-keeps its traceback: that is a bug.
+keeps its traceback: that is a bug (tests/test_cli_errors.py).
 """
 
 from __future__ import annotations
