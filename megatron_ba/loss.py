@@ -265,34 +265,39 @@ def _token_metrics(plan, config, valid, index, ratio, folded) -> dict[str, torch
     """Clip fractions, token count, each sign's objective weight and the mean ratio of this part."""
     dtype = ratio.dtype
     zero = torch.zeros((), dtype=dtype, device=ratio.device)
-    n = plan.pg_weights.numel()
-    if index is None:
-        counts = valid.sum(dim=1)  # this part's tokens of each sequence
-    else:
-        counts = torch.bincount(index + 1, minlength=n + 1)[1:]
-    n_tokens = counts.sum()
+    n_tokens = torch.count_nonzero(valid)
     denom = n_tokens.clamp(min=1).to(dtype)
     # Each token's advantage sign: read off w_i A_i where the plan keeps signs, else off A_i.
     sign = folded if plan.folded_signs else _per_token(plan.advantages, index, ratio)
     # rho = 1 on padding, which none of these accepts (clip bounds >= 0, dual_clip > 1). The dual
     # floor binds, A < 0, where min(rho, clip(rho)) A < dual A, i.e. where rho > dual_clip.
-    low = (sign < 0) & (ratio < 1.0 - config.clip_low)
-    high = (sign > 0) & (ratio > 1.0 + config.clip_high)
+    low = torch.count_nonzero((sign < 0) & (ratio < 1.0 - config.clip_low))
+    high = torch.count_nonzero((sign > 0) & (ratio > 1.0 + config.clip_high))
     out = {
-        "clip_low_frac": low.sum() / denom,
-        "clip_high_frac": high.sum() / denom,
+        "clip_low_frac": low / denom,
+        "clip_high_frac": high / denom,
         "dual_clip_frac": zero,
         "num_tokens_sum": n_tokens.to(dtype),
     }
     if config.dual_clip is not None:
-        out["dual_clip_frac"] = ((sign < 0) & (ratio > config.dual_clip)).sum() / denom
-    # The objective weight each sign's tokens carry in this part (additive: the global shares are
-    # the sums over parts, divided by their total): w_i times this part's tokens of i.
-    carried = plan.pg_weights * counts
-    w_pos = carried[plan.advantages > 0].sum().to(dtype)
-    w_neg = carried[plan.advantages < 0].sum().to(dtype)
+        dual = torch.count_nonzero((sign < 0) & (ratio > config.dual_clip))
+        out["dual_clip_frac"] = dual / denom
+    w_pos, w_neg = _sign_weights(plan, valid, index, ratio)
     out["weight_pos_sum"], out["weight_neg_sum"] = w_pos, w_neg
     total = w_pos + w_neg
     out["weight_pos_share"] = torch.where(total > 0, w_pos / total.clamp(min=1e-300), zero)
     out["ratio_mean"] = torch.where(valid, ratio, zero).sum() / denom
     return out
+
+
+def _sign_weights(plan, valid, index, like) -> tuple[torch.Tensor, torch.Tensor]:
+    """The objective weight each sign's tokens carry in this part: sum over its tokens of w_i
+    (additive over parts; the global shares are the sums over parts, divided by their total)."""
+    adv, w = plan.advantages, plan.pg_weights
+    if index is None:  # padded: w_i times each row's token count
+        carried = w * torch.count_nonzero(valid, dim=1)
+        return carried[adv > 0].sum().to(like.dtype), carried[adv < 0].sum().to(like.dtype)
+    # packed: one gather of the weight signed by A, padding reading 0 (no histogram, no sync)
+    signed = torch.where(adv > 0, w, torch.where(adv < 0, -w, torch.zeros_like(w)))
+    u = _per_token(signed, index, like)
+    return u.clamp(min=0).sum(), -u.clamp(max=0).sum()
