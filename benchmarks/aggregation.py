@@ -11,6 +11,11 @@ sum(mask); for packed batches also the unmasked mean of a pack holding loss toke
 and group ids) then `apply_weights`. Each variant runs forward + backward of the scalar w.r.t. the
 token values; medians over repeats, variants interleaved so that load drifts hit all alike.
 Planning alone is timed separately (goal: O(N), < 1 ms for N = 2,048).
+
+The packed GRPO loss (`grpo_loss`, forward + backward of the clipped loss and its metrics over a
+packed batch of log-probs) is timed for both rules side by side: "balanced" is `LossPlan.build`
+plus `grpo_loss`; "token-mean" is `token_mean_grpo_loss` below, the conventional clipped loss
+divided by the token count, with the same metrics (goal: balanced <= 1.05x token-mean).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from megatron_ba.aggregation import (
     sequence_weights,
     token_weights,
 )
+from megatron_ba.loss import MAX_LOG_RATIO, GRPOLossConfig, LossPlan, grpo_loss
 
 
 def _batch(n: int, max_length: int, group_size: int, seed: int):
@@ -39,6 +45,55 @@ def _batch(n: int, max_length: int, group_size: int, seed: int):
     adv = rewards - 0.5
     ids = torch.arange(n // group_size).repeat_interleave(group_size)[:n]
     return lengths, adv, ids
+
+
+def token_mean_grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    index: torch.Tensor,
+    advantages: torch.Tensor,
+    config: GRPOLossConfig | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The clipped GRPO loss of a packed batch as a token-mean implementation writes it (verl
+    `token-mean`, DAPO): each token's advantage gathered from its sequence's by the sequence
+    index (-1: padding), phi = min(rho A, clip(rho) A), loss = -sum phi / tokens; no weights.
+    With grpo_loss's metrics (a sign's weight: its tokens / tokens), it gives what grpo_loss gives
+    under the token rule's batch scope (tests/test_bench_aggregation.py)."""
+    config = config or GRPOLossConfig()
+    dtype = logprobs.dtype
+    zero = torch.zeros((), dtype=dtype)
+    valid = index >= 0
+    adv = torch.take(torch.cat([advantages.to(dtype), zero[None]]), index.clamp(min=-1))
+    log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    clipped = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    phi = torch.minimum(ratio * adv, clipped * adv)  # 0 on padding (A = 0 there, rho = 1)
+    if config.dual_clip is not None:
+        phi = torch.where(adv < 0, torch.maximum(phi, config.dual_clip * adv), phi)
+    n_tokens = torch.count_nonzero(valid)
+    denom = n_tokens.clamp(min=1).to(dtype)
+    loss = -phi.sum() / denom
+    with torch.no_grad():
+        pos = torch.count_nonzero(adv > 0) / denom
+        neg = torch.count_nonzero(adv < 0) / denom
+        dual = config.dual_clip
+        metrics = {
+            "pg_loss": loss.detach(),
+            "clip_low_frac": torch.count_nonzero((adv < 0) & (ratio < 1 - config.clip_low)) / denom,
+            "clip_high_frac": torch.count_nonzero((adv > 0) & (ratio > 1 + config.clip_high))
+            / denom,
+            "dual_clip_frac": zero
+            if dual is None
+            else torch.count_nonzero((adv < 0) & (ratio > dual)) / denom,
+            "num_tokens_sum": n_tokens.to(dtype),
+            "weight_pos_sum": pos,
+            "weight_neg_sum": neg,
+            "weight_pos_share": torch.where(
+                pos + neg > 0, pos / (pos + neg).clamp(min=1e-30), zero
+            ),
+            "ratio_mean": torch.where(valid, ratio, zero).sum() / denom,
+        }
+    return loss, metrics
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -92,7 +147,22 @@ def run_benchmark(n, max_length, group_size, repeats, seed=0) -> dict:
     def balanced_packed_prebuilt():
         _WeightedSum.apply(packed, prebuilt).backward()
 
+    # The packed GRPO loss: log-probs of the packed tokens, both rules on the same batch.
+    gen = torch.Generator().manual_seed(seed + 3)
+    logp = (-torch.rand(num_tokens, generator=gen) * 3).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(num_tokens, generator=gen)
+    seq_index = torch.arange(n).repeat_interleave(lengths)
+
+    def grpo_loss_token_mean():
+        token_mean_grpo_loss(logp, old, seq_index, adv)[0].backward()
+
+    def grpo_loss_balanced():
+        plan = LossPlan.build("balanced", lengths, adv, ids)
+        grpo_loss(logp, old, seq_index, plan)[0].backward()
+
     variants = {
+        "packed/grpo-loss-token-mean": grpo_loss_token_mean,
+        "packed/grpo-loss-balanced": grpo_loss_balanced,
         "padded/token-mean": token_mean_padded,
         "padded/balanced": balanced_padded,
         "packed/token-mean": token_mean_packed,
@@ -106,7 +176,7 @@ def run_benchmark(n, max_length, group_size, repeats, seed=0) -> dict:
     samples = {k: [] for k in variants}
     for _ in range(repeats):
         for k, fn in variants.items():
-            padded.grad = packed.grad = None  # as after zero_grad(set_to_none=True)
+            padded.grad = packed.grad = logp.grad = None  # as after zero_grad(set_to_none=True)
             samples[k] += _time(fn, 1)
     med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
 
@@ -130,6 +200,9 @@ def run_benchmark(n, max_length, group_size, repeats, seed=0) -> dict:
         ),
         "ratio_apply_only_unmasked": round(
             med["packed/balanced-apply-only"] / med["packed/token-mean-unmasked"], 3
+        ),
+        "ratio_grpo_loss": round(
+            med["packed/grpo-loss-balanced"] / med["packed/grpo-loss-token-mean"], 3
         ),
         "plan_ms": round(plan_ms, 3),
         "load_avg_1min": os.getloadavg()[0],
@@ -164,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         f"weight vector prebuilt: {r['ratio_apply_only_unmasked']:.3f}x)"
     )
     print(f"  planning alone (N={r['sequences']}): {r['plan_ms']:.3f} ms")
+    print(f"packed grpo loss balanced / token-mean = {r['ratio_grpo_loss']:.3f} x")
     return 0
 
 

@@ -43,9 +43,7 @@ from megatron_ba._checks import (
     check_integer_1d,
     check_same_length,
 )
-
-RULES = ("token", "sequence", "dr_grpo", "balanced", "balanced_mass")
-SCOPES = ("group", "batch")
+from megatron_ba.rules import RULES, SCOPES  # the names, kept where torch is not needed
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -180,7 +178,7 @@ def weights_from_statistics(
         # The batch scope is the group scope with the whole batch as one group.
         table = table.sum(dim=0, keepdim=True)
         row = torch.zeros_like(row)
-    group = table[row]  # [N, NUM_COLUMNS]: the statistics of each sequence's group
+    group = table.index_select(0, row)  # [N, NUM_COLUMNS]: the statistics of each sequence's group
     num_groups = (table[:, COUNT] > 0).sum().to(torch.float64)
     live = stats.lengths > 0
     T = stats.lengths

@@ -4,8 +4,13 @@
     megatron-ba plan --help            # help of one subcommand
 
 Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`.
-Modules are imported only when their subcommand runs, so `megatron-ba plan` needs torch alone
-while `megatron-ba train` may import megatron-core and vLLM.
+Modules are imported only when their subcommand runs, and at module level they import nothing
+heavy (torch, megatron-core, vLLM are imported inside `run`): `--help` and argument errors of
+every command answer without them (tests/test_cli_help.py).
+
+A user error (errors.UserError: a bad recipe, data set, path or option) that reaches `main`
+prints its message alone on stderr, exit status 2, like an argument error. Any other exception
+keeps its traceback: that is a bug (tests/test_cli_errors.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from megatron_ba.errors import UserError
 
 # name -> (module, one-line help). Later features register here.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -83,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"megatron-ba {name}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except UserError as e:
+        print(e, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

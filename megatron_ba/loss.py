@@ -14,6 +14,23 @@ default); k3 = exp(ref - logp) - (ref - logp) - 1 is Schulman's unbiased, positi
 Both plans come from `LossPlan.build` (one statistics reduction for both), so the loss of any
 micro-batch or shard is its exact share of the global loss: summing over parts gives the whole.
 
+The plan weight is folded into the advantage. For w >= 0 and any reals a, b:
+w min(a, b) = min(w a, w b) and w max(a, b) = max(w a, w b) (multiplying by w >= 0 keeps order;
+w = 0 makes both sides 0). Hence, with c = clip(rho) and s_i = w_i A_i,
+
+    w_i min(rho A_i, c A_i) = min(rho s_i, c s_i)
+    w_i max(phi, dual A_i)  = max(w_i phi, dual s_i)
+
+and the dual clip's branch condition A_i < 0 is s_i < 0 whenever w_i > 0 (for w_i = 0 both
+branches give 0). So w_i phi_{i,t}(A_i) = phi_{i,t}(s_i) as functions of rho: the same value and
+the same gradient. The loss expands s_i (one number per sequence) to the tokens, the expansion a
+token-mean loss makes of A_i anyway, and never a per-token weight: balanced aggregation adds no
+per-token work. Every rule's weights are >= 0 (ratios of sums of counts, lengths and |A|, or 0;
+`LossPlan.build` checks it, since a negative w would turn the min into a max). Zero weights are
+exact: s_i = 0 gives a 0 term with 0 gradient, as 0 * phi did. The regularisers have no advantage
+to carry their weight: padded, v_i multiplies each row's sum (never expanded); packed, v is
+expanded once for both.
+
 Tensors are padded [N, T] with a boolean mask, or packed [num_tokens] with a sequence index in place
 of the mask (-1 for padding), as in `megatron_ba.aggregation.apply_weights`.
 """
@@ -25,12 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ba.aggregation import (
-    Reduce,
-    apply_weights,
-    plan_statistics,
-    weights_from_statistics,
-)
+from megatron_ba.aggregation import Reduce, plan_statistics, weights_from_statistics
 
 # exp() of a log-ratio beyond this is a broken rollout, not a policy update; bounding it keeps a
 # single bad token from producing inf (and then NaN through 0 * inf in the gradient).
@@ -61,11 +73,19 @@ class GRPOLossConfig:
 
 @dataclass(frozen=True)
 class LossPlan:
-    """Per-sequence weights of the policy-gradient term and of the regularisers."""
+    """Per-sequence weights of the policy-gradient term and of the regularisers.
+
+    `pg_weights` must be >= 0 (every rule's are; `build` checks): `grpo_loss` folds them into the
+    advantages, which is exact for w >= 0 only (module docstring). `folded_signs` is True when no
+    sequence has w_i = 0 with A_i != 0, so sign(w_i A_i) = sign(A_i) and the loss reads each
+    token's advantage sign (clip metrics) off the folded w_i A_i; False, the safe default of a
+    hand-built plan, makes it expand A_i once more for those metrics. Exact either way.
+    """
 
     pg_weights: torch.Tensor  # [N]
     reg_weights: torch.Tensor  # [N]
-    advantages: torch.Tensor  # [N], kept for per-sign metrics
+    advantages: torch.Tensor  # [N]
+    folded_signs: bool = False
 
     @classmethod
     def build(
@@ -95,11 +115,25 @@ class LossPlan:
         pg = weights_from_statistics(rule, stats, scope=scope, max_length=max_length)
         reg = weights_from_statistics(reg_rule, stats, scope=reg_scope, max_length=max_length)
         adv = advantages if isinstance(advantages, torch.Tensor) else torch.as_tensor(advantages)
-        return cls(pg.to(stats.out_dtype), reg.to(stats.out_dtype), adv)
+        pg, reg = pg.to(stats.out_dtype), reg.to(stats.out_dtype)
+        # One host read per global batch, like plan_statistics' own checks.
+        negative, signs = torch.stack([(pg < 0).any(), ((pg > 0) | (adv == 0)).all()]).tolist()
+        if negative:
+            raise ValueError(
+                f"reduce: the plan has a negative weight ({pg.min().item():.6g}); every rule's "
+                "weights are >= 0 when the statistics table holds sums of counts, lengths and "
+                "|A| over ranks, which reduce must return"
+            )
+        return cls(pg, reg, adv, folded_signs=bool(signs))
 
     def select(self, index: torch.Tensor | slice) -> LossPlan:
         """The plan of a subset of the sequences (a micro-batch), weights unchanged."""
-        return LossPlan(self.pg_weights[index], self.reg_weights[index], self.advantages[index])
+        return LossPlan(
+            self.pg_weights[index],
+            self.reg_weights[index],
+            self.advantages[index],
+            folded_signs=self.folded_signs,
+        )
 
     def padded_to(self, n: int) -> LossPlan:
         """The plan with zero-weight, zero-advantage entries appended up to `n` sequences (the
@@ -113,23 +147,43 @@ class LossPlan:
         def pad(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t.new_zeros(extra)])
 
-        return LossPlan(pad(self.pg_weights), pad(self.reg_weights), pad(self.advantages))
+        # w = 0 with A = 0 keeps sign(w A) = sign(A): the flag carries over.
+        return LossPlan(
+            pad(self.pg_weights),
+            pad(self.reg_weights),
+            pad(self.advantages),
+            folded_signs=self.folded_signs,
+        )
 
 
-def _per_token(per_sequence: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Broadcast a per-sequence value to the token layout of `like` (padded or packed)."""
-    per_sequence = per_sequence.to(like.dtype)
-    if like.dim() == 2:
-        return per_sequence[:, None].expand_as(like)
-    return per_sequence[mask.clamp(min=0)]
-
-
-def _valid(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def _layout(mask: torch.Tensor, like: torch.Tensor, n: int):
+    """(valid tokens, packed sequence index or None): the index has its padding at -1 exactly,
+    so that a gather from a per-sequence vector with a 0 appended reads 0 there."""
     if like.dim() == 2:
         if mask.shape != like.shape:
             raise ValueError(f"mask: must have shape {tuple(like.shape)}, got {tuple(mask.shape)}")
-        return mask.bool()
-    return mask >= 0
+        if n != like.shape[0]:
+            raise ValueError(f"plan: has {n} sequences but logprobs has {like.shape[0]} rows")
+        return mask.bool(), None
+    if like.dim() != 1:
+        raise ValueError(
+            f"logprobs: must be [N, T] (padded) or [num_tokens] (packed), got {tuple(like.shape)}"
+        )
+    if mask.shape != like.shape or mask.dtype.is_floating_point or mask.dtype == torch.bool:
+        raise ValueError(
+            f"mask: packed logprobs {tuple(like.shape)} need an integer sequence index of the same "
+            f"shape (-1: padding), got {mask.dtype} {tuple(mask.shape)}"
+        )
+    return mask >= 0, mask.clamp(min=-1).long()
+
+
+def _per_token(per_sequence: torch.Tensor, index: torch.Tensor | None, like: torch.Tensor):
+    """A per-sequence value on the token layout of `like`: padded, a broadcast view (no copy);
+    packed, one gather by the sequence index, padding reading 0."""
+    v = per_sequence.to(like.dtype)
+    if index is None:
+        return v[:, None].expand_as(like)
+    return torch.take(torch.cat([v, v.new_zeros(1)]), index)
 
 
 def grpo_loss(
@@ -156,53 +210,94 @@ def grpo_loss(
         raise ValueError("ref_logprobs: required when kl_coef > 0")
     if config.entropy_coef > 0 and entropy is None:
         raise ValueError("entropy: required when entropy_coef > 0")
-    valid = _valid(mask, logprobs)
+    valid, index = _layout(mask, logprobs, plan.pg_weights.numel())
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    adv = _per_token(plan.advantages, mask, logprobs)
+    # s_i = w_i A_i, expanded once: the plan rides on the advantage (module docstring).
+    folded = _per_token(plan.pg_weights * plan.advantages, index, logprobs)
 
     log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
-    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = log_ratio.exp()
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # exactly 1 on padding
     clipped = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
-    phi = torch.minimum(ratio * adv, clipped * adv)
-    dual_active = torch.zeros_like(valid)
+    psi = torch.minimum(ratio * folded, clipped * folded)  # w_i phi_{i,t}
     if config.dual_clip is not None:
-        floor = config.dual_clip * adv
-        dual_active = valid & (adv < 0) & (phi < floor)
-        phi = torch.where(adv < 0, torch.maximum(phi, floor), phi)
-    pg_loss = -apply_weights(phi, mask, plan.pg_weights)
-    loss = pg_loss
+        psi = torch.where(folded < 0, torch.maximum(psi, config.dual_clip * folded), psi)
+    # Packed padding has s = 0 and rho = 1: a term of exactly 0. A padded row broadcasts its s_i
+    # over its padding too, so there the mask is applied.
+    pg_loss = -(psi.sum() if index is not None else torch.where(valid, psi, zero).sum())
 
     metrics: dict[str, torch.Tensor] = {"pg_loss": pg_loss.detach()}
-    if ref_logprobs is not None:
-        d = torch.where(valid, ref_logprobs - logprobs, zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        kl = apply_weights(d.exp() - d - 1.0, mask, plan.reg_weights)
+    loss = _add_regularisers(
+        pg_loss, metrics, logprobs, valid, index, plan.reg_weights, config, ref_logprobs, entropy
+    )
+    with torch.no_grad():
+        metrics.update(_token_metrics(plan, config, valid, index, ratio, folded))
+    return loss, metrics
+
+
+def _add_regularisers(loss, metrics, logprobs, valid, index, reg_weights, config, ref, entropy):
+    """loss + kl_coef sum_i v_i sum_t k3 - entropy_coef sum_i v_i sum_t H; fills metrics."""
+    if ref is None and entropy is None:
+        return loss
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    v_tok = None if index is None else _per_token(reg_weights, index, logprobs)  # once for both
+
+    def weighted(x: torch.Tensor) -> torch.Tensor:
+        x = torch.where(valid, x, zero)
+        if v_tok is None:  # padded: each row's sum times its v_i, the weight never expanded
+            return (x.sum(dim=1) * reg_weights.to(x.dtype)).sum()
+        return (x * v_tok).sum()
+
+    if ref is not None:
+        d = torch.where(valid, ref - logprobs, zero).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        kl = weighted(d.exp() - d - 1.0)
         metrics["kl"] = kl.detach()
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * kl
     if entropy is not None:
-        ent = apply_weights(entropy, mask, plan.reg_weights)
+        ent = weighted(entropy)
         metrics["entropy"] = ent.detach()
         if config.entropy_coef > 0:
             loss = loss - config.entropy_coef * ent
+    return loss
 
-    with torch.no_grad():
-        n_tokens = valid.sum()
-        low = valid & (adv < 0) & (ratio < 1.0 - config.clip_low)
-        high = valid & (adv > 0) & (ratio > 1.0 + config.clip_high)
-        denom = n_tokens.clamp(min=1).to(logprobs.dtype)
-        metrics["clip_low_frac"] = low.sum() / denom
-        metrics["clip_high_frac"] = high.sum() / denom
-        metrics["dual_clip_frac"] = dual_active.sum() / denom
-        metrics["num_tokens_sum"] = n_tokens.to(logprobs.dtype)
-        # The objective weight each sign's tokens carry in this part (additive: the global
-        # shares are the sums over parts, divided by their total).
-        token_w = torch.where(valid, _per_token(plan.pg_weights, mask, logprobs), zero)
-        w_pos = token_w[valid & (adv > 0)].sum()
-        w_neg = token_w[valid & (adv < 0)].sum()
-        metrics["weight_pos_sum"] = w_pos
-        metrics["weight_neg_sum"] = w_neg
-        total = w_pos + w_neg
-        metrics["weight_pos_share"] = torch.where(total > 0, w_pos / total.clamp(min=1e-300), zero)
-        metrics["ratio_mean"] = torch.where(valid, ratio, zero).sum() / denom
-    return loss, metrics
+
+def _token_metrics(plan, config, valid, index, ratio, folded) -> dict[str, torch.Tensor]:
+    """Clip fractions, token count, each sign's objective weight and the mean ratio of this part."""
+    dtype = ratio.dtype
+    zero = torch.zeros((), dtype=dtype, device=ratio.device)
+    n_tokens = torch.count_nonzero(valid)
+    denom = n_tokens.clamp(min=1).to(dtype)
+    # Each token's advantage sign: read off w_i A_i where the plan keeps signs, else off A_i.
+    sign = folded if plan.folded_signs else _per_token(plan.advantages, index, ratio)
+    # rho = 1 on padding, which none of these accepts (clip bounds >= 0, dual_clip > 1). The dual
+    # floor binds, A < 0, where min(rho, clip(rho)) A < dual A, i.e. where rho > dual_clip.
+    low = torch.count_nonzero((sign < 0) & (ratio < 1.0 - config.clip_low))
+    high = torch.count_nonzero((sign > 0) & (ratio > 1.0 + config.clip_high))
+    out = {
+        "clip_low_frac": low / denom,
+        "clip_high_frac": high / denom,
+        "dual_clip_frac": zero,
+        "num_tokens_sum": n_tokens.to(dtype),
+    }
+    if config.dual_clip is not None:
+        dual = torch.count_nonzero((sign < 0) & (ratio > config.dual_clip))
+        out["dual_clip_frac"] = dual / denom
+    w_pos, w_neg = _sign_weights(plan, valid, index, ratio)
+    out["weight_pos_sum"], out["weight_neg_sum"] = w_pos, w_neg
+    total = w_pos + w_neg
+    out["weight_pos_share"] = torch.where(total > 0, w_pos / total.clamp(min=1e-300), zero)
+    out["ratio_mean"] = torch.where(valid, ratio, zero).sum() / denom
+    return out
+
+
+def _sign_weights(plan, valid, index, like) -> tuple[torch.Tensor, torch.Tensor]:
+    """The objective weight each sign's tokens carry in this part: sum over its tokens of w_i
+    (additive over parts; the global shares are the sums over parts, divided by their total)."""
+    adv, w = plan.advantages, plan.pg_weights
+    if index is None:  # padded: w_i times each row's token count
+        carried = w * torch.count_nonzero(valid, dim=1)
+        return carried[adv > 0].sum().to(like.dtype), carried[adv < 0].sum().to(like.dtype)
+    # packed: one gather of the weight signed by A, padding reading 0 (no histogram, no sync)
+    signed = torch.where(adv > 0, w, torch.where(adv < 0, -w, torch.zeros_like(w)))
+    u = _per_token(signed, index, like)
+    return u.clamp(min=0).sum(), -u.clamp(max=0).sum()

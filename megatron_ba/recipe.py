@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_ba.errors import UserError
+
 BACKENDS = ("local", "nemo_aligner")
 TASKS = ("arithmetic", "math")
 TOKENIZERS = ("trained-bpe", "hf")
@@ -267,7 +269,7 @@ class Recipe:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError):
     """A recipe that cannot be loaded; the message names the key."""
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_ba.aggregation import RULES, SCOPES
+from megatron_ba.rules import RULES, SCOPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

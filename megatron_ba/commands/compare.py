@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_ba.aggregation import RULES
 from megatron_ba.recipe import RecipeError, load_recipe
+from megatron_ba.rules import RULES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

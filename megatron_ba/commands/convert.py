@@ -20,6 +20,8 @@ import json
 import time
 from pathlib import Path
 
+from megatron_ba.errors import UserError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a Hugging Face folder (--to megatron) or a checkpoint (--to hf)")
@@ -41,7 +43,7 @@ def _model_source(args: argparse.Namespace) -> Path:
     src = Path(args.src)
     if is_training_checkpoint(src):
         if args.to != "hf":
-            raise ValueError(f"src: {args.src!r} is a training checkpoint; did you mean --to hf?")
+            raise UserError(f"src: {args.src!r} is a training checkpoint; did you mean --to hf?")
         return src / DIST
     return src
 
@@ -50,20 +52,20 @@ def _check_args(args: argparse.Namespace) -> None:
     from megatron_ba.conversion.dist_checkpoint import SPEC_FILE
 
     if not Path(args.src).is_dir():
-        raise ValueError(f"src: {args.src!r} is not a folder")
+        raise UserError(f"src: {args.src!r} is not a folder")
     src = _model_source(args)
     for name in ("tp", "pp"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name}: must be >= 1, got {getattr(args, name)}")
+            raise UserError(f"--{name}: must be >= 1, got {getattr(args, name)}")
     if args.to == "megatron" and (src / SPEC_FILE).is_file():
-        raise ValueError(f"src: {args.src!r} is a megatron-ba checkpoint; did you mean --to hf?")
+        raise UserError(f"src: {args.src!r} is a megatron-ba checkpoint; did you mean --to hf?")
     if args.to == "megatron" and not (src / "config.json").is_file():
-        raise ValueError(f"src: {args.src!r} has no config.json (not a Hugging Face folder)")
+        raise UserError(f"src: {args.src!r} has no config.json (not a Hugging Face folder)")
     if args.to == "hf" and not (src / SPEC_FILE).is_file():
-        raise ValueError(f"src: {args.src!r} has no {SPEC_FILE} (not a megatron-ba checkpoint)")
+        raise UserError(f"src: {args.src!r} has no {SPEC_FILE} (not a megatron-ba checkpoint)")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
-        raise ValueError(f"out: {args.out!r} is not empty")
+        raise UserError(f"out: {args.out!r} is not empty")
 
 
 def run(args: argparse.Namespace) -> int:

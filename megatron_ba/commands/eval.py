@@ -10,6 +10,11 @@ without GPU); prompts go through the tokenizer's chat template when it has one (
 plain rendering). Problems whose prompt plus --max-tokens exceed the model's context are skipped
 and counted per benchmark (an error when none fits). Prints the markdown table (the paper's
 layout) and writes JSON if asked.
+
+vLLM's own output (its INFO and WARNING lines, from this process and the engine's) goes to a log
+file, as in training (train/console.py): --log PATH, by default beside --out-json (or --out-md)
+with the suffix .log, else ./eval-LABEL.log; the path is printed. --verbose keeps it all on the
+terminal instead.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import sys
 from pathlib import Path
 
 from megatron_ba.data.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, find_local_source
+from megatron_ba.errors import UserError
 
 
 def _names(text: str) -> list[str]:
@@ -63,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default=None, help="row label in the table (default: folder name)")
     p.add_argument("--out-json", type=Path, default=None)
     p.add_argument("--out-md", type=Path, default=None)
+    p.add_argument(
+        "--log",
+        type=Path,
+        default=None,
+        help="file for vLLM's output (default: --out-json or --out-md with suffix .log, else "
+        "./eval-LABEL.log)",
+    )
+    p.add_argument("--verbose", action="store_true", help="show vLLM's output on the terminal")
 
 
 def load_problems(args: argparse.Namespace) -> dict:
@@ -85,20 +99,25 @@ def load_problems(args: argparse.Namespace) -> dict:
         print(f"[eval] {loaded.report.summary()}", file=sys.stderr)
         items = loaded.problems[: args.limit] if args.limit else loaded.problems
         if not items:
-            raise SystemExit(f"eval: benchmark {name} has no problems left to evaluate")
+            raise UserError(f"eval: benchmark {name} has no problems left to evaluate")
         problems[name] = items
     return problems
 
 
-def run(args: argparse.Namespace) -> int:
+def log_path(args: argparse.Namespace, label: str) -> Path:
+    """Where vLLM's output goes: --log, else beside the first output file, else ./eval-LABEL.log."""
+    if args.log is not None:
+        return args.log
+    out = args.out_json or args.out_md
+    return out.with_suffix(".log") if out is not None else Path(f"eval-{label}.log")
+
+
+def _evaluate(args: argparse.Namespace, problems: dict, label: str):
+    """(report, the model's context length, whether the chat template was used)."""
     from megatron_ba.data.templates import chat_prompt, plain_chat
-    from megatron_ba.evaluation.report import markdown_table
     from megatron_ba.evaluation.runner import evaluate
     from megatron_ba.evaluation.vllm_engine import build_engine, vllm_generate
 
-    if args.samples < 1:
-        raise SystemExit("eval: --samples must be >= 1")
-    problems = load_problems(args)
     engine = build_engine(str(args.model_dir), max_model_len=args.max_model_len, seed=args.seed)
     tokenizer = engine.get_tokenizer()
     context = engine.max_model_len
@@ -117,9 +136,26 @@ def run(args: argparse.Namespace) -> int:
         math_timeout_s=args.math_timeout,
         code_workers=args.code_workers,
         code_timeout_s=args.code_timeout,
-        label=args.label or Path(args.model_dir).resolve().name,
+        label=label,
     )
     engine.close()
+    return report, context, bool(use_chat)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ba.evaluation.report import markdown_table
+    from megatron_ba.train.console import Console
+
+    if args.samples < 1:
+        raise UserError(f"--samples: must be >= 1, got {args.samples}")
+    problems = load_problems(args)  # before the log: a bad data file is reported on its own
+    label = args.label or Path(args.model_dir).resolve().name
+    log = log_path(args, label)
+    console = Console(log.parent, name=log.name, verbose=args.verbose)
+    with console:  # vLLM's lines go to the log file (all of them stay here with --verbose)
+        if not args.verbose:
+            console.log(f"[eval] vLLM's output: {log} (--verbose shows it here)")
+        report, context, use_chat = _evaluate(args, problems, label)
     for b in report.benchmarks.values():
         if b.skipped_too_long:
             print(
@@ -128,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     report.settings.update(
-        {"model_dir": str(args.model_dir), "seed": args.seed, "chat_template": bool(use_chat)}
+        {"model_dir": str(args.model_dir), "seed": args.seed, "chat_template": use_chat}
     )
     table = markdown_table([report])
     print(table)

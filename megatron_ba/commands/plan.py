@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from megatron_ba.advantages import group_advantages
-from megatron_ba.aggregation import RULES, SCOPES, sequence_weights
-from megatron_ba.diagnostics import batch_diagnostics
+from megatron_ba.errors import UserError
+from megatron_ba.rules import RULES, SCOPES
 
 
 def _ints(text: str) -> list[int]:
@@ -39,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def synthetic_batch(seed: int, groups: int = 2, group_size: int = 4):
     """Binary rewards; wrong answers about twice as long as right ones."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     rewards = (torch.rand(groups * group_size, generator=g) < 0.5).double()
     rewards[::group_size] = 1.0  # every group has both signs
@@ -49,16 +48,35 @@ def synthetic_batch(seed: int, groups: int = 2, group_size: int = 4):
     return lengths, rewards, ids
 
 
-def run(args: argparse.Namespace) -> int:
-    if any(v is not None for v in (args.lengths, args.rewards, args.groups)):
-        if None in (args.lengths, args.rewards, args.groups):
-            raise SystemExit("plan: give --lengths, --rewards and --groups together")
-        lengths = torch.tensor(args.lengths, dtype=torch.float64)
-        rewards = torch.tensor(args.rewards, dtype=torch.float64)
-        ids = torch.tensor(args.groups)
-    else:
+def _batch(args: argparse.Namespace):
+    """(lengths, rewards, group ids) from the options, or the synthetic batch."""
+    import torch
+
+    given = {"--lengths": args.lengths, "--rewards": args.rewards, "--groups": args.groups}
+    if all(v is None for v in given.values()):
         lengths, rewards, ids = synthetic_batch(args.seed)
-        lengths = lengths.double()
+        return lengths.double(), rewards, ids
+    if any(v is None for v in given.values()):
+        raise UserError("plan: give --lengths, --rewards and --groups together")
+    if len({len(v) for v in given.values()}) != 1:
+        counts = ", ".join(f"{k} {len(v)}" for k, v in given.items())
+        raise UserError(
+            f"plan: --lengths, --rewards and --groups need one entry each per "
+            f"sequence, got {counts}"
+        )
+    return (
+        torch.tensor(args.lengths, dtype=torch.float64),
+        torch.tensor(args.rewards, dtype=torch.float64),
+        torch.tensor(args.groups),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ba.advantages import group_advantages
+    from megatron_ba.aggregation import sequence_weights
+    from megatron_ba.diagnostics import batch_diagnostics
+
+    lengths, rewards, ids = _batch(args)
     adv = group_advantages(rewards, ids).advantages
     max_length = args.max_length or int(lengths.max())
     weights = {

@@ -11,6 +11,18 @@ base64 of zlib of a pickle of that JSON text), metadata (JSON text; "func_name" 
 problems). Versions are cumulative files: release_vN = test.jsonl, test2.jsonl .. testN.jsonl.
 Private tests are decoded with an unpickler that refuses every global: a pickle can only yield
 plain str/bytes/numbers/lists/dicts, never call anything.
+
+rllm's layout is read too, record by record (a record with `problem` and no `question_content`).
+rllm (rllm/data/preprocess/code/livecodebench.ipynb) writes one JSON array of
+
+    {"problem": question_content, "starter_code": starter_code,
+     "tests": public + private test cases, decoded ([{input, output, testtype}]),
+     "metadata": the metadata, parsed ({} or {"func_name": ...})}
+
+which maps back field by field; `tests` and `metadata` may also be JSON text (DeepCoder's
+parquet keeps them so). It has no question_id (a record is named FILE#K, K its position), and no
+contest_date: `since` / `until` cannot select from it and are refused (rllm cuts its files to a
+date window when it writes them).
 """
 
 from __future__ import annotations
@@ -23,9 +35,12 @@ import zlib
 from pathlib import Path
 
 from megatron_ba.data.records import LoadedSet, LoadReport, Problem, SchemaError
+from megatron_ba.errors import UserError
 
 HUB_ID = "livecodebench/code_generation_lite"
 REQUIRED = ("question_content", "public_test_cases", "private_test_cases", "question_id")
+RLLM_REQUIRED = ("problem", "tests")  # rllm also writes starter_code and metadata
+TESTTYPES = ("stdin", "functional")
 MAX_DECOMPRESSED = 512 << 20  # a zlib bomb stops here
 
 
@@ -36,7 +51,7 @@ def version_files(version: str) -> list[str]:
         if not version.startswith("release_v") or n < 1:
             raise ValueError
     except ValueError:
-        raise ValueError(f"version must look like 'release_v5', got {version!r}") from None
+        raise UserError(f"version must look like 'release_v5', got {version!r}") from None
     return ["test.jsonl"] + [f"test{k}.jsonl" for k in range(2, n + 1)]
 
 
@@ -88,15 +103,16 @@ def _files(source: str | Path | None, version: str) -> list[Path]:
             found = sorted(path.glob("*.jsonl")) or sorted(path.glob("*.json"))
         if found:
             return found
-        raise ValueError(
+        raise UserError(
             f"LiveCodeBench folder {path} holds none of {wanted} and no .jsonl or .json file"
         )
-    raise ValueError(f"LiveCodeBench source {source!r} does not exist")
+    raise UserError(f"LiveCodeBench source {source!r} does not exist")
 
 
 EXPECTED = (
     "JSON Lines (one object per line, as LiveCodeBench ships test.jsonl ...) or one JSON array "
-    f"of such objects, with LiveCodeBench's columns {', '.join(REQUIRED)}"
+    f"of such objects, with LiveCodeBench's columns {', '.join(REQUIRED)} (or rllm's "
+    f"{', '.join(RLLM_REQUIRED)}, starter_code, metadata)"
 )
 
 
@@ -136,15 +152,92 @@ def _records(path: Path):
             yield where, row
 
 
+def _is_rllm(row: dict) -> bool:
+    return "problem" in row and "question_content" not in row
+
+
 def _check_record(where: str, row) -> None:
     if not isinstance(row, dict):
         raise SchemaError(f"{where}: a {type(row).__name__}, not an object; expected {EXPECTED}")
-    missing = [c for c in REQUIRED if c not in row]
+    required = RLLM_REQUIRED if _is_rllm(row) else REQUIRED
+    missing = [c for c in required if c not in row]
     if missing:
         raise SchemaError(
             f"{where}: missing column {missing[0]!r} (missing {missing}; the record has "
             f"{sorted(row)}); expected {EXPECTED}"
         )
+
+
+def _json_field(where: str, row: dict, column: str, default):
+    """A column holding a value or the JSON text of one."""
+    value = row.get(column)
+    if value is None or value == "":
+        return default
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SchemaError(f"{where}: {column} is not valid JSON ({exc})") from exc
+    return value
+
+
+def _lcb_problem(where: str, row: dict) -> Problem:
+    """A record in LiveCodeBench's own layout."""
+    try:
+        tests = decode_test_cases(row["public_test_cases"]) + decode_test_cases(
+            row["private_test_cases"]
+        )
+    except ValueError as exc:
+        raise SchemaError(f"{where}: {exc}") from exc
+    meta = _json_field(where, row, "metadata", {})
+    return Problem(
+        str(row["question_id"]),
+        row["question_content"],
+        kind="code",
+        tests=tuple(tests),
+        func_name=meta.get("func_name") if isinstance(meta, dict) else None,
+        starter_code=row.get("starter_code") or "",
+        source="livecodebench",
+        meta={
+            "contest_date": str(row.get("contest_date") or ""),
+            "difficulty": row.get("difficulty"),
+        },
+    )
+
+
+def _rllm_problem(where: str, name: str, row: dict) -> Problem:
+    """A record in rllm's layout (module docstring): the same fields under rllm's names."""
+    tests = _json_field(where, row, "tests", [])
+    ok = isinstance(tests, list) and all(
+        isinstance(c, dict)
+        and isinstance(c.get("input"), str)
+        and isinstance(c.get("output"), str)
+        and c.get("testtype", "stdin") in TESTTYPES
+        for c in tests
+    )
+    if not ok:
+        raise SchemaError(
+            f"{where}: tests must be a list of {{input: str, output: str, testtype: "
+            f"{' | '.join(TESTTYPES)}}} objects (rllm's layout)"
+        )
+    if not isinstance(row["problem"], str):
+        raise SchemaError(f"{where}: problem must be text, got {type(row['problem']).__name__}")
+    meta = _json_field(where, row, "metadata", {})
+    if not isinstance(meta, dict):
+        raise SchemaError(f"{where}: metadata must be an object, got {type(meta).__name__}")
+    func_name = meta.get("func_name")
+    if not func_name and any(c.get("testtype") == "functional" for c in tests):
+        raise SchemaError(f"{where}: functional tests need metadata.func_name (rllm's layout)")
+    return Problem(
+        name,
+        row["problem"],
+        kind="code",
+        tests=tuple(tests),
+        func_name=func_name,
+        starter_code=row.get("starter_code") or "",
+        source="livecodebench",
+        meta={"contest_date": "", "difficulty": None, "layout": "rllm"},
+    )
 
 
 def load_livecodebench(
@@ -159,31 +252,27 @@ def load_livecodebench(
     report = LoadReport("LiveCodeBench", str(source or HUB_ID))
     problems = []
     for path in _files(source, version):
-        for where, row in _records(path):
+        for k, (where, row) in enumerate(_records(path)):
             _check_record(where, row)
             report.rows_read += 1
+            if _is_rllm(row) and (since or until):
+                raise SchemaError(
+                    f"{where}: rllm's layout has no contest_date, so since/until (--lcb-since, "
+                    "--lcb-until) cannot select from it; leave them out (rllm cuts its files to "
+                    "a date window when it writes them)"
+                )
             date = str(row.get("contest_date") or "")
             if (since and date[: len(since)] < since) or (until and date[: len(until)] > until):
                 report.drop("contest date out of range")
                 continue
             try:
-                tests = decode_test_cases(row["public_test_cases"]) + decode_test_cases(
-                    row["private_test_cases"]
-                )
-            except ValueError as exc:
+                if _is_rllm(row):
+                    problems.append(_rllm_problem(where, f"{path.name}#{k}", row))
+                else:
+                    problems.append(_lcb_problem(where, row))
+            except SchemaError:
+                raise
+            except ValueError as exc:  # Problem's own checks: an empty question, no tests
                 raise SchemaError(f"{where}: {exc}") from exc
-            meta = json.loads(row.get("metadata") or "{}")
-            problems.append(
-                Problem(
-                    str(row["question_id"]),
-                    row["question_content"],
-                    kind="code",
-                    tests=tuple(tests),
-                    func_name=meta.get("func_name"),
-                    starter_code=row.get("starter_code") or "",
-                    source="livecodebench",
-                    meta={"contest_date": date, "difficulty": row.get("difficulty")},
-                )
-            )
     report.kept = len(problems)
     return LoadedSet(problems, report)

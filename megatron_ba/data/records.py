@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_ba.errors import UserError
 
-class SchemaError(ValueError):
+
+class SchemaError(UserError):
     """A data set lacks a column (or a column holds the wrong kind of value)."""
 
 

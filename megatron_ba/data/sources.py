@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_ba.data.records import SchemaError
+from megatron_ba.errors import UserError
 
 LOCAL_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 
@@ -24,10 +25,10 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     else:
         files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_BUILDERS and p.is_file())
         if not files:
-            raise ValueError(f"source folder {path} holds no .parquet/.jsonl/.json file")
+            raise UserError(f"source folder {path} holds no .parquet/.jsonl/.json file")
     suffixes = {p.suffix for p in files}
     if len(suffixes) != 1 or files[0].suffix not in LOCAL_BUILDERS:
-        raise ValueError(
+        raise UserError(
             f"source {path}: expected .parquet, .jsonl or .json files of one kind, got {suffixes}"
         )
     return LOCAL_BUILDERS[files[0].suffix], [str(p) for p in files]
@@ -45,7 +46,9 @@ def open_table(source: str | Path, *, split: str = "train", config: str | None =
         builder, files = _local_files(Path(source))
         return datasets.load_dataset(builder, data_files=files, split="train")
     if not isinstance(source, str) or "/" not in source:
-        raise ValueError(f"source {source!r} is neither an existing path nor a hub id 'org/name'")
+        raise UserError(f"source {source!r} is neither an existing path nor a hub id 'org/name'")
+    if Path(source).suffix in LOCAL_BUILDERS or source.startswith(("/", "./", "../", "~")):
+        raise UserError(f"source {source!r}: no such file or folder (a hub id is 'org/name')")
     try:
         return datasets.load_dataset(source, config, split=split)
     except ConnectionError as e:  # no network (or HF_HUB_OFFLINE): say what to do instead

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from megatron_ba.errors import UserError
 from megatron_ba.planning.memory import (
     GIB,
     Layout,
@@ -103,7 +104,7 @@ class Plan:
         return json.dumps(self.to_json(), indent=2)
 
 
-class NoLayoutFits(ValueError):
+class NoLayoutFits(UserError):
     """No layout holds one sequence per micro-batch; the message says what came closest."""
 
 

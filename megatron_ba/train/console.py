@@ -1,4 +1,5 @@
 """The terminal of a training run: our progress bar and lines there, everything else in RUN/logs/.
+(`megatron-ba eval` uses it too, with its log file beside its output.)
 
     console = Console(run_dir / "logs", rank=0, verbose=False)
     with console:                        # from here on third-party output goes to the log file
@@ -22,8 +23,17 @@ from pathlib import Path
 
 
 class Console:
-    def __init__(self, log_dir: str | Path, *, rank: int = 0, verbose: bool = False) -> None:
-        self.log_path = Path(log_dir) / f"rank-{rank}.log"
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        rank: int = 0,
+        verbose: bool = False,
+        name: str | None = None,
+    ) -> None:
+        # `name`: the log file's name in log_dir (default rank-<r>.log; `megatron-ba eval` names
+        # it after its output).
+        self.log_path = Path(log_dir) / (name or f"rank-{rank}.log")
         self.verbose = verbose
         self.stream = sys.stderr  # where our lines and the progress bar go
         self._saved: tuple[int, int] | None = None
