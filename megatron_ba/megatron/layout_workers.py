@@ -54,7 +54,9 @@ def _build(per_token_loss: bool, seed: int, attention: str = "unfused"):
 
     spec = tiny_spec()
     config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss)
-    layer_spec = resolve_build_options(device="cpu", attention=attention).layer_spec(spec)
+    # The world's device (gloo: the CPU): the layout check runs where its collectives do.
+    device = collectives.comm_device(None)
+    layer_spec = resolve_build_options(device=device, attention=attention).layer_spec(spec)
     chunks = mm.build_model_chunks(
         spec,
         config=config,
