@@ -92,6 +92,11 @@ ReturnToService=2
 EnforcePartLimits=ALL
 SlurmdTimeout=30
 KillWait=5
+# A requeued job becomes eligible cred_expire + 1 s after it ended, once the credentials of its
+# last run have expired (a credential from that same second would be refused as revoked). 120 s
+# by default; 15 s here, ample for a step launch on one node, so a requeue test waits for
+# Slurm's own release instead of forcing an early one.
+AuthInfo=cred_expire=15
 NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem_mib State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF

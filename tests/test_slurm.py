@@ -117,6 +117,7 @@ def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
             "++model.pipeline_model_parallel_size=2 "
         ) in cmd
         assert "logs/job-77-restart-0/rank-%t.log" in cmd
+        assert cmd.endswith(" ++exp_manager.explicit_log_dir=runs/tiny-cpu-tp2-balanced")
     assert not (tmp_path / "runs").exists()  # nothing written, nothing launched
 
 
@@ -345,10 +346,10 @@ def _comparable(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
 
 
-def _slurmd_log(conf: str) -> str:
-    """Every slurmd log of the cluster (SlurmdLogFile of its slurm.conf, %n = any node)."""
+def _daemon_log(conf: str, key: str) -> str:
+    """The log(s) a slurm.conf names under KEY (SlurmctldLogFile, SlurmdLogFile; %n = any node)."""
     for line in Path(conf).read_text().splitlines():
-        if line.startswith("SlurmdLogFile="):
+        if line.startswith(key + "="):
             pattern = line.split("=", 1)[1].strip().replace("%n", "*")
             return "\n".join(p.read_text() for p in sorted(Path("/").glob(pattern.lstrip("/"))))
     return ""
@@ -358,13 +359,24 @@ def _slurm_log(cwd: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(cwd.glob("slurm-*.out")))
 
 
+def _why(conf: str, cwd: Path, info: dict) -> str:
+    """A failed job's story: its state and reason, the jobs' output, and what slurmctld and
+    slurmd logged about it (a job can fail before its script prints a line)."""
+    job = info.get("JobId", "?")
+    ours = re.compile(rf"JobId={job}\b|job {job}\b|\[{job}\.|StepId={job}\.")
+    logs = _daemon_log(conf, "SlurmctldLogFile") + "\n" + _daemon_log(conf, "SlurmdLogFile")
+    daemons = "\n".join(line for line in logs.splitlines() if ours.search(line))
+    state = {k: info.get(k) for k in ("JobState", "Reason", "ExitCode", "Restarts")}
+    return f"{state}\n{_slurm_log(cwd)}\n-- slurmctld/slurmd on job {job}:\n{daemons}"
+
+
 @pytest.mark.slow
 def test_sbatch_runs_the_tiny_recipe(slurm, cache_dir, tmp_path):
     run = tmp_path / "run"
     job = _sbatch(slurm, tmp_path, run, cache_dir, "grpo.steps=2")
     info = _wait(lambda: (j := _job(slurm, job)).get("JobState") in ("COMPLETED", "FAILED") and j,
                  "the job to end")  # fmt: skip
-    assert info["JobState"] == "COMPLETED", _slurm_log(tmp_path)
+    assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info)
     assert info["JobName"] == "run"  # renamed after the run folder: singleton keys on it
     assert _train_steps(run) == [1, 2]
     assert (run / "checkpoints" / "step-000002" / "meta.json").is_file()
@@ -390,16 +402,14 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     assert (pre / "checkpoints" / f"step-{stopped:06d}" / "meta.json").is_file()
     assert _train_steps(pre) == list(range(1, stopped + 1))
     assert "requeueing job" in _slurm_log(tmp_path)
-    # Slurm holds a requeued job (~2 min) before it runs again; released at once, it can be
-    # scheduled while slurmd still tears down its first run's step, and is then killed as
-    # "non-startable: job credential revoked". Release it once that step is done.
-    _wait(lambda: f"[{job}.0] done with job" in _slurmd_log(slurm), "the first run's step to end")
-    subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], check=True,
-                   env=_env(SLURM_CONF=slurm))  # fmt: skip
+    # Slurm holds a requeued job until its last run's credentials expire (cred_expire + 1 s:
+    # slurm_up.sh sets 15 s) and then starts it again by itself. Forcing it earlier races the
+    # revocation of those credentials (whole seconds) and the job can fail as "job credential
+    # revoked" before its script runs.
     for j in (job, ref_job):
         info = _wait(lambda j=j: (i := _job(slurm, j)).get("JobState") in ("COMPLETED", "FAILED")
                      and i, f"job {j} to end")  # fmt: skip
-        assert info["JobState"] == "COMPLETED", _slurm_log(tmp_path)
+        assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info)
     assert (pre / "logs" / f"job-{job}-restart-1" / "launch.sh").read_text().count("--resume")
     assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated
     a, b = _comparable(pre), _comparable(ref)
