@@ -9,6 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_nemo_env.sh
+# The cross-route test runs the local route in the main environment (.venv, setup_env.sh).
+main_venv=${MEGATRON_BA_VENV:-.venv}
+[[ $main_venv = /* ]] || main_venv=$PWD/$main_venv
+export MEGATRON_BA_MAIN_PYTHON=${MEGATRON_BA_MAIN_PYTHON:-$main_venv/bin/python}
 . "${MEGATRON_BA_NEMO_VENV:-.venv-nemo}/bin/activate"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -m pytest tests/nemo -p no:cacheprovider "$@"

@@ -240,8 +240,10 @@ mba_plan() {
             mba_die "backend nemo_aligner: the recipe does not translate (above); nothing launched"
         local -a nemo
         mapfile -t nemo <<<"$translated"
+        # NeMo's logs, checkpoints and metrics.jsonl in the run folder (its resume_if_exists
+        # finds the checkpoints there after a requeue).
         launcher=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.integrations.nemo_aligner.train_grpo
-            "${nemo[@]}")
+            "${nemo[@]}" "++exp_manager.explicit_log_dir=$MBA_RUN_DIR")
         MBA_TASKS_PER_NODE=$MBA_GPUS
         MBA_TASK_LOG=rank-%t.log # one task per rank: Slurm's task id is the global rank
         ;;

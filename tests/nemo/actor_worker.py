@@ -34,7 +34,7 @@ def _stride(name: str, param) -> int:
 def load_full(model, full: dict, tp: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from megatron_ba.parallel.layout import tp_shard
+    from megatron_ba.parallel.shard_layout import tp_shard
 
     rank = ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
@@ -96,18 +96,21 @@ def current_logprobs(model, tokens) -> torch.Tensor:
 def core_reference(model, batch: dict, settings) -> tuple[float, dict]:
     """The core's single-process loss and gradients on the whole batch (the ground truth)."""
     from megatron_ba.loss import LossPlan, grpo_loss
+    from megatron_ba.rules import AggregationSettings
 
     model.model.zero_grad(set_to_none=True)
     logp = current_logprobs(model, batch["response_tokens"])
     mask = batch["mask"].bool()
     plan = LossPlan.build(
-        settings.rule,
+        AggregationSettings(
+            settings.rule,
+            scope=settings.scope,
+            reg_rule=settings.reg_rule,
+            reg_scope=settings.reg_scope,
+        ),
         mask.sum(1).double(),
         batch["advantages"].double(),
         batch["group_ids"],
-        scope=settings.scope,
-        reg_rule=settings.reg_rule,
-        reg_scope=settings.reg_scope,
         num_groups=settings.num_groups,
     )
     loss, _ = grpo_loss(logp, batch["logprobs"].double(), mask, plan, settings.loss)

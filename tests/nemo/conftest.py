@@ -9,6 +9,9 @@ contract test needs only the downloaded wheel (.nemo-wheels/).
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +37,21 @@ def nemo_env_reason() -> str | None:
 
 
 needs_nemo = pytest.mark.skipif(nemo_env_reason() is not None, reason=str(nemo_env_reason()))
+
+
+def nemo_env() -> dict:
+    """The environment of a subprocess of these tests (a NeMo run, a worker)."""
+    return dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore",
+                TOKENIZERS_PARALLELISM="false", HYDRA_FULL_ERROR="1")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """`megatron-ba nemo-tiny-model` with a 150-step warm start (made in a subprocess: NeMo and
+    its process group stay out of the test process)."""
+    root = tmp_path_factory.mktemp("nemo_tiny")
+    cmd = [sys.executable, "-m", "megatron_ba.cli", "nemo-tiny-model", str(root / "model"),
+           "warmstart.steps=150", "--cache-dir", str(root / "cache")]  # fmt: skip
+    proc = subprocess.run(cmd, env=nemo_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return root / "model"

@@ -103,9 +103,9 @@ def start(rank: int, world: int, port: int, tp: int) -> None:
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
-    from megatron_ba.integrations.nemo_aligner import testing_shims
+    from megatron_ba.integrations.nemo_aligner import cpu_shims
 
-    testing_shims.install()
+    cpu_shims.install()
     import torch.distributed as dist
     from megatron.core import parallel_state
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import glob
 import os
 
+import nemo_aligner_contract as contract
 import pytest
 from conftest import REPO, SETUP_HINT
-
-from megatron_ba.integrations.nemo_aligner import contract
 
 pytestmark = pytest.mark.nemo
 

@@ -16,6 +16,7 @@ from megatron_ba.integrations.nemo_aligner.rollouts import (
     response_mask,
     response_texts,
 )
+from megatron_ba.rules import AggregationSettings
 
 
 def test_group_ids_are_global_over_dp_ranks():
@@ -83,14 +84,16 @@ def test_filtered_group_leaves_the_plan_like_an_absent_group():
         _rollout(), rewards=rewards, group_ids=ids, drop_zero_variance=True
     )
     plan = LossPlan.build(
-        "token", data["mask"].sum(1).double(), data["advantages"].double(), ids, scope="batch"
+        AggregationSettings("token", scope="batch"),
+        data["mask"].sum(1).double(),
+        data["advantages"].double(),
+        ids,
     )
     alone = LossPlan.build(
-        "token",
+        AggregationSettings("token", scope="batch"),
         data["mask"][:3].sum(1).double(),
         data["advantages"][:3].double(),
         ids[:3],
-        scope="batch",
     )
     assert torch.allclose(plan.pg_weights[:3], alone.pg_weights) and plan.pg_weights[3:].sum() == 0
 

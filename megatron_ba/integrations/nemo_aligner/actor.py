@@ -11,7 +11,7 @@ The math is megatron-ba's core, called, not copied:
   micro-batch (of any size) carries its exact share of the global loss;
 * the loss: `megatron_ba.loss.grpo_loss` (clipped ratio, optional dual clip, optional k3 KL to
   the reference policy) on `vocab_parallel_logprobs` of the TP-sharded logits;
-* the scaling: `megatron_ba.megatron.scaling.loss_scale` cancels megatron-core 0.10's 1 / M in
+* the scaling: `megatron_ba.megatron.loss_scale.loss_scale` cancels megatron-core 0.10's 1 / M in
   the schedule and NeMo's 1 / (DP x CP) in `allreduce_gradients` (see `_loss_scale`).
 
 Defects of the parent's loss this fixes (nemo-aligner 0.7.0, megatron_gpt_reinforce_actor.py):
@@ -42,7 +42,7 @@ from nemo_aligner.utils.train_utils import set_sync_funcs
 from megatron_ba.diagnostics import batch_diagnostics
 from megatron_ba.integrations.nemo_aligner.config import grpo_settings
 from megatron_ba.loss import LossPlan, grpo_loss
-from megatron_ba.megatron import scaling
+from megatron_ba.megatron.loss_scale import loss_scale
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
 
@@ -121,17 +121,7 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
         reducer = collectives.StatisticsReducer(mcore_ps.get_data_parallel_group())
         replay = _ReplayReduce(reducer)
         plan = LossPlan.build(
-            s.rule,
-            lengths,
-            adv,
-            gids,
-            scope=s.scope,
-            reg_rule=s.reg_rule,
-            reg_scope=s.reg_scope,
-            max_length=s.max_length,
-            neutral_eps=s.neutral_eps,
-            reduce=replay,
-            num_groups=s.num_groups,
+            s.aggregation_settings(), lengths, adv, gids, reduce=replay, num_groups=s.num_groups
         )
         diag = batch_diagnostics(
             lengths,
@@ -160,7 +150,7 @@ class MegatronGPTGRPOActorModel(MegatronGPTReinforceActorModel):
                 "the GRPO actor needs CP = 1"
             )
         config = self.model.config if hasattr(self.model, "config") else self.model[0].config
-        return scaling.loss_scale(
+        return loss_scale(
             num_microbatches,
             mcore_ps.get_data_parallel_world_size(),
             cp,

@@ -9,22 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from megatron_ba.aggregation import RULES, SCOPES
-from megatron_ba.loss import GRPOLossConfig
+from megatron_ba.errors import SettingError
+from megatron_ba.rules import AggregationSettings, GRPOLossConfig
 
 
 @dataclass(frozen=True)
-class GRPOSettings:
-    rule: str = "balanced"
-    scope: str = "group"
-    reg_rule: str = "token"
-    reg_scope: str = "batch"
-    max_length: int | None = None  # dr_grpo's budget
-    neutral_eps: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
+class GRPOSettings(GRPOLossConfig, AggregationSettings):
+    """The aggregation settings (rule, scope, reg_rule, reg_scope, max_length, neutral_eps), the
+    clipped loss's coefficients (entropy_coef must stay 0: the actor computes no entropy), then
+    the log-probs' and the advantages' settings."""
+
     temperature: float = 1.0  # log-probs at this temperature (NeMo's inference log-probs use 1)
     logprob_chunk_size: int | None = None
     num_groups: int | None = None  # default: model.reinforce.num_rollout_samples (prompts/step)
@@ -33,9 +27,18 @@ class GRPOSettings:
     drop_zero_variance: bool = False
     reward: str = "math"  # verifiable math answers (megatron_ba.rewards.math_score_batch)
 
+    def __post_init__(self) -> None:
+        AggregationSettings.__post_init__(self)
+        GRPOLossConfig.__post_init__(self)
+        if self.entropy_coef != 0:
+            raise SettingError(
+                "entropy_coef",
+                f"the GRPO actor has no entropy bonus (use 0), got {self.entropy_coef!r}",
+            )
+
     @property
     def loss(self) -> GRPOLossConfig:
-        return GRPOLossConfig(self.clip_low, self.clip_high, self.dual_clip, self.kl_coef, 0.0)
+        return self.loss_config()
 
 
 def grpo_settings(cfg) -> GRPOSettings:
@@ -49,18 +52,10 @@ def grpo_settings(cfg) -> GRPOSettings:
     if data.get("num_groups") is None:
         reinforce = cfg.get("reinforce", None) or {}
         data["num_groups"] = reinforce.get("num_rollout_samples", None)
-    s = GRPOSettings(**data)
-    if s.rule not in RULES:
-        raise ValueError(f"model.grpo.rule: must be one of {', '.join(RULES)}, got {s.rule!r}")
-    if s.reg_rule not in RULES:
-        raise ValueError(
-            f"model.grpo.reg_rule: must be one of {', '.join(RULES)}, got {s.reg_rule!r}"
-        )
-    for key in ("scope", "reg_scope"):
-        if getattr(s, key) not in SCOPES:
-            raise ValueError(
-                f"model.grpo.{key}: must be one of {', '.join(SCOPES)}, got {getattr(s, key)!r}"
-            )
+    try:
+        s = GRPOSettings(**data)
+    except SettingError as e:
+        raise ValueError(e.renamed(prefix="model.grpo.")) from None
     if not (isinstance(s.num_groups, int) and s.num_groups >= 1):
         raise ValueError(
             "model.grpo.num_groups: must be an integer >= 1 (prompts per step; default "
@@ -72,5 +67,4 @@ def grpo_settings(cfg) -> GRPOSettings:
         raise ValueError(
             f"model.grpo.reward: only 'math' (verifiable answers) is built in, got {s.reward!r}"
         )
-    _ = s.loss  # GRPOLossConfig validates clip_low, clip_high, dual_clip, kl_coef
     return s

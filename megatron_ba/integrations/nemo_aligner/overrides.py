@@ -34,7 +34,23 @@ def recipe_to_nemo_overrides(
     the key: NeMo-Aligner restores .nemo files) or "placeholder" (`???`, Hydra's mandatory value,
     for printing a translation that the user completes with the converted .nemo file).
     """
-    p, g, loss, opt = recipe.parallel, recipe.grpo, recipe.loss, recipe.optimizer
+    _refuse_local_only_keys(recipe)
+    devices = recipe.parallel.tp * recipe.parallel.pp if devices is None else devices
+    step_sequences = _sequences_per_optimizer_step(recipe, num_nodes, devices)
+    restore = _restore_path(recipe.model.pretrained, hf_checkpoint)
+    pairs = [
+        ("trainer.num_nodes", num_nodes),
+        ("trainer.devices", devices),
+        *_model_pairs(recipe, restore, step_sequences),
+        *_optimizer_pairs(recipe),
+        *_grpo_pairs(recipe),
+    ]
+    return [f"++{k}={_fmt(v)}" for k, v in pairs]
+
+
+def _refuse_local_only_keys(recipe) -> None:
+    """ValueError for the recipe settings NeMo-Aligner's actor has no counterpart for."""
+    p, loss = recipe.parallel, recipe.loss
     if p.cp != 1:
         raise ValueError(
             f"parallel.cp: NeMo-Aligner's actor has no context parallelism, got cp={p.cp}"
@@ -52,7 +68,12 @@ def recipe_to_nemo_overrides(
                 f"parallel.{key}: not available on the nemo_aligner backend, got {value}; "
                 "use null (the local backend has it)"
             )
-    devices = p.tp * p.pp if devices is None else devices
+
+
+def _sequences_per_optimizer_step(recipe, num_nodes: int, devices: int) -> int:
+    """Sequences per optimizer step over all DP ranks, once they split evenly (else ValueError:
+    prompts over DP ranks, each rank's sequences into micro-batches)."""
+    p, g = recipe.parallel, recipe.grpo
     if not (isinstance(num_nodes, int) and num_nodes >= 1):
         raise ValueError(f"num_nodes: must be an integer >= 1, got {num_nodes!r}")
     world = num_nodes * devices
@@ -66,30 +87,37 @@ def recipe_to_nemo_overrides(
             f"grpo.prompts_per_step: {g.prompts_per_step} prompts do not split over {dp} "
             "data-parallel ranks (each rank generates and trains on its own prompts)"
         )
-    sequences = g.prompts_per_step * g.group_size
-    step_sequences = sequences // g.mini_batches  # per optimizer step, all DP ranks
+    step_sequences = g.prompts_per_step * g.group_size // g.mini_batches
     if step_sequences % (dp * p.micro_batch_size):
         raise ValueError(
             f"parallel.micro_batch_size: {step_sequences} sequences per optimizer step do not "
             f"split into micro-batches of {p.micro_batch_size} on {dp} DP ranks"
         )
-    restore = recipe.model.pretrained
-    if restore is None:
-        restore = "???"  # OmegaConf's "mandatory, missing": train_grpo fails until it is given
-    elif not str(restore).endswith(".nemo") and hf_checkpoint == "placeholder":
-        restore = "???"
-    elif not str(restore).endswith(".nemo"):
+    return step_sequences
+
+
+def _restore_path(pretrained: str | None, hf_checkpoint: str) -> str:
+    """The .nemo file NeMo-Aligner restores, or `???` (OmegaConf's "mandatory, missing":
+    train_grpo fails until it is given)."""
+    if pretrained is None:
+        return "???"
+    if not str(pretrained).endswith(".nemo") and hf_checkpoint == "placeholder":
+        return "???"
+    if not str(pretrained).endswith(".nemo"):
         raise ValueError(
-            f"model.pretrained: NeMo-Aligner restores a .nemo checkpoint, got {restore!r}; "
+            f"model.pretrained: NeMo-Aligner restores a .nemo checkpoint, got {pretrained!r}; "
             "convert a Hugging Face model with NeMo's converter first (docs/nemo-aligner.md)"
         )
+    return pretrained
+
+
+def _model_pairs(recipe, restore: str, step_sequences: int) -> list[tuple[str, object]]:
+    p, g = recipe.parallel, recipe.grpo
     # NeMo's megatron GPT config: activations_checkpoint_* (selective: core attention; full:
     # uniform over blocks of one layer, as the local backend's parallel.recompute=full).
     full = p.recompute == "full"
     recompute = None if p.recompute == "none" else p.recompute
-    pairs = [
-        ("trainer.num_nodes", num_nodes),
-        ("trainer.devices", devices),
+    return [
         ("model.tensor_model_parallel_size", p.tp),
         ("model.pipeline_model_parallel_size", p.pp),
         ("model.sequence_parallel", p.sequence_parallel),
@@ -108,11 +136,25 @@ def recipe_to_nemo_overrides(
         ("model.global_batch_size", step_sequences),
         ("trainer.reinforce.model_gbs", step_sequences),
         ("trainer.reinforce.model_mbs", p.micro_batch_size),
+    ]
+
+
+def _optimizer_pairs(recipe) -> list[tuple[str, object]]:
+    opt = recipe.optimizer
+    return [
         ("model.optim.lr", opt.lr),
         ("model.optim.weight_decay", opt.weight_decay),
         ("model.optim.betas", f"[{opt.beta1},{opt.beta2}]"),
         ("model.optim.eps", opt.eps),
         ("trainer.reinforce.gradient_clip_val", opt.grad_clip),
+    ]
+
+
+def _grpo_pairs(recipe) -> list[tuple[str, object]]:
+    """model.grpo (integrations/nemo_aligner/config.py's GRPOSettings) from the recipe's loss
+    and grpo sections."""
+    loss, g = recipe.loss, recipe.grpo
+    return [
         ("model.grpo.rule", loss.rule),
         ("model.grpo.scope", loss.scope),
         ("model.grpo.reg_rule", loss.reg_rule),
@@ -130,4 +172,3 @@ def recipe_to_nemo_overrides(
         ("model.grpo.std", g.std),
         ("model.grpo.drop_zero_variance", g.drop_zero_variance),
     ]
-    return [f"++{k}={_fmt(v)}" for k, v in pairs]

@@ -4,20 +4,27 @@
         ++pretrained_checkpoint.restore_from_path=/ckpt/model.nemo \
         ++model.data.data_prefix.train=train.jsonl ++model.data.data_prefix.validation=val.jsonl \
         ++trainer.num_nodes=2 ++trainer.devices=8 ++model.tensor_model_parallel_size=2
+    bash scripts/nemo_demo.sh RUN_DIR      # on a CPU: a tiny model, 10 steps, a few minutes
 
 Config: conf/gpt_grpo_balanced.yaml. The wiring follows NeMo-Aligner's REINFORCE script
 (examples/nlp/gpt/train_gpt_reinforce_actor.py at v0.7.0) with our actor and trainer and
 in-process math rewards instead of the reward-model server. Data: JSONL lines
-{"prompt": str, "ground_truth": str}. Run inside NeMo-Aligner 0.7.0's container (GPUs); what has
-run where: docs/status.md.
+{"prompt": str, "ground_truth": str}. Without a CUDA device it installs the CPU shims
+(cpu_shims.py) first. Besides NeMo's logs (TensorBoard events, checkpoints) the log folder gets
+metrics.jsonl (metrics_log.py). What has run where: docs/status.md.
 """
 
 from __future__ import annotations
 
 import json
 from functools import partial
+from pathlib import Path
 
 import torch
+
+from megatron_ba.integrations.nemo_aligner.config import grpo_settings
+from megatron_ba.integrations.nemo_aligner.metrics_log import MetricsJsonl
+from megatron_ba.parallel import collectives
 
 
 class MathPromptDataset(torch.utils.data.Dataset):
@@ -44,18 +51,23 @@ class MathPromptDataset(torch.utils.data.Dataset):
             "text": torch.tensor(ids, dtype=torch.long),
             "length": len(ids),
             "ground_truth": self.rows[i]["ground_truth"],
+            "index": i,
         }
 
 
-def collate(samples: list[dict], *, eos_id: int) -> dict:
-    """NeMo-Aligner's prompt batch (text [b, L] padded with EOS, length [b]) + ground_truth."""
-    texts = torch.nn.utils.rnn.pad_sequence(
-        [s["text"] for s in samples], batch_first=True, padding_value=eos_id
-    )
+def collate(samples: list[dict], *, eos_id: int, response_length: int) -> dict:
+    """NeMo-Aligner's prompt batch plus `ground_truth` and `index` (the prompts' rows in the
+    file: the trainer seeds sampling by them): `text` [b, L + response_length] padded with EOS
+    (NeMo's generation writes the response into that room), `length` [b]."""
+    longest = max(s["length"] for s in samples)
+    texts = torch.full((len(samples), longest + response_length), eos_id, dtype=torch.long)
+    for i, s in enumerate(samples):
+        texts[i, : s["length"]] = s["text"]
     return {
         "text": texts,
         "length": torch.tensor([s["length"] for s in samples]),
         "ground_truth": [s["ground_truth"] for s in samples],
+        "index": torch.tensor([s["index"] for s in samples]),
     }
 
 
@@ -77,8 +89,8 @@ def _main(cfg) -> None:
     )
     from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo
 
+    # NeMo-Aligner and megatron-core (actor and trainer subclass theirs): imported on use
     from megatron_ba.integrations.nemo_aligner.actor import MegatronGPTGRPOActorModel
-    from megatron_ba.integrations.nemo_aligner.config import grpo_settings
     from megatron_ba.integrations.nemo_aligner.trainer import GRPOTrainer
 
     cfg.model = load_and_override_model_config(
@@ -86,7 +98,7 @@ def _main(cfg) -> None:
     )
     grpo_settings(cfg.model)  # fail on a bad model.grpo before building anything
     trainer = resolve_and_create_trainer(cfg, "reinforce")
-    exp_manager(trainer, cfg.exp_manager)
+    log_dir = exp_manager(trainer, cfg.exp_manager)
     logger = CustomLoggerWrapper(trainer.loggers)
     actor = load_from_nemo(
         MegatronGPTGRPOActorModel,
@@ -100,8 +112,10 @@ def _main(cfg) -> None:
     max_prompt = cfg.model.encoder_seq_length - cfg.model.reinforce.length_params.max_length
     train_ds = MathPromptDataset(cfg.model.data.data_prefix.train, actor.tokenizer, max_prompt)
     val_ds = MathPromptDataset(cfg.model.data.data_prefix.validation, actor.tokenizer, max_prompt)
-    collate_fn = partial(collate, eos_id=actor.tokenizer.eos_id)
     rc = cfg.model.reinforce
+    collate_fn = partial(
+        collate, eos_id=actor.tokenizer.eos_id, response_length=rc.length_params.max_length
+    )
     train_builder = partial(
         build_dataloader,
         cfg=cfg,
@@ -110,6 +124,7 @@ def _main(cfg) -> None:
         gbs=rc.num_rollout_samples,
         collate_fn=collate_fn,
         load_gbs=False,
+        use_random_sampler=bool(cfg.model.data.get("shuffle", True)),
     )
     val_builder = partial(
         build_dataloader,
@@ -141,10 +156,18 @@ def _main(cfg) -> None:
     state = retrieve_custom_trainer_state_dict(trainer)
     if state is not None:
         grpo.load_state_dict(state)
+    if collectives.world_rank_and_size()[0] == 0:  # a new list: Lightning's stays as it was
+        jsonl = MetricsJsonl(Path(log_dir) / "metrics.jsonl", resume_step=grpo.step)
+        logger.loggers = [*logger.loggers, jsonl]
     grpo.fit()
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        # The CPU route (tests, scripts/nemo_demo.sh): NeMo 2.1 without GPU, apex, TE, TRT-LLM.
+        from megatron_ba.integrations.nemo_aligner import cpu_shims
+
+        print(f"[train_grpo] no CUDA device: {len(cpu_shims.install())} CPU shims installed")
     from nemo.core.config import hydra_runner
 
     hydra_runner(config_path="conf", config_name="gpt_grpo_balanced")(_main)()

@@ -18,11 +18,14 @@ The plan's statistics are all-reduced once per optimizer step inside the actor's
 diagnostics come back in the actor's metrics, which the parent's `run_training` logs with
 prefix `train_optim/` through NeMo's logger. What has run where: docs/status.md.
 
-The prompt batches need a `ground_truth` list (one string per prompt) besides NeMo-Aligner's
-`text` and `length`: train_grpo.py's dataset and collate function provide it.
+The prompt batches need a `ground_truth` list (one string per prompt) and `index` (the prompts'
+rows in the data file) besides NeMo-Aligner's `text` and `length`: train_grpo.py's dataset and
+collate function provide them.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 from megatron.core import parallel_state as mcore_ps
@@ -39,11 +42,11 @@ from megatron_ba.integrations.nemo_aligner.rollouts import (
     response_texts,
 )
 from megatron_ba.parallel import collectives
+from megatron_ba.rewards import math_score_batch
 
 
 def math_rewards(responses: list[str], ground_truths: list[str]) -> torch.Tensor:
     """Verifiable math rewards (1 / 0), in-process, never hanging (megatron_ba.rewards)."""
-    from megatron_ba.rewards import math_score_batch
 
     return torch.tensor(math_score_batch(responses, ground_truths), dtype=torch.float64)
 
@@ -75,14 +78,18 @@ class GRPOTrainer(ReinforceTrainer):
         rollouts, truths, seen = [], [], 0
         with self.timer("generate"):
             for batch in batches:
-                if "ground_truth" not in batch:
-                    raise ValueError(
-                        "batch['ground_truth']: the GRPO trainer's prompt batches need it"
-                    )
+                for key in ("ground_truth", "index"):
+                    if key not in batch:
+                        raise ValueError(
+                            f"batch[{key!r}]: the GRPO trainer's prompt batches need it "
+                            "(train_grpo's collate provides it)"
+                        )
                 n = batch["text"].size(0)
                 ids = global_group_ids(seen + n, prompts_per_rank, dp_rank)[seen:]
                 seen += n
-                for _ in range(group_size):
+                first = int(batch["index"][0])
+                for sample in range(group_size):
+                    torch.manual_seed(self._sampling_seed(first, sample, is_validation))
                     rollout = self.model.infer(batch)
                     rollout["prompt_tokens"] = batch["text"]
                     rollout["group_ids"] = ids.to(rollout["response_lengths"].device)
@@ -108,6 +115,16 @@ class GRPOTrainer(ReinforceTrainer):
                     local["response_tokens"]
                 )
         return local, self._global_rollout_metrics(local, seen)
+
+    def _sampling_seed(self, first_prompt: int, sample: int, is_validation: bool) -> int:
+        """The seed of one `infer` call: a function of the step, the batch's first prompt (its
+        row in the data file) and the sample index only. NeMo's sampler draws from torch's
+        default generator, which no checkpoint saves: seeded so, a resumed run samples what an
+        uninterrupted one does, and with one prompt per rollout micro-batch the draws do not
+        depend on the layout (TP ranks share the seed; a prompt's samples are the same on any
+        DP rank)."""
+        key = (int(self.model.cfg.seed), self.step, first_prompt, sample, int(is_validation))
+        return zlib.crc32(repr(key).encode())
 
     def _global_rollout_metrics(self, local, num_prompts: int) -> dict:
         """The parent's rollout metrics over all DP ranks (each holds only its own rollouts)."""
