@@ -2,6 +2,7 @@
 
     megatron-ba bench aggregation                       # 2,048 sequences of up to 16,384 tokens
     megatron-ba bench aggregation --sequences 256 --max-length 2048 --repeats 5
+    megatron-ba bench aggregation --device cuda --json  # scripts/gpu_check.py's aggregation stage
     python -m benchmarks.aggregation --threads 2
 
 Both layouts the loss supports are measured: padded [N, T] with a mask and packed (concatenated
@@ -36,6 +37,7 @@ from megatron_ba.aggregation import (
     token_weights,
 )
 from megatron_ba.loss import MAX_LOG_RATIO, GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
 
 
 def _batch(n: int, max_length: int, group_size: int, seed: int):
@@ -61,7 +63,7 @@ def token_mean_grpo_loss(
     under the token rule's batch scope (tests/test_bench_aggregation.py)."""
     config = config or GRPOLossConfig()
     dtype = logprobs.dtype
-    zero = torch.zeros((), dtype=dtype)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
     valid = index >= 0
     adv = torch.take(torch.cat([advantages.to(dtype), zero[None]]), index.clamp(min=-1))
     log_ratio = torch.where(valid, logprobs - old_logprobs, zero)
@@ -96,25 +98,32 @@ def token_mean_grpo_loss(
     return loss, metrics
 
 
-def _time(fn, repeats: int) -> list[float]:
+def _time(fn, repeats: int, device: torch.device) -> list[float]:
+    """Wall seconds of each call; on CUDA each waits for the kernels it queued."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         out.append(time.perf_counter() - t)
     return out
 
 
-def run_benchmark(n, max_length, group_size, repeats, seed=0) -> dict:
-    lengths, adv, ids = _batch(n, max_length, group_size, seed)
+def run_benchmark(n, max_length, group_size, repeats, seed=0, device="cpu") -> dict:
+    """Median ms of every variant; the batch is drawn on the CPU (the same numbers on any device)
+    and moved to `device`."""
+    device = torch.device(device)
+    lengths, adv, ids = (t.to(device) for t in _batch(n, max_length, group_size, seed))
     T = int(lengths.max())
-    mask = torch.arange(T)[None, :] < lengths[:, None]
-    padded = torch.randn(n, T, generator=torch.Generator().manual_seed(seed + 1))
+    mask = torch.arange(T, device=device)[None, :] < lengths[:, None]
+    padded = torch.randn(n, T, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     padded.requires_grad_()
     num_tokens = int(lengths.sum())
-    packed = torch.randn(num_tokens, generator=torch.Generator().manual_seed(seed + 2))
+    packed = torch.randn(num_tokens, generator=torch.Generator().manual_seed(seed + 2)).to(device)
     packed.requires_grad_()
-    packed_mask = torch.ones(num_tokens)  # the loss mask a packed batch carries
+    packed_mask = torch.ones(num_tokens, device=device)  # the loss mask a packed batch carries
 
     def token_mean_padded():
         m = mask.to(padded.dtype)
@@ -149,15 +158,15 @@ def run_benchmark(n, max_length, group_size, repeats, seed=0) -> dict:
 
     # The packed GRPO loss: log-probs of the packed tokens, both rules on the same batch.
     gen = torch.Generator().manual_seed(seed + 3)
-    logp = (-torch.rand(num_tokens, generator=gen) * 3).requires_grad_()
-    old = logp.detach() + 0.3 * torch.randn(num_tokens, generator=gen)
-    seq_index = torch.arange(n).repeat_interleave(lengths)
+    logp = (-torch.rand(num_tokens, generator=gen) * 3).to(device).requires_grad_()
+    old = logp.detach() + 0.3 * torch.randn(num_tokens, generator=gen).to(device)
+    seq_index = torch.arange(n, device=device).repeat_interleave(lengths)
 
     def grpo_loss_token_mean():
         token_mean_grpo_loss(logp, old, seq_index, adv)[0].backward()
 
     def grpo_loss_balanced():
-        plan = LossPlan.build("balanced", lengths, adv, ids)
+        plan = LossPlan.build(AggregationSettings("balanced"), lengths, adv, ids)
         grpo_loss(logp, old, seq_index, plan)[0].backward()
 
     variants = {
@@ -177,17 +186,21 @@ def run_benchmark(n, max_length, group_size, repeats, seed=0) -> dict:
     for _ in range(repeats):
         for k, fn in variants.items():
             padded.grad = packed.grad = logp.grad = None  # as after zero_grad(set_to_none=True)
-            samples[k] += _time(fn, 1)
+            samples[k] += _time(fn, 1, device)
     med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
 
     plan_ms = (
-        statistics.median(_time(lambda: sequence_weights("balanced", lengths, adv, ids), 200)) * 1e3
+        statistics.median(
+            _time(lambda: sequence_weights("balanced", lengths, adv, ids), 200, device)
+        )
+        * 1e3
     )
     return {
         "sequences": n,
         "max_length": max_length,
         "tokens": num_tokens,
         "padded_shape": [n, T],
+        "device": str(device),
         "threads": torch.get_num_threads(),
         "median_ms": {k: round(v, 2) for k, v in med.items()},
         "ratio_padded": round(med["padded/balanced"] / med["padded/token-mean"], 3),
@@ -216,17 +229,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     p.add_argument("--json", action="store_true", help="print one JSON line only")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    r = run_benchmark(args.sequences, args.max_length, args.group_size, args.repeats)
+    if args.device not in ("cpu", "cuda"):
+        p.error(f"--device: cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    r = run_benchmark(
+        args.sequences, args.max_length, args.group_size, args.repeats, device=args.device
+    )
     if args.json:
         print(json.dumps(r))
         return 0
     print(
         f"{r['sequences']} sequences, {r['tokens']:,} tokens (padded {r['padded_shape']}), "
-        f"{r['threads']} threads, load {r['load_avg_1min']:.2f}"
+        f"{r['device']}, {r['threads']} threads, load {r['load_avg_1min']:.2f}"
     )
     for k, v in r["median_ms"].items():
         print(f"  {k:<28} {v:10.2f} ms  (forward + backward, median)")

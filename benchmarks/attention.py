@@ -28,6 +28,9 @@ import time
 
 import torch
 
+from megatron_ba.megatron.batching import causal_mask
+from megatron_ba.megatron.startup import setup, teardown
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIB = 2**20
 
@@ -53,6 +56,7 @@ def _cores(args, dtype: torch.dtype):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # megatron-core (sdpa_attention imports it at module level): imported on use
     from megatron_ba.megatron.sdpa_attention import SDPAttention
 
     config = TransformerConfig(
@@ -146,9 +150,6 @@ def memory_and_time(args, device, mask_for) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_ba.megatron.batching import causal_mask
-    from megatron_ba.train.distributed import setup, teardown
-
     args = build_parser().parse_args(argv)
     device = torch.device(args.device)
     unknown = set(args.dtypes.split(",")) - set(DTYPES)

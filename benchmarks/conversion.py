@@ -26,17 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPE = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
+from megatron_ba.conversion import (
+    HFCheckpoint,
+    hf_config_from_spec,
+    load_hf_into_chunks,
+    spec_from_hf_dir,
 )
+from megatron_ba.megatron import model as mm
+from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.model_shape import PRESETS
+
+QWEN = PRESETS["qwen2.5-0.5b"]
 
 
 def _status_kib(field: str) -> int:
@@ -52,7 +52,9 @@ def build(out: str, layers: int, dtype: str) -> None:
 
     torch.set_default_dtype(getattr(torch, dtype))  # no float32 copy of a bfloat16 model
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers, **SHAPE))
+    # The preset's config.json as the exporter writes it (but the layer count, an option here).
+    spec = mm.ModelSpec.of(QWEN, num_layers=layers, params_dtype=getattr(torch, dtype))
+    model = Qwen2ForCausalLM(Qwen2Config.from_dict(hf_config_from_spec(spec)))
     model.save_pretrained(out)
 
 
@@ -60,9 +62,6 @@ def measure(src: str) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from megatron_ba.conversion import HFCheckpoint, load_hf_into_chunks, spec_from_hf_dir
-    from megatron_ba.megatron import model as mm
-    from megatron_ba.train.distributed import setup, teardown
 
     setup(tp=1, pp=1, cp=1, seed=0)
     spec = spec_from_hf_dir(src)

@@ -26,6 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_ba.conversion import load_hf_into_chunks, spec_from_hf_dir
+from megatron_ba.generation.refit import ReplicaGroups, WeightRefit
+from megatron_ba.generation.vllm_engine import VLLMEngine
+from megatron_ba.megatron.grpo_step import compute_logprobs
+from megatron_ba.megatron.model import build_model_chunks
+from megatron_ba.megatron.startup import setup, teardown
+
 
 def build_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> None:
     import torch
@@ -57,14 +64,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from megatron_ba.conversion import load_hf_into_chunks, spec_from_hf_dir
-    from megatron_ba.generation.refit import WeightRefit
-    from megatron_ba.generation.vllm_engine import VLLMEngine
-    from megatron_ba.megatron.grpo_step import compute_logprobs
-    from megatron_ba.megatron.model import build_model_chunks
-    from megatron_ba.train.distributed import setup, teardown
-    from megatron_ba.train.rollouts import _replica_groups
-
     folder = Path(tempfile.mkdtemp(prefix="bench-refit-"))
     build_checkpoint(folder, args.layers, args.hidden, args.vocab)
     setup(tp=1, pp=1, cp=1, seed=0)
@@ -78,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = VLLMEngine(str(folder), max_model_len=256, seed=0)
         start_s = time.perf_counter() - t
         refit = WeightRefit(
-            chunks, spec, _replica_groups(), bucket_bytes=args.bucket_mb << 20, dtype=engine.dtype
+            chunks,
+            spec,
+            ReplicaGroups.of_this_rank(),
+            bucket_bytes=args.bucket_mb << 20,
+            dtype=engine.dtype,
         )
         g = torch.Generator().manual_seed(0)
         seconds, trainer_side, finish, moved = [], [], [], 0

@@ -22,6 +22,8 @@ import random
 import sys
 import time
 
+from megatron_ba.rewards.math_pool import MathRewardPool
+
 # (gold, an equivalent way of writing it)
 EQUIVALENT = [
     ("\\frac{1}{2}", "0.5"),
@@ -84,8 +86,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_ba.rewards.math_pool import MathRewardPool
-
     args = _parser().parse_args(argv)
     load_before = os.getloadavg()[0]
     pairs = make_pairs(args.pairs, args.seed, args.adversarial_share)

@@ -1,59 +1,22 @@
-"""Qwen2-family shapes of the benchmarks, and a megatron-core ModelSpec as the planner's shape.
+"""The benchmarks' model: a named shape (megatron_ba.model_shape.PRESETS) with per-field overrides.
 
-    spec = model_spec("qwen2.5-1.5b", seq_len=16384, dtype=torch.bfloat16, layers=2)
-    shape = planner_shape(spec)      # planning.memory.ModelShape: estimates, model FLOPs
+    add_shape_arguments(parser)      # --shape tiny|small|qwen2.5-0.5b|qwen2.5-1.5b, --hidden, ...
+    spec = model_spec(args, seq_len=16384, dtype=torch.bfloat16)   # a megatron ModelSpec
 
-The presets' values are those of each model's public config.json (Qwen2.5-0.5B and -1.5B tie the
-output layer to the embedding); "tiny" and "small" are CPU-sized shapes of the same family.
+The spec is also the planner's shape (a ModelSpec is a ModelShape): estimates and model FLOPs
+take it as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron_ba.megatron.model import ModelSpec
-from megatron_ba.planning.memory import ModelShape
+from megatron_ba.model_shape import PRESETS
 
-# field -> value (ModelSpec names)
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=128,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=384,
-    ),
-    "small": dict(
-        vocab_size=32768,
-        hidden_size=512,
-        num_layers=8,
-        num_attention_heads=8,
-        num_query_groups=2,
-        ffn_hidden_size=1408,
-    ),
-    "qwen2.5-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        num_layers=24,
-        num_attention_heads=14,
-        num_query_groups=2,
-        ffn_hidden_size=4864,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        num_layers=28,
-        num_attention_heads=12,
-        num_query_groups=2,
-        ffn_hidden_size=8960,
-        tie_word_embeddings=True,
-    ),
-}
-# Command-line overrides of a preset: option name -> ModelSpec field.
+# The presets `--shape` offers.
+SHAPES = ("tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b")
+# Command-line overrides of a preset: option name -> ModelShape field.
 OVERRIDES = dict(
     hidden="hidden_size",
     layers="num_layers",
@@ -73,28 +36,15 @@ def add_shape_arguments(p) -> None:
 
 
 def model_spec(args, *, seq_len: int, dtype: torch.dtype) -> ModelSpec:
-    """The ModelSpec of `args.shape` with the overrides `args` sets (argparse names)."""
-    shape = dict(SHAPES[args.shape])
-    for arg, field in OVERRIDES.items():
-        if getattr(args, arg) is not None:
-            shape[field] = getattr(args, arg)
-    return ModelSpec(
-        **shape, max_position_embeddings=seq_len, rope_theta=10_000.0, params_dtype=dtype
-    )
-
-
-def planner_shape(spec: ModelSpec, name: str = "model") -> ModelShape:
-    """planning.memory's ModelShape of the same decoder (its memory and FLOPs arithmetic)."""
-    return ModelShape(
-        name=name,
-        hidden_size=spec.hidden_size,
-        num_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_query_groups,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.ffn_hidden_size,
-        vocab_size=spec.vocab_size,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        qkv_bias=spec.qkv_bias,
-        qk_norm=spec.qk_layernorm,
+    """The ModelSpec of `args.shape` with the overrides `args` sets (argparse names); every
+    benchmark model has RoPE theta 10,000 and room for `seq_len` positions."""
+    changes = {
+        f: getattr(args, arg) for arg, f in OVERRIDES.items() if getattr(args, arg) is not None
+    }
+    return ModelSpec.of(
+        PRESETS[args.shape],
+        **changes,
+        max_position_embeddings=seq_len,
+        rope_theta=10_000.0,
+        params_dtype=dtype,
     )

@@ -31,7 +31,8 @@ from megatron_ba.aggregation import NUM_COLUMNS, plan_statistics
 from megatron_ba.loss import LossPlan
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
-from megatron_ba.parallel.launch import free_port, spawn
+from megatron_ba.parallel.world import free_port, spawn
+from megatron_ba.rules import AggregationSettings
 
 
 def _batch(num_groups: int, group_size: int, seed: int = 0):
@@ -58,7 +59,9 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
             reducer = StatisticsReducer(world_group)
             collectives.barrier()
             t0 = time.perf_counter()
-            LossPlan.build("balanced", *mine, reduce=reducer, num_groups=num_groups)
+            LossPlan.build(
+                AggregationSettings("balanced"), *mine, reduce=reducer, num_groups=num_groups
+            )
             times.append(time.perf_counter() - t0)
         check = StatisticsReducer(world_group)
         reduced = plan_statistics(*mine, reduce=check, num_groups=num_groups).table

@@ -35,7 +35,12 @@ import torch
 from benchmarks.shapes import add_shape_arguments, model_spec
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch
+from megatron_ba.megatron.build_options import resolve_build_options
 from megatron_ba.megatron.grpo_step import StepConfig, compute_logprobs, forward_backward
+from megatron_ba.megatron.optimizer_choice import build_optimizer, ddp_overrides
+from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.recipe import OptimizerSection
+from megatron_ba.rules import AggregationSettings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RULES = ("balanced", "token")  # BA, token-mean: the only difference between the two variants
@@ -124,10 +129,8 @@ def _batch(args, spec: mm.ModelSpec, chunks, device: torch.device) -> GRPOBatch:
 
 
 def _optimizer(chunks, dtype: torch.dtype, device: torch.device):
-    """The trainer's own choice (megatron/mcore_optimizer.build_optimizer): ShardedAdamW for
+    """The trainer's own choice (megatron/optimizer_choice.build_optimizer): ShardedAdamW for
     fp32, megatron-core's distributed optimiser (bf16 params, fp32 main weights) for bf16."""
-    from megatron_ba.megatron.mcore_optimizer import build_optimizer
-    from megatron_ba.recipe import OptimizerSection
 
     precision = "fp32" if dtype == torch.float32 else "bf16"
     optimizer = build_optimizer(
@@ -172,8 +175,6 @@ class _Meter:
 
 
 def run_benchmark(args) -> dict:
-    from megatron_ba.train.distributed import setup, teardown
-
     _check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -190,9 +191,6 @@ def run_benchmark(args) -> dict:
         torch.cuda.set_device(device)  # megatron-core builds parameters on the current device
     setup(tp=1, pp=1, cp=1, seed=args.seed)
     try:
-        from megatron_ba.megatron.build_options import resolve_build_options
-        from megatron_ba.megatron.mcore_optimizer import ddp_overrides
-
         spec = _spec(args)
         # The trainer's own resolution of precision, layer spec ("auto": Transformer Engine
         # when it imports on a GPU) and recomputation (train/policy.py builds through it too).
@@ -219,7 +217,7 @@ def run_benchmark(args) -> dict:
             num_microbatches=args.micro_batches,
             logprob_chunk_size=args.logprob_chunk_size,
         )
-        cfgs = {rule: replace(base, rule=rule) for rule in RULES}
+        cfgs = {rule: replace(base, aggregation=AggregationSettings(rule=rule)) for rule in RULES}
         times: dict[str, list[float]] = {r: [] for r in RULES}
         peaks: dict[str, list[float]] = {r: [] for r in RULES}
         reserved: dict[str, list[float]] = {r: [] for r in RULES}

@@ -5,7 +5,7 @@
     megatron-ba bench train-lm --device cpu --dtype fp32 --compare-dtype fp32 --steps 6  # plumbing
 
 The model is built as the trainer builds it (build_options: precision, layer spec, `--attention`
-core; megatron-core's DDP; mcore_optimizer.build_optimizer: megatron-core's distributed optimiser
+core; megatron-core's DDP; optimizer_choice.build_optimizer: megatron-core's distributed optimiser
 on CUDA, ShardedAdamW on the CPU) and trained with megatron-core's schedule on a fixed batch:
 each sequence repeats one random block of `--block` tokens drawn from the first `--data-vocab`
 token ids, so a model can lower its loss first by the tokens' frequencies, then by copying. The
@@ -36,10 +36,17 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.shapes import add_shape_arguments, model_spec, planner_shape
+from benchmarks.shapes import add_shape_arguments, model_spec
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import CPView, label_aligned, model_inputs, run_schedule
+from megatron_ba.megatron.build_options import resolve_build_options
+from megatron_ba.megatron.loss_scale import loss_scale
+from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
+from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
+from megatron_ba.parallel import full_shape
 from megatron_ba.planning import flops
+from megatron_ba.recipe import OptimizerSection
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GIB = 2**30
@@ -128,15 +135,12 @@ def lm_forward_backward(chunks, data: list[dict], seq_len: int, chunk_size: int 
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 
-    from megatron_ba.megatron import scaling
-    from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
-
     config = get_model_config(chunks[0])
     config.finalize_model_grads_func = finalize_model_grads
     chunks[0].zero_grad_buffer()
     m = len(data)
     # Each micro-batch's mean is 1/M of the step's loss; the factor cancels the schedule's 1/M.
-    factor = scaling.loss_scale(m, 1, 1, per_token_loss=bool(config.calculate_per_token_loss))
+    factor = loss_scale(m, 1, 1, per_token_loss=bool(config.calculate_per_token_loss))
     one = torch.ones((), dtype=torch.int, device=data[0]["input_ids"].device)
 
     def loss_func(mb, output):
@@ -163,13 +167,6 @@ def _sync(device: torch.device) -> None:
 def train_run(spec, precision: str, steps: int, data, args, device, init=None, lr=None):
     """Build, (load `init`), train `steps` steps. Returns (run: losses, step times, grad norms,
     peak memory; the starting weights, full names -> fp32, for the next run)."""
-    from megatron_ba.megatron.build_options import resolve_build_options
-    from megatron_ba.megatron.mcore_optimizer import (
-        apply_lr_schedule,
-        build_optimizer,
-        ddp_overrides,
-    )
-    from megatron_ba.recipe import OptimizerSection
 
     opts = resolve_build_options(
         precision=precision, attention=args.attention, recompute=args.recompute, device=device
@@ -184,10 +181,13 @@ def train_run(spec, precision: str, steps: int, data, args, device, init=None, l
     )
     if init is None:
         init = {
-            n: p.detach().float().clone() for n, (p, _) in mm.local_to_full_names(chunks).items()
+            n: p.detach().float().clone()
+            for n, (p, _) in full_shape.local_to_full_names(chunks).items()
         }
     else:
-        mm.load_full_state_dict(chunks, init)  # before the optimiser copies its main weights
+        full_shape.load_full_state_dict(
+            chunks, init
+        )  # before the optimiser copies its main weights
     lr = args.lr if lr is None else lr
     section = OptimizerSection(lr=lr, warmup_steps=args.warmup_steps, grad_clip=1.0)
     optimizer = build_optimizer(chunks, section, precision=precision, device=device)
@@ -277,8 +277,6 @@ def throughput(run: dict, shape, args, device_name: str) -> dict:
 
 
 def run_benchmark(args) -> dict:
-    from megatron_ba.train.distributed import setup, teardown
-
     device = torch.device(args.device)
     _check_args(args, device)
     if args.threads:
@@ -316,7 +314,7 @@ def run_benchmark(args) -> dict:
         "data": {"block": args.block, "data_vocab": args.data_vocab, "seed": args.seed},
         "runs": runs,
         "loss_fell": loss_fell(main_run["losses"], args.min_drop),
-        "throughput": throughput(main_run, planner_shape(spec), args, device_name),
+        "throughput": throughput(main_run, spec, args, device_name),
     }
     if "compare" in runs:
         out["precision_comparison"] = {

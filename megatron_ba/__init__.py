@@ -29,14 +29,18 @@ _EXPORTS = {
     "sequence_weights": "megatron_ba.aggregation",
     "weights_from_statistics": "megatron_ba.aggregation",
     "GRPOLossConfig": "megatron_ba.loss",
+    "LossPlan": "megatron_ba.loss",
     "grpo_loss": "megatron_ba.loss",
+    "AggregationSettings": "megatron_ba.rules",
 }
 
 __all__ = [
     "RULES",
     "SCOPES",
     "AdvantageReport",
+    "AggregationSettings",
     "GRPOLossConfig",
+    "LossPlan",
     "PlanStatistics",
     "apply_weights",
     "apply_weights_packed",
@@ -59,7 +63,8 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below import
         sequence_weights,
         weights_from_statistics,
     )
-    from megatron_ba.loss import GRPOLossConfig, grpo_loss
+    from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+    from megatron_ba.rules import AggregationSettings
 
 
 def __getattr__(name: str):

@@ -51,6 +51,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.tiny_model",
         "write a tiny random Qwen3 / Qwen2 Hugging Face checkpoint and tokenizer (offline)",
     ),
+    "nemo-tiny-model": (
+        "megatron_ba.commands.nemo_tiny_model",
+        "write a tiny NeMo GPT (.nemo, the tiny recipe's warm start) and its prompts (NeMo 2.1)",
+    ),
     "layout": (
         "megatron_ba.commands.layout",
         "propose TP/PP/CP/DP and micro-batches that fit a cluster, with a per-GPU memory estimate",

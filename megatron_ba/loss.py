@@ -32,43 +32,24 @@ to carry their weight: padded, v_i multiplies each row's sum (never expanded); p
 expanded once for both.
 
 Tensors are padded [N, T] with a boolean mask, or packed [num_tokens] with a sequence index in place
-of the mask (-1 for padding), as in `megatron_ba.aggregation.apply_weights`.
+of the mask (any negative value for padding), as in `megatron_ba.aggregation.apply_weights`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from megatron_ba.aggregation import Reduce, plan_statistics, weights_from_statistics
+from megatron_ba.rules import AggregationSettings, GRPOLossConfig
 
 # exp() of a log-ratio beyond this is a broken rollout, not a policy update; bounding it keeps a
 # single bad token from producing inf (and then NaN through 0 * inf in the gradient).
 MAX_LOG_RATIO = 20.0
 
-
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
-        if self.clip_low >= 1:
-            raise ValueError(
-                f"clip_low: must be < 1 (1 - clip_low bounds a ratio), got {self.clip_low}"
-            )
-        dual = self.dual_clip
-        if dual is not None and not (math.isfinite(dual) and dual > 1):
-            raise ValueError(f"dual_clip: must be a finite number > 1 or None, got {dual!r}")
+# The clipped loss's default coefficients (frozen, so one instance serves every call).
+DEFAULT_LOSS_CONFIG = GRPOLossConfig()
 
 
 @dataclass(frozen=True)
@@ -90,30 +71,28 @@ class LossPlan:
     @classmethod
     def build(
         cls,
-        rule: str,
+        settings: AggregationSettings,
         lengths: torch.Tensor,
         advantages: torch.Tensor,
         group_ids: torch.Tensor,
         *,
-        scope: str = "group",
-        reg_rule: str = "token",
-        reg_scope: str = "batch",
-        max_length: int | None = None,
-        neutral_eps: float = 0.0,
         reduce: Reduce | None = None,
         num_groups: int | None = None,
     ) -> LossPlan:
-        """Both plans from one statistics table (one `reduce` call for the whole global batch)."""
+        """Both plans of `settings` (the policy gradient's rule and scope, the regularisers'
+        reg_rule and reg_scope) from one statistics table: one `reduce` call for the whole
+        global batch."""
+        s = settings
         stats = plan_statistics(
             lengths,
             advantages,
             group_ids,
-            neutral_eps=neutral_eps,
+            neutral_eps=s.neutral_eps,
             num_groups=num_groups,
             reduce=reduce,
         )
-        pg = weights_from_statistics(rule, stats, scope=scope, max_length=max_length)
-        reg = weights_from_statistics(reg_rule, stats, scope=reg_scope, max_length=max_length)
+        pg = weights_from_statistics(s.rule, stats, scope=s.scope, max_length=s.max_length)
+        reg = weights_from_statistics(s.reg_rule, stats, scope=s.reg_scope, max_length=s.max_length)
         adv = advantages if isinstance(advantages, torch.Tensor) else torch.as_tensor(advantages)
         pg, reg = pg.to(stats.out_dtype), reg.to(stats.out_dtype)
         # One host read per global batch, like plan_statistics' own checks.
@@ -157,8 +136,9 @@ class LossPlan:
 
 
 def _layout(mask: torch.Tensor, like: torch.Tensor, n: int):
-    """(valid tokens, packed sequence index or None): the index has its padding at -1 exactly,
-    so that a gather from a per-sequence vector with a 0 appended reads 0 there."""
+    """(valid tokens, packed sequence index or None): the index has its padding at n, so that a
+    gather from a per-sequence vector with a 0 appended reads 0 there, and a scatter into n + 1
+    bins counts it in the last."""
     if like.dim() == 2:
         if mask.shape != like.shape:
             raise ValueError(f"mask: must have shape {tuple(like.shape)}, got {tuple(mask.shape)}")
@@ -174,7 +154,8 @@ def _layout(mask: torch.Tensor, like: torch.Tensor, n: int):
             f"mask: packed logprobs {tuple(like.shape)} need an integer sequence index of the same "
             f"shape (-1: padding), got {mask.dtype} {tuple(mask.shape)}"
         )
-    return mask >= 0, mask.clamp(min=-1).long()
+    valid = mask >= 0
+    return valid, torch.where(valid, mask, n).long()
 
 
 def _per_token(per_sequence: torch.Tensor, index: torch.Tensor | None, like: torch.Tensor):
@@ -191,7 +172,7 @@ def grpo_loss(
     old_logprobs: torch.Tensor,
     mask: torch.Tensor,
     plan: LossPlan,
-    config: GRPOLossConfig = GRPOLossConfig(),
+    config: GRPOLossConfig = DEFAULT_LOSS_CONFIG,
     *,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
@@ -294,10 +275,27 @@ def _sign_weights(plan, valid, index, like) -> tuple[torch.Tensor, torch.Tensor]
     """The objective weight each sign's tokens carry in this part: sum over its tokens of w_i
     (additive over parts; the global shares are the sums over parts, divided by their total)."""
     adv, w = plan.advantages, plan.pg_weights
+    if index is not None and like.device.type != "cpu":
+        return _packed_sign_weights_by_gather(plan, index, like)
     if index is None:  # padded: w_i times each row's token count
         carried = w * torch.count_nonzero(valid, dim=1)
-        return carried[adv > 0].sum().to(like.dtype), carried[adv < 0].sum().to(like.dtype)
-    # packed: one gather of the weight signed by A, padding reading 0 (no histogram, no sync)
+    else:
+        # packed on CPU: one scatter of each token into its sequence's count (padding into the
+        # last bin), then O(N); the gather costs a pass for the gather and two per sign.
+        counts = torch.zeros(w.numel() + 1, dtype=torch.long, device=index.device)
+        counts.scatter_add_(0, index, torch.ones((), dtype=torch.long).expand(index.shape))
+        carried = w * counts[:-1].to(w.device)
+    zero = torch.zeros((), dtype=carried.dtype, device=carried.device)
+    pos = torch.where(adv > 0, carried, zero).sum()  # where, not a boolean index: no sync on GPU
+    neg = torch.where(adv < 0, carried, zero).sum()
+    return pos.to(like.dtype), neg.to(like.dtype)
+
+
+def _packed_sign_weights_by_gather(plan, index, like) -> tuple[torch.Tensor, torch.Tensor]:
+    """_sign_weights of a packed part on GPU, where a scatter's atomics would pile onto a few
+    thousand addresses: one gather of the weight signed by A, padding reading 0 (no histogram,
+    no sync)."""
+    adv, w = plan.advantages, plan.pg_weights
     signed = torch.where(adv > 0, w, torch.where(adv < 0, -w, torch.zeros_like(w)))
     u = _per_token(signed, index, like)
     return u.clamp(min=0).sum(), -u.clamp(max=0).sum()

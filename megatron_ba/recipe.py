@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ba.errors import UserError
+from megatron_ba.errors import SettingError, UserError
+from megatron_ba.model_shape import PRESETS
+from megatron_ba.rules import AggregationSettings, GRPOLossConfig
 
 BACKENDS = ("local", "nemo_aligner")
 TASKS = ("arithmetic", "math")
@@ -33,19 +35,6 @@ BENCHMARK_NAMES = ("math500", "aime24", "aime25", "olympiad", "minerva", "liveco
 # Keys a user may expect that no code reads yet: setting one is an error that says so, rather
 # than a setting that is silently ignored. Each is added to the schema with the code that reads it.
 NOT_IMPLEMENTED: dict[str, str] = {}
-
-# The tiny CPU policy's shape: what the model.* shape keys mean when a recipe leaves them out and
-# does not start from a checkpoint (with `model.pretrained` the checkpoint's config.json decides).
-TINY_SHAPE: dict[str, Any] = {
-    "hidden_size": 128,
-    "num_layers": 2,
-    "num_attention_heads": 4,
-    "num_query_groups": 2,
-    "ffn_hidden_size": 384,
-    "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-    "norm_eps": 1e-6,
-}
 
 
 @dataclass
@@ -93,12 +82,11 @@ class ModelSection:
         """The shape keys the recipe sets (with a checkpoint they must agree with its config)."""
         return {k: v for k, v in self._shape_keys().items() if v is not None}
 
-    def qwen2_spec(self, vocab_size: int):
-        """The megatron_ba Qwen2Spec of this shape: the one source of both the megatron-core
-        policy and its Hugging Face twin (warm start, vLLM, exports)."""
-        from megatron_ba.megatron.model import Qwen2Spec
 
-        return Qwen2Spec(vocab_size=vocab_size, init_std=self.init_std, **self.shape())
+# The model.* shape keys (fields of megatron_ba.model_shape.ModelShape; the vocabulary is the
+# tokenizer's) and what they mean when a recipe leaves them out and does not start from a
+# checkpoint (with `model.pretrained` the checkpoint's config.json decides): the "tiny" preset.
+TINY_SHAPE: dict[str, Any] = {k: getattr(PRESETS["tiny"], k) for k in ModelSection()._shape_keys()}
 
 
 @dataclass
@@ -159,19 +147,22 @@ class GRPOSection:
     max_sampling_rounds: int = 4  # dynamic_sampling: rollout rounds per step at most
 
 
-@dataclass
-class LossSection:
-    rule: str = "balanced"
-    scope: str = "group"
-    neutral_eps: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    reg_rule: str = "token"
-    reg_scope: str = "batch"
-    max_length: int | None = None  # dr_grpo's budget; default grpo.max_new_tokens
+@dataclass(frozen=True)
+class LossSection(GRPOLossConfig, AggregationSettings):
+    """The aggregation settings (rule, scope, reg_rule, reg_scope, max_length: dr_grpo's budget,
+    default grpo.max_new_tokens; neutral_eps), then the clipped loss's coefficients (clip_low,
+    clip_high, dual_clip, kl_coef, entropy_coef); both checked when the section is built."""
+
+    def __post_init__(self) -> None:
+        AggregationSettings.__post_init__(self)
+        GRPOLossConfig.__post_init__(self)
+
+
+# `parallel.logprob_chunk_size: null` (auto): a micro-batch above AUTO_CHUNK_ABOVE tokens walks
+# its vocab-parallel log-softmax AUTO_CHUNK tokens at a time, so the fp32 softmax buffers stay
+# O(AUTO_CHUNK x V/TP) (2 x 1024 x 152k/TP x 4 bytes = 1.2 GB at TP=1 for Qwen2's vocabulary)
+# instead of O(T x V/TP). The step (megatron_ba.megatron.grpo_step) and the planner read them.
+AUTO_CHUNK_ABOVE, AUTO_CHUNK = 4096, 1024
 
 
 @dataclass
@@ -183,8 +174,7 @@ class ParallelSection:
     # Token-budget micro-batches (prompt + response tokens, rows x longest on CPU); null: fixed
     # micro_batch_size sequences. Replaces micro_batch_size when set.
     max_tokens_per_microbatch: int | None = None
-    # Tokens per chunk of the vocab-parallel log-softmax; null: auto (chunked above 4096 tokens
-    # per micro-batch).
+    # Tokens per chunk of the vocab-parallel log-softmax; null: auto (AUTO_CHUNK above).
     logprob_chunk_size: int | None = None
     sequence_parallel: bool = False  # needs tp > 1 and the Transformer Engine spec (CUDA)
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
@@ -334,7 +324,10 @@ def _build(cls: type, data: Any, path: str) -> Any:
             kwargs[key] = _build(tp, value, where)
         else:
             kwargs[key] = _coerce(where, value, tp)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except SettingError as e:  # a section that checks its own values (loss: the aggregation's)
+        raise RecipeError(e.renamed(prefix=f"{path}." if path else "")) from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -360,136 +353,150 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def validate(recipe: Recipe) -> Recipe:
-    """Cross-field checks (types are checked while building)."""
-    from megatron_ba.aggregation import RULES, SCOPES
+def _need(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise RecipeError(f"{key}: {msg}")
 
-    def need(cond: bool, key: str, msg: str) -> None:
-        if not cond:
-            raise RecipeError(f"{key}: {msg}")
 
-    need(
-        recipe.backend in BACKENDS,
-        "backend",
-        f"must be one of {', '.join(BACKENDS)}",
-    )
-    need(recipe.loss.rule in RULES, "loss.rule", f"must be one of {', '.join(RULES)}")
-    need(recipe.loss.reg_rule in RULES, "loss.reg_rule", f"must be one of {', '.join(RULES)}")
-    need(recipe.loss.scope in SCOPES, "loss.scope", f"must be one of {', '.join(SCOPES)}")
-    need(recipe.loss.reg_scope in SCOPES, "loss.reg_scope", f"must be one of {', '.join(SCOPES)}")
-    need(recipe.grpo.group_size >= 2, "grpo.group_size", "must be >= 2 (advantages are relative)")
-    need(recipe.grpo.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
-    need(recipe.grpo.temperature > 0, "grpo.temperature", "must be > 0")
-    need(
-        recipe.grpo.mini_batches >= 1
-        and recipe.grpo.prompts_per_step % recipe.grpo.mini_batches == 0,
+def _check_grpo_and_rollout(recipe: Recipe) -> None:
+    g, r = recipe.grpo, recipe.rollout
+    _need(recipe.backend in BACKENDS, "backend", f"must be one of {', '.join(BACKENDS)}")
+    _need(g.group_size >= 2, "grpo.group_size", "must be >= 2 (advantages are relative)")
+    _need(g.prompts_per_step >= 1, "grpo.prompts_per_step", "must be >= 1")
+    _need(g.temperature > 0, "grpo.temperature", "must be > 0")
+    _need(
+        g.mini_batches >= 1 and g.prompts_per_step % g.mini_batches == 0,
         "grpo.mini_batches",
         "must be >= 1 and divide grpo.prompts_per_step",
     )
-    need(recipe.grpo.std in ("population", "sample"), "grpo.std", "population or sample")
-    need(recipe.rollout.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
-    need(recipe.rollout.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
-    need(recipe.rollout.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
-    need(
-        0 < recipe.rollout.gpu_memory_utilization < 1,
+    _need(g.std in ("population", "sample"), "grpo.std", "population or sample")
+    _need(r.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
+    _need(r.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
+    _need(r.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
+    _need(
+        0 < r.gpu_memory_utilization < 1,
         "rollout.gpu_memory_utilization",
         "must be in (0, 1): vLLM's share of the GPU",
     )
-    p = recipe.parallel
+
+
+def _check_parallel(p: ParallelSection) -> None:
     for k in ("tp", "pp", "cp", "micro_batch_size"):
-        need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")
+        _need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")
     for k in ("max_tokens_per_microbatch", "logprob_chunk_size"):
         v = getattr(p, k)
-        need(v is None or v >= 1, f"parallel.{k}", f"must be a positive integer or null, got {v}")
-    need(
+        _need(v is None or v >= 1, f"parallel.{k}", f"must be a positive integer or null, got {v}")
+    _need(
         p.recompute in ("none", "selective", "full"),
         "parallel.recompute",
         "must be none, selective or full",
     )
-    need(
+    _need(
         not p.sequence_parallel or p.tp > 1,
         "parallel.sequence_parallel",
         f"needs parallel.tp > 1 (it splits sequences over the TP ranks), got tp={p.tp}",
     )
-    need(recipe.model.precision in ("fp32", "bf16"), "model.precision", "must be fp32 or bf16")
-    need(
-        recipe.model.transformer_impl in ("auto", "local", "transformer_engine"),
+
+
+def _check_model_build(m: ModelSection) -> None:
+    _need(m.precision in ("fp32", "bf16"), "model.precision", "must be fp32 or bf16")
+    _need(
+        m.transformer_impl in ("auto", "local", "transformer_engine"),
         "model.transformer_impl",
         "must be auto, local or transformer_engine",
     )
-    need(
-        recipe.model.attention in ("auto", "sdpa", "unfused"),
+    _need(
+        m.attention in ("auto", "sdpa", "unfused"),
         "model.attention",
         "must be auto, sdpa or unfused",
     )
-    need(
-        recipe.model.attention == "auto" or recipe.model.transformer_impl != "transformer_engine",
+    _need(
+        m.attention == "auto" or m.transformer_impl != "transformer_engine",
         "model.attention",
         "chooses the local spec's core attention; with model.transformer_impl: "
         "transformer_engine (its own fused attention) use auto",
     )
+
+
+def _check_data_and_policy(recipe: Recipe) -> None:
+    """The task, its data, and where the policy comes from: a checkpoint (`model.pretrained`:
+    its tokenizer, no warm start) or a fresh tiny model (warm start, trained BPE, its shape)."""
     m, d = recipe.model, recipe.data
-    need(d.task in TASKS, "data.task", f"must be one of {', '.join(TASKS)}")
-    need(recipe.tokenizer.kind in TOKENIZERS, "tokenizer.kind", f"one of {', '.join(TOKENIZERS)}")
+    _need(d.task in TASKS, "data.task", f"must be one of {', '.join(TASKS)}")
+    _need(recipe.tokenizer.kind in TOKENIZERS, "tokenizer.kind", f"one of {', '.join(TOKENIZERS)}")
     if d.task == "math":
-        need(d.path is not None, "data.path", "data.task: math needs a data file or hub id")
-        need(m.pretrained is not None, "model.pretrained", "data.task: math trains a checkpoint")
-        need(d.dataset in DATASETS, "data.dataset", f"must be one of {', '.join(DATASETS)}")
-        need(d.on_conflict in ("drop", "keep_first"), "data.on_conflict", "drop or keep_first")
+        _need(d.path is not None, "data.path", "data.task: math needs a data file or hub id")
+        _need(m.pretrained is not None, "model.pretrained", "data.task: math trains a checkpoint")
+        _need(d.dataset in DATASETS, "data.dataset", f"must be one of {', '.join(DATASETS)}")
+        _need(d.on_conflict in ("drop", "keep_first"), "data.on_conflict", "drop or keep_first")
     if m.pretrained is not None:
-        need(
+        _need(
             not recipe.warmstart.enabled,
             "warmstart.enabled",
             "must be false with model.pretrained (the warm start trains a fresh tiny policy)",
         )
-        need(
+        _need(
             recipe.tokenizer.kind == "hf",
             "tokenizer.kind",
             "must be hf with model.pretrained (the checkpoint's own tokenizer)",
         )
-    else:
-        need(recipe.warmstart.enabled, "warmstart.enabled", "false needs model.pretrained")
-        need(d.task == "arithmetic", "data.task", "math needs model.pretrained")
-        need(recipe.tokenizer.kind == "trained-bpe", "tokenizer.kind", "hf needs model.pretrained")
-        shape = m.shape()
-        need(
-            shape["hidden_size"] % shape["num_attention_heads"] == 0,
-            "model.hidden_size",
-            "must be divisible by model.num_attention_heads",
-        )
-        need(
-            shape["num_attention_heads"] % shape["num_query_groups"] == 0,
-            "model.num_query_groups",
-            "must divide model.num_attention_heads",
-        )
-        need(
-            shape["num_query_groups"] % recipe.parallel.tp == 0,
-            "parallel.tp",
-            "must divide model.num_query_groups",
-        )
-        need(
-            shape["num_layers"] % recipe.parallel.pp == 0,
-            "parallel.pp",
-            "must divide model.num_layers",
-        )
+        return
+    _need(recipe.warmstart.enabled, "warmstart.enabled", "false needs model.pretrained")
+    _need(d.task == "arithmetic", "data.task", "math needs model.pretrained")
+    _need(recipe.tokenizer.kind == "trained-bpe", "tokenizer.kind", "hf needs model.pretrained")
+    shape = m.shape()
+    _need(
+        shape["hidden_size"] % shape["num_attention_heads"] == 0,
+        "model.hidden_size",
+        "must be divisible by model.num_attention_heads",
+    )
+    _need(
+        shape["num_attention_heads"] % shape["num_query_groups"] == 0,
+        "model.num_query_groups",
+        "must divide model.num_attention_heads",
+    )
+    _need(
+        shape["num_query_groups"] % recipe.parallel.tp == 0,
+        "parallel.tp",
+        "must divide model.num_query_groups",
+    )
+    _need(
+        shape["num_layers"] % recipe.parallel.pp == 0, "parallel.pp", "must divide model.num_layers"
+    )
+
+
+def _check_eval_and_the_rest(recipe: Recipe) -> None:
     for name in recipe.eval.benchmarks:
-        need(
+        _need(
             name in BENCHMARK_NAMES,
             "eval.benchmarks",
             f"{name!r} is not one of {', '.join(BENCHMARK_NAMES)}",
         )
-    need(recipe.optimizer.lr >= 0, "optimizer.lr", "must be >= 0 (0: a frozen run)")
-    for key, value in (("data.template", d.template), ("eval.template", recipe.eval.template)):
-        need(value in MATH_TEMPLATE_NAMES, key, f"must be one of {', '.join(MATH_TEMPLATE_NAMES)}")
-    need(recipe.reward.workers >= 1, "reward.workers", "must be >= 1")
-    need(recipe.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
-    need(recipe.grpo.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "must be >= 1")
-    need(recipe.eval.samples >= 1, "eval.samples", "must be >= 1")
-    need(
+    _need(recipe.optimizer.lr >= 0, "optimizer.lr", "must be >= 0 (0: a frozen run)")
+    for key, value in (
+        ("data.template", recipe.data.template),
+        ("eval.template", recipe.eval.template),
+    ):
+        _need(value in MATH_TEMPLATE_NAMES, key, f"must be one of {', '.join(MATH_TEMPLATE_NAMES)}")
+    _need(recipe.reward.workers >= 1, "reward.workers", "must be >= 1")
+    _need(recipe.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _need(recipe.grpo.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "must be >= 1")
+    _need(recipe.eval.samples >= 1, "eval.samples", "must be >= 1")
+    _need(
         0.0 <= recipe.warmstart.correct_fraction <= 1.0,
         "warmstart.correct_fraction",
         "must be in [0, 1]",
     )
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Cross-field checks (types are checked while building; the loss section's aggregation
+    settings when it is made), section by section, in this order; the first failure is raised."""
+    _check_grpo_and_rollout(recipe)
+    _check_parallel(recipe.parallel)
+    _check_model_build(recipe.model)
+    _check_data_and_policy(recipe)
+    _check_eval_and_the_rest(recipe)
     return recipe
 
 

@@ -40,11 +40,12 @@ import gpu_check_stages as stages  # noqa: E402
 BUDGET = {
     "env": 25,
     "attention": 30,
-    "train_0p5b": 140,
+    "train_0p5b": 130,
     "memory_1p5b": 90,
     "step": 75,
-    "train": 75,
-    "vocab_parallel": 55,
+    "aggregation": 20,
+    "train": 70,
+    "vocab_parallel": 50,
 }
 STAGE_BUDGET_S = sum(BUDGET.values())
 # The CPU dry run proves the plumbing on a (possibly shared) CPU machine, where the 10 minutes do
@@ -258,6 +259,11 @@ def summarise(c: Check) -> None:
     ):
         if k in step:
             f[f"step_{k}"] = step[k]
+    agg = s.get("aggregation", {}).get("figures", {})
+    if agg:
+        f["aggregation_grpo_loss_ratio"] = agg["ratio_grpo_loss"]
+        for k in ("packed/grpo-loss-balanced", "packed/grpo-loss-token-mean"):
+            f[f"aggregation_{k.split('/')[1].replace('-', '_')}_ms"] = agg["median_ms"][k]
     vp = s.get("vocab_parallel", {}).get("figures", {}).get("variants", {})
     for v, row in vp.items():
         f[f"vocab_parallel_{v}_peak_extra_mib"] = row["peak_extra_mib"]
@@ -310,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         ("train_0p5b", lambda: stages.stage_train_lm(c)),
         ("memory_1p5b", lambda: stages.stage_memory_1p5b(c)),
         ("step", lambda: stages.stage_step(c, device)),
+        ("aggregation", lambda: stages.stage_aggregation(c, device)),
         ("train", lambda: stages.stage_train(c, vllm)),
         ("vocab_parallel", lambda: stages.stage_vocab_parallel(c, device)),
     ):

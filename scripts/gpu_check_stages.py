@@ -12,27 +12,26 @@ reads its figures (the driver's Check records them). GPU sizes, and the CPU dry 
                  prompt), bf16, SDPA core, full recomputation, chunked log-probs: the measured
                  peak against planning.memory's estimate of that shape and layout
   step           `bench step` BA vs token-mean, bf16 (goal: <= 1.02x)
+  aggregation    `bench aggregation`: the packed GRPO loss, balanced / token-mean, forward and
+                 backward over 16.7M fp32 log-probs of 2,048 sequences (goal: <= 1.05x)
   train          `megatron-ba train recipes/tiny-cpu.yaml` in bf16, 2 GRPO steps
   vocab_parallel `bench vocab-parallel` at T=16,384: time, peak vs the naive path
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
+
+from megatron_ba.model_shape import PRESETS, ModelShape
+from megatron_ba.planning.memory import GIB, Layout, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "megatron_ba.cli"]
 PROMPT, TOKENS = 1024, 16384  # the memory stage's sequence: prompt + response = 16K tokens
 LOGPROB_CHUNK = 1024
-
-
-def _json_file(path: Path):
-    def read(_text: str) -> dict:
-        return json.loads(path.read_text())
-
-    return read
 
 
 def _args(text: str) -> list[str]:
@@ -91,14 +90,9 @@ def stage_train_lm(c) -> None:
     c.run("train_0p5b", cmd, figures=figures)
 
 
-def planner_estimate(spec_fields: dict, tokens: int, recompute: bool, chunk: int) -> dict:
+def planner_estimate(shape: ModelShape, tokens: int, recompute: bool, chunk: int) -> dict:
     """planning.memory's estimate of one GRPO step of this shape on one GPU (TP = PP = CP = DP =
     1, one `tokens`-token sequence per micro-batch, chunked log-probs, no vLLM)."""
-    from benchmarks.shapes import planner_shape
-    from megatron_ba.megatron.model import ModelSpec
-    from megatron_ba.planning.memory import GIB, Layout, estimate
-
-    shape = planner_shape(ModelSpec(**spec_fields))
     layout = Layout(
         tp=1,
         pp=1,
@@ -133,13 +127,12 @@ def memory_comparison(step: dict, estimate: dict) -> dict:
     }
 
 
-def _memory_setup(cpu: bool) -> tuple[list[str], dict, int, bool, int]:
-    """(bench step arguments, the shape's ModelSpec fields, tokens, recompute, chunk)."""
-    from benchmarks.shapes import SHAPES
-
-    fields = dict(SHAPES["qwen2.5-1.5b"])
+def _memory_setup(cpu: bool) -> tuple[list[str], ModelShape, int, bool, int]:
+    """(bench step arguments, the model's shape, tokens, recompute, chunk)."""
+    shape = PRESETS["qwen2.5-1.5b"]
     if cpu:  # plumbing: a 2-layer slice of small width, no recompute (bench step: CUDA only)
-        small = dict(
+        shape = dataclasses.replace(
+            shape,
             hidden_size=128,
             num_layers=2,
             num_attention_heads=4,
@@ -147,7 +140,6 @@ def _memory_setup(cpu: bool) -> tuple[list[str], dict, int, bool, int]:
             ffn_hidden_size=384,
             vocab_size=1024,
         )
-        fields.update(small)
         tokens, recompute, chunk = 128, False, 64
         args = _args(
             "--device cpu --hidden 128 --layers 2 --heads 4 --query-groups 2 --ffn 384 "
@@ -162,13 +154,13 @@ def _memory_setup(cpu: bool) -> tuple[list[str], dict, int, bool, int]:
         "--shape qwen2.5-1.5b --sequences 2 --group-size 2 --micro-batches 2 --repeats 1 "
         f"--warmup 0 --attention sdpa --logprob-chunk-size {chunk}"
     )
-    return [*common, *args], fields, tokens, recompute, chunk
+    return [*common, *args], shape, tokens, recompute, chunk
 
 
 def stage_memory_1p5b(c) -> None:
     path = c.work / "memory_1p5b.json"
-    args, fields, tokens, recompute, chunk = _memory_setup(c.cpu)
-    estimate = planner_estimate(fields, tokens, recompute, chunk)
+    args, shape, tokens, recompute, chunk = _memory_setup(c.cpu)
+    estimate = planner_estimate(shape, tokens, recompute, chunk)
     c.record("memory_1p5b", planner=estimate)
 
     def figures(_text: str) -> dict:
@@ -207,6 +199,23 @@ def stage_step(c, device: str) -> None:
         return d
 
     c.run("step", cmd, figures=figures)
+
+
+def stage_aggregation(c, device: str) -> None:
+    size = (
+        _args("--sequences 64 --max-length 256 --repeats 2 --threads 2")
+        if c.cpu
+        else _args("--sequences 2048 --max-length 16384 --repeats 9")
+    )
+    cmd = [*CLI, "bench", "aggregation", "--device", device, *size, "--json"]
+
+    def figures(text: str) -> dict:
+        lines = [x for x in text.splitlines() if x.startswith("{")]
+        if not lines:
+            raise ValueError("bench aggregation printed no JSON line")
+        return json.loads(lines[-1])
+
+    c.run("aggregation", cmd, figures=figures)
 
 
 def stage_train(c, vllm: bool) -> None:

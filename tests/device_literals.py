@@ -1,6 +1,6 @@
 """Literal devices in source code, found statically (tests/test_devices_literals.py uses it).
 
-Devices are parameters: a rank's device is `DistContext.device` (train/distributed.py chooses
+Devices are parameters: a rank's device is `DistContext.device` (parallel/world.py chooses
 it) or its input tensors' device. What counts as a literal device:
   * `x.cuda(...)` (a tensor or module sent to "the" GPU, cuda:0 on every rank);
   * `torch.device("...")` with a string constant;
@@ -20,11 +20,11 @@ DEVICE_STRING = re.compile(r"^(cpu|cuda|meta|mps)(:\d+)?$")
 # Files that may name a device, and why.
 ALLOWED = {
     # The device module: chooses each rank's device.
-    "megatron_ba/train/distributed.py": "chooses DistContext.device",
+    "megatron_ba/parallel/world.py": "chooses DistContext.device",
     # The CPU shims exist to reroute megatron-core's "cuda" allocations to the CPU.
     "megatron_ba/megatron/cpu_compat.py": "CPU-only shims",
     # comm_device: where a collective's tensors must be, by the group's backend (NCCL: the
-    # current CUDA device, which distributed.setup made this rank's; gloo: the CPU).
+    # current CUDA device, which parallel.world.join_world made this rank's; gloo: the CPU).
     "megatron_ba/parallel/collectives.py": "the backend's device",
     # Runs inside NeMo-Aligner's worker, where NeMo has set each rank's current CUDA device and
     # its own code moves batches with .cuda(); not part of the local backend.

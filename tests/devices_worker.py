@@ -44,17 +44,18 @@ def _batch():
 
 def _chunks(spec, *, without_cp: bool = True, **config_overrides):
     from megatron_ba.megatron import model as mm
+    from megatron_ba.parallel import full_shape
 
     config = mm.transformer_config(spec, **config_overrides)
     pgs = mm.model_pg_collection_without_cp() if without_cp else None
     chunks = mm.build_model_chunks(spec, config=config, pg_collection=pgs)
-    mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, 0))
+    full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, 0))
     return chunks
 
 
 def _grads(chunks, cfg):
     from megatron_ba.megatron.grpo_step import forward_backward
-    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.parallel.full_shape import gather_full_state_dict
 
     result = forward_backward(chunks, _batch(), cfg)
     return result.loss, gather_full_state_dict(chunks, grads=True)
@@ -83,6 +84,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.build_options import resolve_build_options
     from megatron_ba.megatron.grpo_step import StepConfig
+    from megatron_ba.parallel import full_shape
 
     found: dict = {}
     spec = mm.tiny_qwen2_spec(num_layers=2)
@@ -118,7 +120,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     bf16_fields = {**bf16_opts.config_fields(), "bf16": True, "params_dtype": torch.bfloat16}
     bf16_fields["pipeline_dtype"] = torch.bfloat16
     bf16 = _chunks(spec, **bf16_fields)
-    full = mm.gather_full_state_dict(bf16)
+    full = full_shape.gather_full_state_dict(bf16)
     init = mm.full_init_state_dict(spec, 0)
     loss16, grads16 = _grads(bf16, cfg)
     found["bf16"] = {
@@ -154,11 +156,11 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     }
 
     # --- the local spec's checkpoint keys are the converter's TE spelling ----------------------
-    from megatron_ba.conversion.core import is_skipped, te_name
+    from megatron_ba.conversion.family_table import is_skipped, te_name
 
     qwen3 = mm.tiny_qwen2_spec(num_layers=2, family="qwen3", qkv_bias=False, qk_layernorm=True)
     chunks3 = _chunks(qwen3)
-    local_names = set(mm.local_to_full_names(chunks3))
+    local_names = set(full_shape.local_to_full_names(chunks3))
     model3 = chunks3[0].module
     # The checkpoint key of each ShardedTensor (the dict's own keys keep the module names;
     # megatron-core's keys map renames `ShardedTensor.key`, what a checkpoint stores).
@@ -170,10 +172,10 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     }
 
     # --- a GRPO update through the device parameter: every tensor on ctx.device --------------
-    from megatron_ba.generation.samples import Sample
-    from megatron_ba.megatron.mcore_optimizer import build_optimizer
+    from megatron_ba.generation.engine import Sample
+    from megatron_ba.megatron.optimizer_choice import build_optimizer
+    from megatron_ba.parallel.world import DistContext, rank_device
     from megatron_ba.recipe import load_recipe
-    from megatron_ba.train.distributed import DistContext, rank_device
     from megatron_ba.train.experience import build_experience
     from megatron_ba.train.update import grpo_update
 

@@ -169,6 +169,7 @@ def _model_run(spec, attention: str, full: dict, rank: int, tp: int, **config_ch
     from megatron_ba.megatron.batching import causal_mask
     from megatron_ba.megatron.build_options import BuildOptions
     from megatron_ba.megatron.grpo_step import StepConfig, forward_backward
+    from megatron_ba.parallel import full_shape
 
     config = mm.transformer_config(spec, **config_changes)
     layer_spec = BuildOptions(attention=attention).layer_spec(spec)
@@ -178,11 +179,11 @@ def _model_run(spec, attention: str, full: dict, rank: int, tp: int, **config_ch
     shard = spec.vocab_size // tp
     weight = weight[..., rank * shard : (rank + 1) * shard]
     (plain,) = mm.build_model_chunks(spec, ddp=False, config=config, layer_spec=layer_spec)
-    mm.load_full_state_dict([plain], full)
+    full_shape.load_full_state_dict([plain], full)
     logits = plain(tokens, torch.arange(16).expand(3, 16), causal_mask(16))
     (logits * weight).sum().backward()
     chunks = mm.build_model_chunks(spec, config=config, layer_spec=layer_spec)
-    mm.load_full_state_dict(chunks, full)
+    full_shape.load_full_state_dict(chunks, full)
     step = forward_backward(chunks, _grpo_batch(spec.vocab_size, 20), StepConfig(num_groups=2))
     core = type(plain.decoder.layers[0].self_attention.core_attention).__name__
     return {
@@ -190,7 +191,7 @@ def _model_run(spec, attention: str, full: dict, rank: int, tp: int, **config_ch
         "logits": logits.detach(),
         "grads": {n: p.grad.clone() for n, p in plain.named_parameters()},
         "loss": step.loss,
-        "step_grads": mm.gather_full_state_dict(chunks, grads=True),
+        "step_grads": full_shape.gather_full_state_dict(chunks, grads=True),
         "keys": sorted(chunks[0].state_dict()),
     }
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from megatron_ba import group_advantages, sequence_weights
 from megatron_ba.aggregation import RULES, SCOPES, apply_weights, plan_statistics
 from megatron_ba.loss import LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
 
 
 @st.composite
@@ -49,8 +50,8 @@ def test_any_split_reproduces_full_loss_and_gradient(batch, rule, scope, data):
     n = lengths.numel()
     num_groups = int(ids.max()) + 1
     logp, old, mask = _token_tensors(lengths, seed)
-    kw = dict(scope=scope, max_length=12, num_groups=num_groups)
-    full_plan = LossPlan.build(rule, lengths, adv, ids, **kw)
+    settings = AggregationSettings(rule, scope=scope, max_length=12)
+    full_plan = LossPlan.build(settings, lengths, adv, ids, num_groups=num_groups)
     full, _ = grpo_loss(logp, old, mask, full_plan)
     (g_full,) = torch.autograd.grad(full, logp)
 
@@ -68,7 +69,9 @@ def test_any_split_reproduces_full_loss_and_gradient(batch, rule, scope, data):
             # what an all-reduce returns: every part's table summed
             return global_table
 
-        plan = LossPlan.build(rule, lengths[idx], adv[idx], ids[idx], reduce=reduce, **kw)
+        plan = LossPlan.build(
+            settings, lengths[idx], adv[idx], ids[idx], reduce=reduce, num_groups=num_groups
+        )
         assert len(calls) == 1
         part_loss, _ = grpo_loss(logp[idx], old[idx], mask[idx], plan)
         total = total + part_loss
@@ -83,7 +86,7 @@ def test_token_shards_add_up(batch, rule, shards):
     """Context parallelism: cutting every sequence's tokens into shards, weights unchanged."""
     lengths, adv, ids, seed = batch
     logp, old, mask = _token_tensors(lengths, seed)
-    plan = LossPlan.build(rule, lengths, adv, ids, max_length=12)
+    plan = LossPlan.build(AggregationSettings(rule, max_length=12), lengths, adv, ids)
     full, _ = grpo_loss(logp, old, mask, plan)
     cuts = torch.linspace(0, logp.shape[1], shards + 1).round().long().tolist()
     total = sum(
@@ -100,9 +103,16 @@ def test_per_microbatch_normalisation_does_not_add_up():
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0]), ids).advantages
     logp, old, mask = _token_tensors(lengths, 0)
     for rule in ("token", "balanced"):
-        full, _ = grpo_loss(logp, old, mask, LossPlan.build(rule, lengths, adv, ids))
+        full, _ = grpo_loss(
+            logp, old, mask, LossPlan.build(AggregationSettings(rule), lengths, adv, ids)
+        )
         local = sum(
-            grpo_loss(logp[s], old[s], mask[s], LossPlan.build(rule, lengths[s], adv[s], ids[s]))[0]
+            grpo_loss(
+                logp[s],
+                old[s],
+                mask[s],
+                LossPlan.build(AggregationSettings(rule), lengths[s], adv[s], ids[s]),
+            )[0]
             for s in (slice(0, 3), slice(3, 8))
         )
         assert abs(float((local - full).detach())) > 1e-3, rule

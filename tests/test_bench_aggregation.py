@@ -13,6 +13,7 @@ import torch
 from benchmarks.aggregation import token_mean_grpo_loss
 from megatron_ba.cli import main
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
 
 
 @pytest.mark.parametrize("dual_clip", [None, 3.0])
@@ -27,7 +28,11 @@ def test_token_mean_baseline_is_grpo_loss_under_the_token_rule(dual_clip):
     old = x.detach() + torch.randn(index.numel(), generator=g, dtype=torch.float64)
     cfg = GRPOLossConfig(dual_clip=dual_clip)
     want, want_m = grpo_loss(
-        x, old, index, LossPlan.build("token", lengths, adv, ids, scope="batch"), cfg
+        x,
+        old,
+        index,
+        LossPlan.build(AggregationSettings("token", scope="batch"), lengths, adv, ids),
+        cfg,
     )
     got, got_m = token_mean_grpo_loss(x, old, index, adv, cfg)
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)

@@ -71,7 +71,7 @@ def test_in_process_setup_leaves_no_rendezvous_for_children():
     other tests) would inherit a rendezvous whose port this process still holds (EADDRINUSE)."""
     import os
 
-    from megatron_ba.train.distributed import setup, teardown
+    from megatron_ba.megatron.startup import setup, teardown
 
     keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     if any(k in os.environ for k in keys):

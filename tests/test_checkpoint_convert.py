@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from megatron_ba.parallel.launch import free_port, spawn
+from megatron_ba.parallel.world import free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -37,10 +37,10 @@ def save_worker(rank: int, port: int, hf_dir: str, run_dir: str, ref_dir: str) -
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     )
     from megatron_ba.conversion import export_chunks_to_hf, load_hf_into_chunks, spec_from_hf_dir
+    from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
     from megatron_ba.megatron.model import build_model_chunks
-    from megatron_ba.megatron.optimizer import ShardedAdamW
+    from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.train import checkpoint
-    from megatron_ba.train.distributed import setup, teardown
 
     ctx = setup(tp=1, pp=1, cp=1, seed=0)
     spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32)  # the trainer's dtype
@@ -72,7 +72,7 @@ def saved(tmp_path_factory):
 
 
 def test_convert_a_training_checkpoint_to_hf(saved):
-    from megatron_ba.conversion.agreement import compare_folders
+    from tests.conversion_agreement import compare_folders
 
     hf, step_dir, ref, root = saved
     out = root / "out"

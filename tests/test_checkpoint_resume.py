@@ -25,7 +25,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_ba.parallel.launch import free_port, spawn
+from megatron_ba.parallel.world import free_port, spawn
+from megatron_ba.rules import AggregationSettings
 
 SEED = 11
 INIT_SEED = 3
@@ -44,19 +45,20 @@ def _setup(rank: int, world: int, port: int, tp: int):
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
     )
-    from megatron_ba.train.distributed import setup
+    from megatron_ba.megatron.startup import setup
 
     return setup(tp=tp, pp=1, cp=1, seed=SEED)
 
 
 def _policy(init_seed: int):
     from megatron_ba.megatron import model as mm
-    from megatron_ba.megatron.layout_cases import tiny_spec
-    from megatron_ba.megatron.optimizer import ShardedAdamW
+    from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
+    from megatron_ba.megatron.layout_equivalence.cases import tiny_spec
+    from megatron_ba.parallel import full_shape
 
     spec = tiny_spec()
     chunks = mm.build_model_chunks(spec)
-    mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, init_seed))
+    full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, init_seed))
     return spec, chunks, ShardedAdamW(chunks, lr=1e-2, eps=1e-3, clip_grad=0.5, weight_decay=0.1)
 
 
@@ -64,8 +66,13 @@ def _step(ctx, chunks, opt, step: int) -> dict:
     """One GRPO step on the synthetic batch of `step`: loss, full gradients, norm."""
     from megatron_ba.megatron.batching import GRPOBatch
     from megatron_ba.megatron.grpo_step import StepConfig, forward_backward
-    from megatron_ba.megatron.layout_cases import LOSS_CONFIG, NUM_GROUPS, dp_rows, synthetic_batch
-    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.megatron.layout_equivalence.cases import (
+        LOSS_CONFIG,
+        NUM_GROUPS,
+        dp_rows,
+        synthetic_batch,
+    )
+    from megatron_ba.parallel.full_shape import gather_full_state_dict
 
     b = synthetic_batch(100 + step)
     rows = dp_rows(b["tokens"].shape[0], ctx.dp, ctx.dp_rank)
@@ -78,7 +85,9 @@ def _step(ctx, chunks, opt, step: int) -> dict:
         old_logprobs=lp[rows],
         ref_logprobs=lp[rows] - 0.1,
     )
-    cfg = StepConfig(num_groups=NUM_GROUPS, max_length=16, loss=LOSS_CONFIG)
+    cfg = StepConfig(
+        num_groups=NUM_GROUPS, aggregation=AggregationSettings(max_length=16), loss=LOSS_CONFIG
+    )
     result = forward_backward(chunks, batch, cfg)
     grads = gather_full_state_dict(chunks, grads=True)
     applied, norm = opt.step()
@@ -89,7 +98,7 @@ def _step(ctx, chunks, opt, step: int) -> dict:
 def _full_moments(chunks, opt) -> dict:
     """The Adam moments as full-shape tensors: gathered like gradients (through main_grad,
     which the next step zeroes anyway), with the same TP layout as their parameters."""
-    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.parallel.full_shape import gather_full_state_dict
 
     out = {}
     for name in ("exp_avg", "exp_avg_sq"):
@@ -102,7 +111,7 @@ def _full_moments(chunks, opt) -> dict:
 
 
 def _state(chunks, opt) -> dict:
-    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.parallel.full_shape import gather_full_state_dict
 
     return {"params": gather_full_state_dict(chunks), **_full_moments(chunks, opt)}
 

@@ -77,7 +77,7 @@ def test_user_errors_from_real_commands(tmp_path):
 
 
 def test_the_project_errors_are_user_errors():
-    from megatron_ba.planning.layout import NoLayoutFits
+    from megatron_ba.planning.cluster_layout import NoLayoutFits
     from megatron_ba.recipe import RecipeError
 
     for cls in (SchemaError, RecipeError, NoLayoutFits):

@@ -1,4 +1,5 @@
-"""The code's shape, read from its syntax trees: one home for torch.distributed, no import cycles.
+"""The code's shape, read from its syntax trees: one home for torch.distributed, no import cycles,
+imports that go down the layers only, no package module that only tests use.
 
     python -m pytest tests/test_code_structure.py        # < 1 s: parses files, runs none
 
@@ -7,6 +8,12 @@
   docstrings, comments and strings (`python -m torch.distributed.run`) are not calls.
 - The graph of imports between megatron_ba modules (module-level and lazy ones in functions
   alike: a lazy import is still a dependency) has no cycle.
+- Every import of megatron_ba/, benchmarks/ and scripts/ (module-level and in functions) goes from
+  a folder (or top-level module) to one that ALLOWED lists for it; ALLOWED itself has none of
+  the arrows NEVER forbids (the design's "never" arrows).
+- Every module under megatron_ba/ is used by the product: imported by megatron_ba/, benchmarks/
+  or scripts/ (tests do not count), named by its dotted path or file name in their code or in
+  the launch scripts (slurm/, scripts/*.sh), or an entry point that users run (ENTRY_POINTS).
 
 Each check is also run on a small hand-written tree that breaks it, so that it is seen to fail.
 """
@@ -14,6 +21,7 @@ Each check is also run on a small hand-written tree that breaks it, so that it i
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -89,17 +97,20 @@ def _imports(tree: ast.AST, module: str, is_package: bool):
             yield base, [a.name for a in node.names]
 
 
-def import_graph(root: Path, package: str = PACKAGE) -> dict[str, set[str]]:
-    """{module: the package's modules it imports}. `from pkg import sub` is an edge to the
-    submodule when `sub` is one, else to `pkg`; a parent package's __init__ is not an edge."""
-    files = {_module_name(root, p): p for p in _python_files(root, (package,))}
+def import_graph(
+    root: Path, package: str = PACKAGE, folders: tuple[str, ...] | None = None
+) -> dict[str, set[str]]:
+    """{module: the modules of `folders` (default: the package) it imports}. `from pkg import
+    sub` is an edge to the submodule when `sub` is one, else to `pkg`; a parent package's
+    __init__ is not an edge."""
+    files = {_module_name(root, p): p for p in _python_files(root, folders or (package,))}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
         tree = ast.parse(path.read_text())
         for base, names in _imports(tree, mod, path.name == "__init__.py"):
             targets = [f"{base}.{n}" for n in names if f"{base}.{n}" in files] or [base]
             for t in targets:
-                # the deepest module of the package that the name lies in
+                # the deepest module of the walked folders that the name lies in
                 while t and t not in files:
                     t = t.rpartition(".")[0]
                 if t and t != mod:
@@ -179,7 +190,7 @@ def test_torch_distributed_walker(source, lines):
 
 def test_no_import_cycles_in_the_package():
     graph = import_graph(ROOT)
-    assert "megatron_ba.megatron.layout_check" in graph  # the walk found the package
+    assert "megatron_ba.megatron.layout_equivalence.check" in graph  # the walk found the package
     assert graph["megatron_ba.megatron.grpo_step"] >= {
         "megatron_ba.loss",
         "megatron_ba.megatron.batching",
@@ -209,3 +220,255 @@ def test_cycle_finder_sees_a_lazy_cycle_and_relative_imports(tmp_path):
     assert graph["pkg.b"] == {"pkg.a"}
     assert graph["pkg.sub.c"] == {"pkg.a"}  # the TYPE_CHECKING import is not an edge
     assert find_cycles(graph) == [["pkg.a", "pkg.sub.c"]]
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+# The math: pure torch, no framework, no process group (reduce is passed in).
+CORE = frozenset({"errors", "rules", "_checks", "aggregation", "advantages", "loss", "diagnostics"})
+# The model's shape and its presets: pure Python that every layer above the math may read.
+SHAPE = frozenset({"model_shape"})
+# Folder (or top-level module of megatron_ba, or benchmarks / scripts) -> what it may import
+# besides itself. Read bottom-up: core <- parallel <- megatron <- conversion / generation <-
+# train <- commands; recipe.py is a schema the others read and imports none of them.
+ALLOWED: dict[str, frozenset[str]] = {
+    "errors": frozenset(),
+    "rules": frozenset({"errors"}),
+    "_checks": frozenset(),
+    "aggregation": frozenset({"_checks", "rules"}),
+    "advantages": frozenset({"_checks"}),
+    "loss": frozenset({"_checks", "aggregation", "rules"}),
+    "diagnostics": frozenset({"_checks", "aggregation"}),
+    "megatron_ba": frozenset({"rules", "aggregation", "advantages", "loss", "diagnostics"}),
+    "model_shape": frozenset(),
+    "recipe": frozenset({"errors", "rules"}) | SHAPE,
+    "tokenization": frozenset({"errors"}),
+    "rewards": frozenset({"errors"}),
+    "data": frozenset({"errors", "rewards"}),
+    "tasks": frozenset({"errors", "data", "rewards"}),
+    "testing": frozenset({"errors", "tokenization"}) | SHAPE,
+    "planning": frozenset({"errors", "recipe"}) | SHAPE,
+    "parallel": CORE,
+    "megatron": CORE | SHAPE | {"parallel", "recipe"},
+    "conversion": CORE | SHAPE | {"parallel", "megatron"},
+    "generation": CORE | SHAPE | {"parallel", "megatron", "conversion", "recipe"},
+    "evaluation": frozenset({"errors", "data", "rewards", "generation"}),
+    "integrations": CORE | {"parallel", "megatron", "rewards", "recipe"},
+    "train": CORE
+    | SHAPE
+    | {"parallel", "megatron", "conversion", "generation", "recipe", "tokenization"}
+    | {"data", "tasks", "rewards", "evaluation"},
+    "commands": CORE
+    | SHAPE
+    | {"parallel", "megatron", "conversion", "generation", "recipe", "tokenization"}
+    | {"data", "tasks", "rewards", "evaluation", "planning", "integrations", "testing", "train"},
+    "cli": frozenset({"errors"}),  # the commands are imported by name (importlib)
+    "benchmarks": CORE
+    | SHAPE
+    | {"parallel", "megatron", "conversion", "generation", "recipe", "planning", "rewards"},
+    "scripts": frozenset({"errors", "recipe", "planning", "megatron", "benchmarks"}) | SHAPE,
+}
+# The design's parts (its units) and the arrows it never allows, with its reasons.
+PARTS: dict[str, frozenset[str]] = {
+    "Core": CORE | SHAPE,
+    "Parallel": frozenset({"parallel"}),
+    "Megatron": frozenset({"megatron"}),
+    "Conversion": frozenset({"conversion"}),
+    "Generation": frozenset({"generation"}),
+    "Recipe": frozenset({"recipe"}),
+    "Train": frozenset({"train"}),
+    "Data": frozenset({"data", "tasks", "tokenization"}),
+    "Rewards": frozenset({"rewards"}),
+    "Eval": frozenset({"evaluation"}),
+    "Integrations": frozenset({"integrations"}),
+    "Planning": frozenset({"planning"}),
+    "CLI": frozenset({"commands", "cli"}),
+    "Bench": frozenset({"benchmarks"}),
+}
+NEVER: list[tuple[str, str, str]] = [
+    ("Core", "Megatron", "the math knows no framework"),
+    ("Core", "Parallel", "reduce is passed in"),
+    ("Core", "Train", "the math knows no driver"),
+    ("Rewards", "Train", "rewards know no training"),
+    ("Data", "Train", "data knows no training"),
+    ("Megatron", "Train", "adapters know no driver"),
+    ("Eval", "Train", "evaluation takes a generate callable"),
+    ("Parallel", "Megatron", "collectives know no model"),
+    ("Conversion", "Train", "conversion knows no driver"),
+    ("Conversion", "Generation", "conversion knows no engine"),
+    ("Megatron", "Conversion", "the model knows no checkpoint format"),
+    ("Integrations", "Train", "adapters know no local driver"),
+    ("Generation", "Train", "engines know no driver"),
+    ("Recipe", "Megatron", "the schema builds no model"),
+    ("Planning", "Megatron", "the planner builds no model"),
+    ("Bench", "Train", "benchmarks need no driver"),
+]
+WALKED = (PACKAGE, "benchmarks", "scripts")
+# Imports against the table that are still there, each a debt to pay (remove the entry when it
+# is): the check fails on any other, and on one of these once it is gone.
+KNOWN_UPWARD: dict[str, str] = {}
+
+
+def unit_of(module: str, package: str = PACKAGE) -> str:
+    """The folder or top-level module a module belongs to (`megatron_ba.train.driver` -> train;
+    `megatron_ba.loss` -> loss; `megatron_ba` -> megatron_ba; `benchmarks.step` -> benchmarks)."""
+    parts = module.split(".")
+    if parts[0] != package or len(parts) == 1:
+        return parts[0]
+    return parts[1]
+
+
+def upward_imports(
+    root: Path,
+    allowed: dict[str, frozenset[str]],
+    *,
+    package: str = PACKAGE,
+    folders: tuple[str, ...] = WALKED,
+) -> list[str]:
+    """'importer -> imported' for every import (at any level) that `allowed` does not list, and
+    for every unit that `allowed` does not know."""
+    out = []
+    for mod, targets in sorted(import_graph(root, package, folders).items()):
+        src = unit_of(mod, package)
+        for t in sorted(targets):
+            dst = unit_of(t, package)
+            if dst == src:
+                continue
+            if src not in allowed or dst not in allowed.get(src, frozenset()):
+                out.append(f"{mod} -> {t}")
+    return out
+
+
+def test_every_unit_is_in_the_table():
+    units = {unit_of(m) for m in import_graph(ROOT, PACKAGE, WALKED)}
+    assert units == set(ALLOWED), units ^ set(ALLOWED)
+
+
+def test_the_table_has_no_never_arrow():
+    found = [
+        f"{a} -> {b} ({why}): {sorted(PARTS[b] & ALLOWED[u])} in ALLOWED[{u!r}]"
+        for a, b, why in NEVER
+        for u in PARTS[a]
+        if PARTS[b] & ALLOWED[u]
+    ]
+    assert not found, "; ".join(found)
+
+
+def test_imports_go_down_the_layers():
+    graph = import_graph(ROOT, PACKAGE, WALKED)
+    assert "megatron_ba.parallel.world" in graph["megatron_ba.megatron.startup"]
+    assert "megatron_ba.megatron.model" in graph["benchmarks.step"]  # the walk sees benchmarks/
+    offenders = upward_imports(ROOT, ALLOWED)
+    new = [o for o in offenders if o not in KNOWN_UPWARD]
+    paid = [o for o in KNOWN_UPWARD if o not in offenders]
+    assert not new, "imports that ALLOWED does not list: " + "; ".join(new)
+    assert not paid, "no longer there, remove from KNOWN_UPWARD: " + "; ".join(paid)
+
+
+def test_layer_check_sees_a_planted_upward_import(tmp_path):
+    root = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/core.py": "def f():\n    from pkg.train import driver  # lazy: still an import\n",
+            "pkg/train/__init__.py": "",
+            "pkg/train/driver.py": "from pkg import core\nfrom pkg.train import other\n",
+            "pkg/train/other.py": "",
+            "bench/run.py": "import pkg.train.driver\n",
+        },
+    )
+    allowed = {
+        "pkg": frozenset(),
+        "core": frozenset(),
+        "train": frozenset({"core"}),
+        "bench": frozenset({"core"}),
+    }
+    found = upward_imports(root, allowed, package="pkg", folders=("pkg", "bench"))
+    assert found == ["bench.run -> pkg.train.driver", "pkg.core -> pkg.train.driver"]
+
+
+# --- every package module is used by the product ---------------------------------------------
+
+# Modules users run themselves, outside this repository's code and scripts.
+ENTRY_POINTS: dict[str, str] = {
+    "megatron_ba.integrations.nemo_rl.run_grpo_balanced": "run inside a NeMo-RL checkout",
+}
+LAUNCH_SCRIPTS = ("slurm", "scripts")
+
+
+def _code_strings(tree: ast.AST) -> list[str]:
+    """String constants of a module that are not docstrings."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    ]
+
+
+def unused_modules(
+    root: Path,
+    *,
+    package: str = PACKAGE,
+    users: tuple[str, ...] = WALKED,
+    scripts: tuple[str, ...] = LAUNCH_SCRIPTS,
+    entry_points: dict[str, str] | None = None,
+) -> list[str]:
+    """Modules of `package` (packages' __init__ aside: a folder's public face) that no module of
+    `users` imports, no string of theirs names (dotted, or by file name), no shell script under
+    `scripts` names, and that are not entry points."""
+    graph = import_graph(root, package, users)
+    used = {t for targets in graph.values() for t in targets}
+    names: list[str] = []
+    by_folder: dict[Path, list[str]] = {}  # a file name counts in its own folder's code only
+    for path in _python_files(root, users):
+        strings = _code_strings(ast.parse(path.read_text()))
+        names += strings
+        by_folder.setdefault(path.parent, []).extend(strings)
+    for folder in scripts:
+        names += [p.read_text() for p in sorted((root / folder).glob("*.sh"))]
+    text = "\n".join(names)
+    out = []
+    for path in _python_files(root, (package,)):
+        mod = _module_name(root, path)
+        if path.name == "__init__.py" or mod in used or mod in (entry_points or {}):
+            continue
+        if re.search(rf"\b{re.escape(mod)}\b", text):
+            continue
+        if any(path.name in s for s in by_folder.get(path.parent, [])):
+            continue
+        out.append(mod)
+    return out
+
+
+def test_no_package_module_is_used_by_tests_alone():
+    unused = unused_modules(ROOT, entry_points=ENTRY_POINTS)
+    assert not unused, "modules only tests use (move them to tests/): " + ", ".join(unused)
+
+
+def test_unused_module_finder_sees_a_test_only_module(tmp_path):
+    root = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg import b\nCMD = ['python', '-m', 'pkg.run']\n",
+            "pkg/b.py": "",
+            "pkg/run.py": "",
+            "pkg/helper.py": '"""Run as pkg.only_tests (a docstring names no user)."""\n',
+            "pkg/only_tests.py": "",
+            "pkg/server.py": "",
+            "pkg/launch.py": "SCRIPT = 'server.py'\n",
+            "pkg/user_run.py": "",
+            "tests/test_x.py": "from pkg import only_tests, helper, launch\n",
+            "sh/start.sh": "python -m pkg.launch\n",
+        },
+    )
+    found = unused_modules(
+        root, package="pkg", users=("pkg",), scripts=("sh",), entry_points={"pkg.user_run": ""}
+    )
+    assert found == ["pkg.a", "pkg.helper", "pkg.only_tests"]

@@ -3,7 +3,7 @@
     python -m pytest tests/test_collectives_world.py        # ~10 s: one launch of 2 gloo ranks
 
 Alone (no process group) every helper is the identity of a world of one; on 2 gloo processes
-started by parallel.launch.spawn, an object broadcast from rank `src` replaces the other ranks'
+started by parallel.world.spawn, an object broadcast from rank `src` replaces the other ranks'
 (each rank passes a different one, so a helper that returned its input would be seen), and an
 all-gather returns every rank's object in rank order.
 """
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_ba.parallel import collectives
-from megatron_ba.parallel.launch import free_port, spawn
+from megatron_ba.parallel.world import free_port, spawn
 
 
 def test_world_of_one_without_a_process_group():

@@ -14,7 +14,7 @@ import torch
 
 from megatron_ba.conversion import (
     HFCheckpoint,
-    core,
+    family_table,
     hf_config_from_spec,
     hf_named_tensors,
     megatron_state_dict_from_hf,
@@ -152,14 +152,14 @@ def test_fused_qkv_layout_by_hand():
     q = torch.tensor([[10.0], [11.0], [12.0], [13.0]])
     k = torch.tensor([[20.0], [21.0]])
     v = torch.tensor([[30.0], [31.0]])
-    fused = core.merge_qkv(q, k, v, heads=4, groups=2, head_dim=1)
+    fused = family_table.merge_qkv(q, k, v, heads=4, groups=2, head_dim=1)
     assert fused.flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
-    back = core.split_qkv(fused, heads=4, groups=2, head_dim=1)
+    back = family_table.split_qkv(fused, heads=4, groups=2, head_dim=1)
     assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v), strict=True))
     # A naive [all q; all k; all v] reading of the fused tensor is a different split.
     assert not torch.equal(fused[:4], q)
     gate, up = torch.ones(3, 2), 2 * torch.ones(3, 2)
-    assert torch.equal(core.split_gated(core.merge_gated(gate, up))[0], gate)
+    assert torch.equal(family_table.split_gated(family_table.merge_gated(gate, up))[0], gate)
 
 
 def test_transformer_engine_spellings_map_to_the_same_hf_names():
@@ -174,7 +174,10 @@ def test_transformer_engine_spellings_map_to_the_same_hf_names():
     }
     for name, hf in te.items():
         assert table.hf_names_of(name) == [f"model.layers.0.{hf}"]
-    assert core.hf_tensors(table, spec, "decoder.layers.0.mlp.linear_fc1._extra_state", None) == []
+    assert (
+        family_table.hf_tensors(table, spec, "decoder.layers.0.mlp.linear_fc1._extra_state", None)
+        == []
+    )
     with pytest.raises(KeyError, match=r"linear_qkv\.bias"):
         table.rule("decoder.layers.0.self_attention.linear_qkv.bias")  # Qwen3 has no QKV bias
 

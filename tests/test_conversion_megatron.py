@@ -2,7 +2,7 @@
 
 Tiny random Qwen2 (tied and untied embeddings) and Qwen3 (q/k norms, head_dim 32 != hidden 64 /
 4 heads) checkpoints are built with transformers (test_conversion.build_tiny). Each world size
-runs in its own launch of megatron_ba.conversion.agreement (megatron-core's parallel state is global
+runs in its own launch of tests/conversion_agreement.py (megatron-core's parallel state is global
 to a process; a launch costs ~7 s of imports, so one launch checks all three models):
 
 - at TP=1, TP=2 and PP=2 (tied embeddings: PP=1 only, see docs/checkpoints.md), HF ->
@@ -46,7 +46,7 @@ def _agreement(*args: str, nproc: int = 1) -> list[str]:
     launch = [sys.executable]
     if nproc > 1:
         launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    return [*launch, "-m", "megatron_ba.conversion.agreement", *args]
+    return [*launch, "-m", "tests.conversion_agreement", *args]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_megatron_matches_transformers_and_exports_bit_identically(work, world):
 
 
 def test_convert_command_round_trip_is_bit_identical(work):
-    from megatron_ba.conversion.agreement import compare_folders
+    from tests.conversion_agreement import compare_folders
 
     r = compare_folders(work["dirs"]["qwen3"], work["back"])
     assert r["same_keys"] and r["unequal_tensors"] == [] and r["config_diff"] == []

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ba.megatron import mcore_optimizer as mo
+from megatron_ba.megatron import optimizer_choice as mo
 from megatron_ba.megatron.build_options import resolve_build_options
 from megatron_ba.recipe import RecipeError, load_recipe
 
@@ -209,20 +209,20 @@ def test_recipe_keys_are_checked_by_name():
 
 
 def test_rank_device_is_local_rank_gpu_or_cpu(monkeypatch):
-    from megatron_ba.train import distributed
+    from megatron_ba.parallel import world
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert distributed.rank_device(3) == CPU
+    assert world.rank_device(3) == CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert distributed.rank_device() == torch.device("cuda", 1)
+    assert world.rank_device() == torch.device("cuda", 1)
     with pytest.raises(ValueError, match=r"^LOCAL_RANK: 2 has no GPU on this node \(2 visible\)"):
-        distributed.rank_device(2)
+        world.rank_device(2)
 
 
 def test_experience_moves_every_tensor_to_the_device():
-    from megatron_ba.generation.samples import Sample
+    from megatron_ba.generation.engine import Sample
     from megatron_ba.train.experience import build_experience
 
     samples = [[Sample([5, 6], "", True), Sample([7], "", False)]]

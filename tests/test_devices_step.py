@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # one 2-rank spawn: ~35 s idle, ~110 s on a loade
 def found(tmp_path_factory):
     import torch
 
-    from megatron_ba.parallel.launch import free_port, spawn
+    from megatron_ba.parallel.world import free_port, spawn
 
     sys.path.insert(0, str(Path(__file__).parent))
     import devices_worker

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from megatron_ba.generation.samples import Sample
+from megatron_ba.generation.engine import Sample
 from megatron_ba.recipe import load_recipe
 from megatron_ba.train.driver import Trainer
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
+from megatron_ba.model_shape import ModelShape
 from megatron_ba.planning import flops
-from megatron_ba.planning.memory import ModelShape
 
 # h 4, 2 query heads and 1 kv head of d 2, ffn 6, vocab 10, 3 layers (untied, Qwen2 biases).
-TINY = ModelShape("tiny", 4, 3, 2, 1, 2, 6, 10, False, True, False)
+TINY = ModelShape(10, 4, 3, 2, 1, 6, kv_channels=2, name="tiny")
 
 
 def test_matmul_parameters_by_hand():
@@ -47,7 +47,7 @@ def test_mfu_and_peak_by_hand():
 def test_qwen25_half_b_figures():
     # Qwen2.5-0.5B (tied): per layer 896 x 1152 + 896 x 896 + 3 x 896 x 4864 = 14,909,440;
     # 24 layers + the output layer 151,936 x 896 (the embedding, used once as a matmul).
-    shape = ModelShape("q", 896, 24, 14, 2, 64, 4864, 151936, True, True, False)
+    shape = ModelShape(151936, 896, 24, 14, 2, 4864, tie_word_embeddings=True, name="q")
     assert flops.matmul_parameters(shape) == 24 * 14_909_440 + 151_936 * 896 == 493_961_216
     # one 4,096-token sequence: 6 N S + 12 x 24 x 14 x 64 x 4096 x 4097 / 2
     want = 6 * 493_961_216 * 4096 + 12 * 24 * 14 * 64 * (4096 * 4097 // 2)
@@ -57,7 +57,6 @@ def test_qwen25_half_b_figures():
 
 def test_matmul_parameters_match_the_builders_table():
     """N = every parameter of the built model but the embedding lookup, norms and biases."""
-    from benchmarks.shapes import planner_shape
     from megatron_ba.megatron.model import full_parameter_shapes, tiny_qwen2_spec
 
     for tie in (False, True):
@@ -72,4 +71,4 @@ def test_matmul_parameters_match_the_builders_table():
         )
         if tie:  # the tied output layer is the embedding matrix
             n += math.prod(table["embedding.word_embeddings.weight"])
-        assert flops.matmul_parameters(planner_shape(spec)) == n
+        assert flops.matmul_parameters(spec) == n

@@ -58,6 +58,7 @@ def test_budgets_fit_ten_minutes():
         "train_0p5b",
         "memory_1p5b",
         "step",
+        "aggregation",
         "train",
         "vocab_parallel",
     ]
@@ -87,6 +88,7 @@ def test_without_cuda_only_env_runs(tmp_path):
         "train_0p5b",
         "memory_1p5b",
         "step",
+        "aggregation",
         "train",
         "vocab_parallel",
     }
@@ -98,9 +100,9 @@ def test_planner_estimate_of_the_1p5b_step_by_hand():
     """Qwen2.5-1.5B (tied), one 16,384-token sequence per micro-batch, TP = PP = CP = DP = 1, full
     recomputation, chunked log-probs (1,024): planning.memory's terms, computed by hand."""
     stages = _driver().stages
-    from benchmarks.shapes import SHAPES
+    from megatron_ba.model_shape import PRESETS
 
-    est = stages.planner_estimate(SHAPES["qwen2.5-1.5b"], 16384, True, 1024)
+    est = stages.planner_estimate(PRESETS["qwen2.5-1.5b"], 16384, True, 1024)
     # per layer: q 1536^2 + k, v 2 x 1536 x 256 + o 1536^2 + biases 2048 + MLP 3 x 1536 x 8960
     # + 2 norms 3072 = 46,797,824; x 28 + embedding 151,936 x 1536 + final norm 1536
     p = 28 * 46_797_824 + 151_936 * 1536 + 1536
@@ -114,7 +116,7 @@ def test_planner_estimate_of_the_1p5b_step_by_hand():
     assert est["estimate_bytes"] == weights + grads + optimizer + activations + logits
     assert est["estimate_bytes"] == 41_597_651_968  # 38.74 GiB
     # Control: without recomputation the estimate is another figure.
-    assert stages.planner_estimate(SHAPES["qwen2.5-1.5b"], 16384, False, 1024)["estimate_gib"] > 60
+    assert stages.planner_estimate(PRESETS["qwen2.5-1.5b"], 16384, False, 1024)["estimate_gib"] > 60
 
 
 def test_measured_over_estimate_by_hand():
@@ -140,7 +142,7 @@ def test_measured_over_estimate_by_hand():
 def test_cpu_dry_run_figures(tmp_path):
     # train (the CLI) is left out: a minute or more on 2 CPU cores; the training path on CPU is
     # tests/test_train_integration.py's.
-    stages = "attention,train_0p5b,memory_1p5b,step,vocab_parallel"
+    stages = "attention,train_0p5b,memory_1p5b,step,aggregation,vocab_parallel"
     p, d = _run_driver(tmp_path, "--stages", stages, allow_cpu=True)
     assert d["mode"] == "cpu-dry-run"
     status = {k: v["status"] for k, v in d["stages"].items()}
@@ -150,6 +152,7 @@ def test_cpu_dry_run_figures(tmp_path):
         "train_0p5b": "pass",
         "memory_1p5b": "pass",
         "step": "pass",
+        "aggregation": "pass",
         "train": "skipped",
         "vocab_parallel": "pass",
     }, {k: v.get("error") for k, v in d["stages"].items()}
@@ -176,3 +179,9 @@ def test_cpu_dry_run_figures(tmp_path):
     step = d["stages"]["step"]["figures"]
     assert step["device"] == "cpu" and step["memory_kind"].startswith("VmHWM")
     assert len(step["ba_times_s"]) == len(step["token_mean_times_s"]) == 2
+    agg = d["stages"]["aggregation"]["figures"]
+    assert agg["device"] == "cpu" and agg["sequences"] == 64
+    assert f["aggregation_grpo_loss_ratio"] == agg["ratio_grpo_loss"] > 0
+    assert (
+        f["aggregation_grpo_loss_balanced_ms"] > 0 and f["aggregation_grpo_loss_token_mean_ms"] > 0
+    )

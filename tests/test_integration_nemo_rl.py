@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from megatron_ba.integrations.nemo_rl import BalancedPGLossFn
-from megatron_ba.integrations.nemo_rl import contract as c
 from megatron_ba.integrations.nemo_rl.run_grpo_balanced import balanced_setup
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
+from tests import nemo_rl_contract as c
 
 FIXTURE = Path(__file__).parent / "fixtures" / "nemo_rl" / "contract.json"
-MIRROR = "/work/.mirror/NVIDIA-NeMo+RL/repo"
+# A git clone of NeMo-RL holding the pinned commit; the fixture is re-derived from it when set.
+NEMO_RL_GIT = os.environ.get("MEGATRON_BA_NEMO_RL_GIT", "")
 
 
 def _doc_snippet(name: str) -> str:
@@ -125,9 +127,11 @@ def test_extractor_reads_source_and_a_mutated_source_fails():
     ]
 
 
-@pytest.mark.skipif(not os.path.isdir(MIRROR), reason=f"no NeMo-RL git mirror at {MIRROR}")
+@pytest.mark.skipif(
+    not os.path.isdir(NEMO_RL_GIT), reason="MEGATRON_BA_NEMO_RL_GIT names no NeMo-RL git clone"
+)
 def test_fixture_is_what_the_pinned_source_gives():
-    assert c.extract_from_git(MIRROR, c.PINNED["commit"]) == _facts()
+    assert c.extract_from_git(NEMO_RL_GIT, c.PINNED["commit"]) == _facts()
 
 
 # --- numerics ------------------------------------------------------------------------------------
@@ -197,7 +201,7 @@ def test_balanced_pg_loss_matches_core_on_micro_batches(rule):
     (grad,) = torch.autograd.grad(total, logp)
 
     mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
-    plan = LossPlan.build(rule, mask.sum(1), adv, torch.arange(len(adv)) // G)
+    plan = LossPlan.build(AggregationSettings(rule), mask.sum(1), adv, torch.arange(len(adv)) // G)
     ref_logp = logp.detach().clone().requires_grad_(True)
     ref, _ = grpo_loss(
         ref_logp,

@@ -32,6 +32,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: 
 from megatron_ba.aggregation import sequence_weights  # noqa: E402
 from megatron_ba.integrations.trl import BalancedGRPOTrainer  # noqa: E402
 from megatron_ba.parallel.collectives import StatisticsReducer  # noqa: E402
+from megatron_ba.rules import AggregationSettings  # noqa: E402
 from megatron_ba.testing.tiny_hf import build_tiny_qwen2  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -192,7 +193,8 @@ def test_docs_snippet_trains_a_few_steps_and_logs_diagnostics(tmp_path):
 def test_accumulated_gradient_equals_one_step(ours, rule):
     # with a KL term (the core's k3, aggregated by the regulariser plan)
     kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.04)
-    trainer = _use(ours, aggregation=rule, scope="group", ba_loss_config=kl)
+    plan = dataclasses.replace(ours.ba_aggregation, rule=rule, scope="group")
+    trainer = _use(ours, ba_aggregation=plan, ba_loss_config=kl)
     batch = trainer.attach_plan(_with_old_logps(trainer, _generation_batch()))
     # The attached plan is the core's, computed on the whole generation batch.
     group_ids = torch.arange(G * NUM_PROMPTS) // G
@@ -228,7 +230,8 @@ def test_trl_bnpo_accumulation_does_not_add_up(theirs):
 def test_trl_loss_types_match_core_rules(ours, theirs, trl_loss, rule, same):
     ref = _use(theirs, loss_type=trl_loss)
     no_kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.0)  # TRL's beta is 0 here
-    ours = _use(ours, aggregation=rule, scope="batch", ba_loss_config=no_kl)
+    plan = dataclasses.replace(ours.ba_aggregation, rule=rule, scope="batch")
+    ours = _use(ours, ba_aggregation=plan, ba_loss_config=no_kl)
     batch = _with_old_logps(ref, _generation_batch(seed=3))
     loss_ref, g_ref = _gradient(ref, [batch], ga=1, spg=1)
     loss_ours, g_ours = _gradient(ours, [ours.attach_plan(copy.copy(batch))], ga=1, spg=1)
@@ -266,12 +269,9 @@ def _plan_worker(rank: int, store: str, out_dir: str, reduce: bool) -> None:
                 accelerator=types.SimpleNamespace(process_index=rank, num_processes=PROCS),
                 num_generations=G,
                 num_generations_eval=G,
-                aggregation=rule,
-                scope="group",
-                reg_rule="token",
-                reg_scope="batch",
-                max_completion_length=MAX_LEN,
-                neutral_eps=0.0,
+                ba_aggregation=AggregationSettings(
+                    rule, scope="group", reg_rule="token", reg_scope="batch", max_length=MAX_LEN
+                ),
                 ba_reducer=StatisticsReducer(group=dist.group.WORLD if reduce else None),
                 _metrics={"train": defaultdict(list)},
             )

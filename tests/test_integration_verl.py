@@ -34,6 +34,7 @@ import megatron_ba.integrations.verl  # noqa: E402, F401
 from megatron_ba.advantages import group_advantages  # noqa: E402
 from megatron_ba.aggregation import apply_weights, sequence_weights  # noqa: E402
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss  # noqa: E402
+from megatron_ba.rules import AggregationSettings  # noqa: E402
 
 T_MAX, DP = 12, 2
 
@@ -120,7 +121,7 @@ def test_balanced_policy_loss_matches_core(rule, seed, num_micro):
     group_ids = torch.arange(len(uid)) // 4
     scores = rewards.sum(-1)
     a = group_advantages(scores, group_ids, std="sample", eps=1e-6).advantages
-    plan = LossPlan.build(rule, mask.sum(-1), a, group_ids)
+    plan = LossPlan.build(AggregationSettings(rule), mask.sum(-1), a, group_ids)
     ref_logp = new.clone().requires_grad_(True)
     cfg = GRPOLossConfig(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     ref, _ = grpo_loss(ref_logp, old, mask.bool(), plan, cfg)

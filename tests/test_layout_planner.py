@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 
 from megatron_ba.cli import main as cli_main
-from megatron_ba.planning.layout import NoLayoutFits, propose
+from megatron_ba.model_shape import PRESETS, ModelShape
+from megatron_ba.planning.cluster_layout import NoLayoutFits, propose
 from megatron_ba.planning.memory import (
     GIB,
-    PRESETS,
     Layout,
-    ModelShape,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
@@ -186,8 +185,7 @@ def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):
     recipe's value to the engine."""
     import types
 
-    from megatron_ba.generation import vllm_engine
-    from megatron_ba.planning.layout import DEFAULT_VLLM, propose
+    from megatron_ba.planning.cluster_layout import DEFAULT_VLLM, propose
     from megatron_ba.planning.memory import VLLMShare, load_model
     from megatron_ba.recipe import RolloutSection, load_recipe
     from megatron_ba.train import rollouts
@@ -203,7 +201,7 @@ def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):
     )
     assert {"rollout.gpu_memory_utilization=0.55", "rollout.sleep=true"} <= set(plan.overrides())
     seen = {}
-    monkeypatch.setattr(vllm_engine, "VLLMEngine", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(rollouts, "VLLMEngine", lambda *a, **kw: seen.update(kw))
     recipe = load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["rollout.gpu_memory_utilization=0.45"])
     policy = types.SimpleNamespace(spec=types.SimpleNamespace(max_position_embeddings=64))
     rollouts._vllm_engine(recipe, ROOT, policy, None)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
 
 
 def t64(x):
@@ -105,7 +106,7 @@ def test_loss_gradient_matches_float64_reference_formula():
     old = logp.detach() + 0.15 * torch.randn(n, T, generator=g, dtype=torch.float64)
     adv = t64([1.2, -0.4, 0.7, -1.5, 0.3, -0.3])
     ids = torch.tensor([0, 0, 0, 1, 1, 1])
-    plan = LossPlan.build("balanced", lengths, adv, ids)
+    plan = LossPlan.build(AggregationSettings("balanced"), lengths, adv, ids)
     loss, _ = grpo_loss(logp, old, mask, plan)
     (grad,) = torch.autograd.grad(loss, logp)
     rho = (logp.detach() - old).exp()
@@ -122,7 +123,9 @@ def test_packed_equals_padded_loss():
     mask = torch.arange(T)[None, :] < lengths[:, None]
     logp = -torch.rand(3, T, generator=g, dtype=torch.float64)
     old = logp + 0.2 * torch.randn(3, T, generator=g, dtype=torch.float64)
-    plan = LossPlan.build("balanced", lengths, t64([0.9, -0.9, 0.4]), torch.tensor([0, 0, 0]))
+    plan = LossPlan.build(
+        AggregationSettings("balanced"), lengths, t64([0.9, -0.9, 0.4]), torch.tensor([0, 0, 0])
+    )
     padded, pm = grpo_loss(logp, old, mask, plan)
     seq_index = torch.arange(3).repeat_interleave(lengths)
     packed, km = grpo_loss(logp[mask], old[mask], seq_index, plan)
@@ -136,8 +139,12 @@ def test_weight_shares_in_metrics():
     mask = torch.arange(6)[None, :] < lengths[:, None]
     z = torch.zeros(4, 6, dtype=torch.float64)
     adv, ids = t64([1.0, -1.0, 1.0, -1.0]), torch.zeros(4, dtype=torch.long)
-    _, m_tok = grpo_loss(z, z, mask, LossPlan.build("token", lengths, adv, ids))
-    _, m_bal = grpo_loss(z, z, mask, LossPlan.build("balanced", lengths, adv, ids))
+    _, m_tok = grpo_loss(
+        z, z, mask, LossPlan.build(AggregationSettings("token"), lengths, adv, ids)
+    )
+    _, m_bal = grpo_loss(
+        z, z, mask, LossPlan.build(AggregationSettings("balanced"), lengths, adv, ids)
+    )
     assert float(m_tok["weight_pos_share"]) == pytest.approx(4 / 16, abs=1e-15)
     assert float(m_bal["weight_pos_share"]) == pytest.approx(0.5, abs=1e-15)
 
@@ -146,7 +153,12 @@ def test_padding_garbage_never_leaks():
     logp = t64([[-0.5, float("nan")], [-0.2, -0.1]]).requires_grad_()
     old = t64([[-0.4, float("inf")], [-0.3, -0.1]])
     mask = t64([[1, 0], [1, 1]]).bool()
-    plan = LossPlan.build("balanced", torch.tensor([1, 2]), t64([1.0, -1.0]), torch.tensor([0, 0]))
+    plan = LossPlan.build(
+        AggregationSettings("balanced"),
+        torch.tensor([1, 2]),
+        t64([1.0, -1.0]),
+        torch.tensor([0, 0]),
+    )
     loss, metrics = grpo_loss(logp, old, mask, plan)
     (g,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(g).all()

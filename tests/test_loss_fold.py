@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from loss_reference import reference_grpo_loss
 
 from megatron_ba import group_advantages
+from megatron_ba import loss as loss_module
 from megatron_ba.aggregation import NEG_COUNT, POS_COUNT, RULES, SCOPES
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
 
 METRICS = (
     "pg_loss",
@@ -156,7 +158,10 @@ def _compare(plan, cfg, mask, logp, old, ref, ent, packed: bool):
 def test_folded_loss_equals_the_weighted_formula(batch, rule, scope, reg_rule, eps, dual, packed):
     lengths, adv, ids, mask, logp, old, ref, ent = batch
     plan = LossPlan.build(
-        rule, lengths, adv, ids, scope=scope, reg_rule=reg_rule, max_length=9, neutral_eps=eps
+        AggregationSettings(rule, scope=scope, reg_rule=reg_rule, max_length=9, neutral_eps=eps),
+        lengths,
+        adv,
+        ids,
     )
     assert bool((plan.pg_weights >= 0).all())
     # the flag says exactly whether sign(w A) = sign(A) on every sequence
@@ -173,7 +178,7 @@ def test_zero_weight_on_a_nonzero_advantage_keeps_its_clip_metrics():
     tokens still count, as they did. Forcing the flag (a planted wrong plan) miscounts them."""
     lengths, ids = torch.tensor([2, 2, 2]), torch.tensor([0, 0, 0])
     adv = t64([1.0, -0.9, -0.1])  # |A| = 0.1 <= eps: neutral
-    plan = LossPlan.build("balanced", lengths, adv, ids, neutral_eps=0.2)
+    plan = LossPlan.build(AggregationSettings("balanced", neutral_eps=0.2), lengths, adv, ids)
     assert float(plan.pg_weights[2]) == 0.0 and not plan.folded_signs
     logp = t64([[1.0, 1.0], [1.0, 1.0], [0.5, 0.5]]).log()  # seq 2: rho = 0.5, A < 0: clipped
     mask = torch.ones(3, 2, dtype=torch.bool)
@@ -202,14 +207,16 @@ def test_a_negative_weight_breaks_the_fold_and_build_refuses_it():
 
     lengths, adv, ids = torch.tensor([2, 3]), t64([1.0, -1.0]), torch.tensor([0, 0])
     with pytest.raises(ValueError, match=r"^reduce: the plan has a negative weight"):
-        LossPlan.build("balanced", lengths, adv, ids, reduce=flips_a_count, num_groups=1)
+        LossPlan.build(
+            AggregationSettings("balanced"), lengths, adv, ids, reduce=flips_a_count, num_groups=1
+        )
     assert NEG_COUNT != POS_COUNT  # the other column stays positive
 
 
 def test_packed_indices_below_minus_one_are_padding():
     """Any negative sequence index is padding (as apply_weights treats it), garbage included."""
     lengths, ids, adv = torch.tensor([2, 1]), torch.tensor([0, 0]), t64([1.0, -1.0])
-    plan = LossPlan.build("balanced", lengths, adv, ids)
+    plan = LossPlan.build(AggregationSettings("balanced"), lengths, adv, ids)
     x = t64([-0.5, float("nan"), -0.2, -0.1, float("inf")]).requires_grad_()
     old = t64([-0.4, 0.0, -0.3, -0.1, 0.0])
     index = torch.tensor([0, -2, 0, 1, -7])
@@ -230,7 +237,9 @@ def test_packed_indices_below_minus_one_are_padding():
     ],
 )
 def test_packed_index_errors_are_named(mask, match):
-    plan = LossPlan.build("token", torch.tensor([4]), t64([1.0]), torch.tensor([0]))
+    plan = LossPlan.build(
+        AggregationSettings("token"), torch.tensor([4]), t64([1.0]), torch.tensor([0])
+    )
     with pytest.raises(ValueError, match=match):
         grpo_loss(
             torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64), mask, plan
@@ -238,7 +247,26 @@ def test_packed_index_errors_are_named(mask, match):
 
 
 def test_padded_plan_size_is_checked():
-    plan = LossPlan.build("token", torch.tensor([1, 1]), t64([1.0, -1.0]), torch.tensor([0, 0]))
+    plan = LossPlan.build(
+        AggregationSettings("token"), torch.tensor([1, 1]), t64([1.0, -1.0]), torch.tensor([0, 0])
+    )
     z = torch.zeros(3, 2, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"^plan: has 2 sequences but logprobs has 3 rows"):
         grpo_loss(z, z, torch.ones(3, 2, dtype=torch.bool), plan)
+
+
+def test_packed_sign_weights_count_tokens_where_they_lie():
+    """The packed part's sign weights (CPU: token counts by scatter; GPU: a gather of the signed
+    weight) equal the hand sum over tokens of w_i, on an index whose sequences are interleaved,
+    with padding spelled -1 and -7 and a sequence with no token in this part."""
+    plan = LossPlan(t64([0.5, 0.25, 0.125, 2.0]), t64([1.0] * 4), t64([1.0, -2.0, 0.0, 3.0]))
+    index = torch.tensor([1, 0, -1, 1, 0, 0, -7, 1, 2, 2])  # seq 3 holds no token here
+    logp = torch.zeros(index.shape, dtype=torch.float64)
+    _, metrics = grpo_loss(logp, logp, index, plan)
+    # positive: seq 0, 3 tokens x 1/2; seq 3 has none; negative: seq 1, 3 tokens x 1/4
+    assert float(metrics["weight_pos_sum"]) == 1.5
+    assert float(metrics["weight_neg_sum"]) == 0.75
+    assert float(metrics["num_tokens_sum"]) == 8
+    valid_index = torch.where(index >= 0, index, 4)
+    by_gather = loss_module._packed_sign_weights_by_gather(plan, valid_index, logp)
+    assert [float(x) for x in by_gather] == [1.5, 0.75]

@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_ba.megatron import scaling
+from megatron_ba.megatron import loss_scale
 from megatron_ba.megatron.batching import (
     CPView,
     GRPOBatch,
@@ -28,7 +28,7 @@ from megatron_ba.megatron.batching import (
 from megatron_ba.megatron.model import Qwen2Spec, full_parameter_shapes, tiny_qwen2_spec
 from megatron_ba.megatron.packing import fixed_count_microbatches
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
-from megatron_ba.parallel.launch import free_port
+from megatron_ba.parallel.world import free_port
 
 
 @pytest.mark.parametrize(
@@ -45,18 +45,18 @@ from megatron_ba.parallel.launch import free_port
     ],
 )
 def test_loss_scale_table(version, per_token, expected):
-    got = scaling.loss_scale(3, 2, 2, per_token_loss=per_token, version=version)
+    got = loss_scale.loss_scale(3, 2, 2, per_token_loss=per_token, version=version)
     assert got == expected
 
 
 def test_loss_scale_installed_version_and_errors():
     pytest.importorskip("megatron.core")
-    assert scaling.megatron_core_version() >= (0, 10)
-    assert scaling.loss_scale(1, 1, 1, per_token_loss=False) == 1
+    assert loss_scale.megatron_core_version() >= (0, 10)
+    assert loss_scale.loss_scale(1, 1, 1, per_token_loss=False) == 1
     with pytest.raises(ValueError, match="num_microbatches"):
-        scaling.loss_scale(0, 1, 1, per_token_loss=False, version=(0, 16))
+        loss_scale.loss_scale(0, 1, 1, per_token_loss=False, version=(0, 16))
     with pytest.raises(ValueError, match=r"before 0\.10"):
-        scaling.loss_scale(1, 1, 1, per_token_loss=False, version=(0, 9))
+        loss_scale.loss_scale(1, 1, 1, per_token_loss=False, version=(0, 9))
 
 
 def test_statistics_reducer_counts_calls_and_bytes():
@@ -157,7 +157,7 @@ def test_megatron_modules_import_lazily_and_shims_are_idempotent(tmp_path):
         import sys, warnings, os
         warnings.filterwarnings("ignore")
         import megatron_ba.megatron.grpo_step, megatron_ba.megatron.model
-        import megatron_ba.megatron.layout_check, megatron_ba.megatron.optimizer
+        import megatron_ba.megatron.layout_equivalence.check, megatron_ba.megatron.cpu_optimizer
         assert not any(m.startswith("megatron.core") for m in sys.modules), "eager import"
         import torch
         from megatron_ba.megatron import cpu_compat
@@ -179,9 +179,10 @@ def test_megatron_modules_import_lazily_and_shims_are_idempotent(tmp_path):
         tensor_parallel.get_cuda_rng_tracker()
         cpu_compat.seed_model_parallel_rng(0)
         from megatron_ba.megatron import model as mm
+        from megatron_ba.parallel import full_shape
         spec = mm.tiny_qwen2_spec()
         chunks = mm.build_model_chunks(spec)
-        got = {k: tuple(v.shape) for k, v in mm.gather_full_state_dict(chunks).items()}
+        got = {k: tuple(v.shape) for k, v in full_shape.gather_full_state_dict(chunks).items()}
         assert got == mm.full_parameter_shapes(spec), set(got) ^ set(mm.full_parameter_shapes(spec))
         print("OK")
         """

@@ -20,13 +20,14 @@ LR, WD = 0.1, 0.1
 @pytest.fixture
 def chunks():
     from megatron_ba.megatron import model as mm
-    from megatron_ba.train.distributed import setup, teardown
+    from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel import full_shape
 
     setup(tp=1, pp=1, cp=1, seed=0)
     try:
         spec = mm.tiny_qwen2_spec(qk_layernorm=True)  # biases, RMSNorms and q/k norms
         built = mm.build_model_chunks(spec, config=mm.transformer_config(spec))
-        mm.load_full_state_dict(built, mm.full_init_state_dict(spec, 0))
+        full_shape.load_full_state_dict(built, mm.full_init_state_dict(spec, 0))
         yield built
     finally:
         teardown()
@@ -43,7 +44,7 @@ def _zero_grad_step(chunks, optimizer) -> dict[str, tuple[torch.Tensor, torch.Te
 
 
 def test_sharded_adamw_decays_matrices_only(chunks):
-    from megatron_ba.megatron.optimizer import ShardedAdamW
+    from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
 
     stepped = _zero_grad_step(chunks, ShardedAdamW(chunks, lr=LR, weight_decay=WD))
     kinds = {"matrix": 0, "vector": 0}
@@ -58,7 +59,7 @@ def test_sharded_adamw_decays_matrices_only(chunks):
 
 
 def test_the_groups_are_megatron_cores_and_follow_the_learning_rate(chunks):
-    from megatron_ba.megatron.optimizer import ShardedAdamW
+    from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
 
     optimizer = ShardedAdamW(chunks, lr=LR, weight_decay=WD)
     decays = sorted(g["weight_decay"] for g in optimizer.optimizer.param_groups)
@@ -80,7 +81,7 @@ def test_the_groups_are_megatron_cores_and_follow_the_learning_rate(chunks):
 
 def test_control_decaying_every_parameter_moves_a_norm_weight(chunks):
     """Plain torch AdamW over every parameter (the old behaviour) fails the check above."""
-    from megatron_ba.megatron.optimizer import ShardedAdamW
+    from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
 
     optimizer = ShardedAdamW(chunks, lr=LR, weight_decay=WD)
     params = [p for c in chunks for p in c.parameters()]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ba.megatron.batching import CPView, GRPOBatch, prepare_microbatches, response_end
-from megatron_ba.megatron.grpo_step import AUTO_CHUNK, AUTO_CHUNK_ABOVE, logprob_chunk
+from megatron_ba.megatron.grpo_step import logprob_chunk
 from megatron_ba.megatron.packing import (
     balanced_dp_shards,
     fixed_count_microbatches,
@@ -18,6 +18,7 @@ from megatron_ba.megatron.packing import (
     token_budget_microbatches,
 )
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
+from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 
 def test_token_budget_hand_computed():

@@ -17,13 +17,14 @@ from hypothesis import strategies as st
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
-from megatron_ba.parallel.layout import (
+from megatron_ba.parallel.shard_layout import (
     cp_positions,
     cp_shard,
     cp_unshard,
     tp_shard,
     tp_unshard,
 )
+from megatron_ba.rules import AggregationSettings
 
 
 def test_cp_positions_hand_computed():
@@ -131,7 +132,7 @@ def test_cp_shard_losses_and_logit_gradients_add_up(rule, cp):
     logits, targets, mask, lengths, adv, groups, old, ref = _cp_batch(seed=cp)
     config = GRPOLossConfig(dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01)
     # Weights from whole-sequence statistics (what the DP reduction provides), then per shard.
-    plan = LossPlan.build(rule, lengths.double(), adv, groups)
+    plan = LossPlan.build(AggregationSettings(rule), lengths.double(), adv, groups)
     whole_loss, whole_grad = _loss_and_grad(logits, targets, mask, plan, old, ref, config)
     total, grad = torch.zeros((), dtype=torch.float64), torch.zeros_like(logits)
     for r in range(cp):
@@ -150,12 +151,14 @@ def test_cp_shard_lengths_would_be_wrong():
     """Negative control: weights from a shard's own lengths do not add up (what the check sees)."""
     logits, targets, mask, lengths, adv, groups, old, ref = _cp_batch(seed=0)
     config = GRPOLossConfig()
-    plan = LossPlan.build("balanced", lengths.double(), adv, groups)
+    plan = LossPlan.build(AggregationSettings("balanced"), lengths.double(), adv, groups)
     whole_loss, _ = _loss_and_grad(logits, targets, mask, plan, old, ref, config)
     total = 0.0
     for r in range(2):
         shard_mask = cp_shard(mask, cp=2, rank=r, dim=1)
-        shard_plan = LossPlan.build("balanced", shard_mask.sum(1).double(), adv, groups)
+        shard_plan = LossPlan.build(
+            AggregationSettings("balanced"), shard_mask.sum(1).double(), adv, groups
+        )
         part, _ = _loss_and_grad(
             cp_shard(logits, cp=2, rank=r, dim=1), cp_shard(targets, cp=2, rank=r, dim=1),
             shard_mask, shard_plan, cp_shard(old, cp=2, rank=r, dim=1),

@@ -32,11 +32,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     from megatron.core import parallel_state
 
-    from megatron_ba.generation.refit import WeightRefit
+    from megatron_ba.generation.refit import ReplicaGroups, WeightRefit
     from megatron_ba.megatron import cpu_compat
     from megatron_ba.megatron import model as mm
-    from megatron_ba.parallel import collectives
-    from megatron_ba.train.rollouts import _replica_groups
+    from megatron_ba.parallel import collectives, full_shape
 
     collectives.init_process_group("gloo", rank=rank, world_size=WORLD, port=port)
     cpu_compat.install()
@@ -46,8 +45,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         cpu_compat.seed_model_parallel_rng(0)
         spec = mm.tiny_qwen2_spec(tie_word_embeddings=tie)
         chunks = mm.build_model_chunks(spec)
-        mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, SEED))
-        groups = _replica_groups()
+        full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, SEED))
+        groups = ReplicaGroups.of_this_rank()
         buckets: list = []
 
         def sink(bucket, buckets=buckets):
@@ -66,7 +65,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
-    from megatron_ba.parallel.launch import free_port, spawn
+    from megatron_ba.parallel.world import free_port, spawn
 
     out = tmp_path_factory.mktemp("refit")
     spawn(_worker, WORLD, (free_port(), str(out)))

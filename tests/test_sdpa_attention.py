@@ -203,7 +203,7 @@ def test_sdpa_layer_spec_swaps_the_core_only():
 
 @pytest.fixture(scope="module")
 def found(tmp_path_factory):
-    from megatron_ba.parallel.launch import free_port, spawn
+    from megatron_ba.parallel.world import free_port, spawn
 
     out = tmp_path_factory.mktemp("sdpa")
     spawn(sdpa_worker.worker, 2, (2, free_port(), str(out)))
@@ -257,7 +257,7 @@ from types import SimpleNamespace
 import torch
 from benchmarks import attention as ba
 from megatron_ba.megatron.batching import causal_mask
-from megatron_ba.train.distributed import setup, teardown
+from megatron_ba.megatron.startup import setup, teardown
 
 args = ba.build_parser().parse_args("--device cpu --seq-len 48 --batch 2".split())
 cpu, mask = torch.device("cpu"), causal_mask(48)

@@ -9,6 +9,7 @@ import torch
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.megatron.batching import CPView, GRPOBatch, prepare_microbatches, response_end
 from megatron_ba.megatron.thd import thd_microbatch, thd_scatter
+from megatron_ba.rules import AggregationSettings
 
 
 def _batch(seed: int = 0) -> GRPOBatch:
@@ -73,9 +74,9 @@ def test_loss_equals_the_padded_layout_in_float64():
     for k, r in enumerate(rows):
         a, t = thd["cu_seqlens"][k], ends[r]
         lp_thd[a : a + t - 1] = lp_tok[r, 1:t]
-    plan = LossPlan.build("balanced", b.lengths, b.advantages, b.group_ids).select(
-        torch.tensor(rows)
-    )
+    plan = LossPlan.build(
+        AggregationSettings("balanced"), b.lengths, b.advantages, b.group_ids
+    ).select(torch.tensor(rows))
     cfg = GRPOLossConfig(kl_coef=0.1)
     lp_pad.requires_grad_()
     lp_thd.requires_grad_()

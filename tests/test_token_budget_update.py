@@ -17,12 +17,13 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def _update(overrides, *, cut_row: int | None = None):
-    from megatron_ba.generation.samples import Sample
+    from megatron_ba.generation.engine import Sample
     from megatron_ba.megatron import model as mm
-    from megatron_ba.megatron.mcore_optimizer import build_optimizer
+    from megatron_ba.megatron.optimizer_choice import build_optimizer
+    from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel import full_shape
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train import update
-    from megatron_ba.train.distributed import setup, teardown
     from megatron_ba.train.experience import build_experience
 
     recipe = load_recipe(
@@ -33,7 +34,7 @@ def _update(overrides, *, cut_row: int | None = None):
     try:
         spec = mm.tiny_qwen2_spec()
         chunks = mm.build_model_chunks(spec, config=mm.transformer_config(spec))
-        mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, 0))
+        full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, 0))
         optimizer = build_optimizer(chunks, recipe.optimizer, precision="fp32", device=ctx.device)
         g = torch.Generator().manual_seed(3)
         samples = [
@@ -59,7 +60,7 @@ def _update(overrides, *, cut_row: int | None = None):
         finally:
             if cut_row is not None:
                 update.response_end = real
-        weights = {k: v.clone() for k, v in mm.gather_full_state_dict(chunks).items()}
+        weights = {k: v.clone() for k, v in full_shape.gather_full_state_dict(chunks).items()}
         return metrics, weights
     finally:
         teardown()

@@ -69,8 +69,8 @@ def test_metrics_carry_each_benchmark_at_every_evaluation(run):
 
 
 def test_export_with_lr_zero_is_the_input_bit_for_bit(run, tmp_path):
-    from megatron_ba.conversion.agreement import compare_folders
     from megatron_ba.conversion.hf_folder import HFCheckpoint, write_safetensors
+    from tests.conversion_agreement import compare_folders
 
     model, run_dir = run
     same = compare_folders(model, run_dir / "hf")

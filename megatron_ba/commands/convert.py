@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _model_source(args: argparse.Namespace) -> Path:
     """The folder the weights are read from: `src`, or a training checkpoint's `dist/`."""
+    # torch: imported on use, so that --help imports none
     from megatron_ba.train.checkpoint import DIST, is_training_checkpoint
 
     src = Path(args.src)
@@ -49,6 +50,7 @@ def _model_source(args: argparse.Namespace) -> Path:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    # torch: imported on use, so that --help imports none
     from megatron_ba.conversion.dist_checkpoint import SPEC_FILE
 
     if not Path(args.src).is_dir():
@@ -70,11 +72,12 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    # torch: imported on use, so that --help imports none
     from megatron_ba.conversion import dist_checkpoint as dc
     from megatron_ba.conversion import export_chunks_to_hf, load_hf_into_chunks, spec_from_hf_dir
     from megatron_ba.conversion.hf_config import dtype as config_dtype
     from megatron_ba.megatron import model as mm
-    from megatron_ba.train.distributed import setup, teardown
+    from megatron_ba.megatron.startup import setup, teardown
 
     t0 = time.perf_counter()
     src = _model_source(args)

@@ -24,8 +24,17 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_ba.data.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, find_local_source
+from megatron_ba.data.benchmarks import (
+    BENCHMARKS,
+    PAPER_BENCHMARKS,
+    find_local_source,
+    load_benchmark,
+)
+from megatron_ba.data.templates import chat_prompt, plain_chat
 from megatron_ba.errors import UserError
+from megatron_ba.evaluation.report import markdown_table
+from megatron_ba.evaluation.runner import evaluate
+from megatron_ba.train.console import Console
 
 
 def _names(text: str) -> list[str]:
@@ -80,8 +89,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_problems(args: argparse.Namespace) -> dict:
-    from megatron_ba.data.benchmarks import load_benchmark
-
     explicit = dict(args.source)
     problems = {}
     for name in args.benchmarks:
@@ -114,9 +121,8 @@ def log_path(args: argparse.Namespace, label: str) -> Path:
 
 def _evaluate(args: argparse.Namespace, problems: dict, label: str):
     """(report, the model's context length, whether the chat template was used)."""
-    from megatron_ba.data.templates import chat_prompt, plain_chat
-    from megatron_ba.evaluation.runner import evaluate
-    from megatron_ba.evaluation.vllm_engine import build_engine, vllm_generate
+    # torch: imported on use, so that --help imports none
+    from megatron_ba.evaluation.eval_engine import build_engine, vllm_generate
 
     engine = build_engine(str(args.model_dir), max_model_len=args.max_model_len, seed=args.seed)
     tokenizer = engine.get_tokenizer()
@@ -143,9 +149,6 @@ def _evaluate(args: argparse.Namespace, problems: dict, label: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.evaluation.report import markdown_table
-    from megatron_ba.train.console import Console
-
     if args.samples < 1:
         raise UserError(f"--samples: must be >= 1, got {args.samples}")
     problems = load_problems(args)  # before the log: a bad data file is reported on its own

@@ -7,7 +7,7 @@
 
 Models: the presets Qwen2.5-Math-7B, Qwen3-1.7B, Qwen2.5-32B, or any HF config.json (or a folder
 holding one). The estimate's terms and assumptions: megatron_ba/planning/memory.py; how it
-compares with layouts known to run: docs/scaling.md.
+compares with layouts known to run: docs/cluster-planning.md.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from megatron_ba.planning.cluster_layout import NoLayoutFits, propose
+from megatron_ba.planning.memory import VLLMShare, load_model
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
@@ -51,9 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.planning.layout import NoLayoutFits, propose
-    from megatron_ba.planning.memory import VLLMShare, load_model
-
     for flag, value in (
         ("--group-size", args.group_size),
         ("--prompts-per-step", args.prompts_per_step),

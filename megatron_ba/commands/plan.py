@@ -72,6 +72,7 @@ def _batch(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch: imported on use, so that --help imports none
     from megatron_ba.advantages import group_advantages
     from megatron_ba.aggregation import sequence_weights
     from megatron_ba.diagnostics import batch_diagnostics

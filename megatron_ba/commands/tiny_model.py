@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from megatron_ba.testing.tiny_hf import build_tiny_qwen2, build_tiny_qwen3
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, help="the folder to write")
@@ -21,8 +23,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.testing.tiny_hf import build_tiny_qwen2, build_tiny_qwen3
-
     if (args.out / "config.json").is_file():
         print(f"tiny-model: {args.out} already holds a model; kept")
         return 0

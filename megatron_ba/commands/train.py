@@ -22,7 +22,9 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
 from megatron_ba.recipe import RecipeError, load_recipe
+from megatron_ba.train.console import Console
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,8 +58,6 @@ def _nemo_aligner(recipe, args: argparse.Namespace) -> int:
     point (`python -m megatron_ba.integrations.nemo_aligner.train_grpo`) in this environment."""
     import importlib.util
     import subprocess
-
-    from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
 
     hf = recipe.model.pretrained is not None and not recipe.model.pretrained.endswith(".nemo")
     try:
@@ -112,13 +112,14 @@ def run(args: argparse.Namespace) -> int:
     if args.print_overrides:
         print("train: --print-overrides is for backend=nemo_aligner", file=sys.stderr)
         return 2
+    # torch: imported on use, so that --help imports none
     from megatron_ba.train import preemption
-    from megatron_ba.train.console import Console
 
     rank = int(os.environ.get("RANK", "0"))
     console = Console(run_dir / "logs", rank=rank, verbose=args.verbose)
     preemption.install()  # SIGUSR1: checkpoint at the next step boundary and stop
     with console:  # before the heavy imports: their warnings go to the log file too
+        # torch: imported on use, so that --help imports none
         from megatron_ba.train.driver import Trainer
 
         log = console.log if rank == 0 else (lambda _msg: None)

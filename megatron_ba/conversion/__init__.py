@@ -6,11 +6,12 @@
     load_hf_into_chunks(chunks, DIR, spec)           # streaming, this rank's shards
     export_chunks_to_hf(chunks, spec, OUT, source_dir=DIR)
 
-Modules: `core` (fused QKV / gated-MLP layouts, the name-rule machinery, TE spellings),
+Modules: `family_table` (fused QKV / gated-MLP layouts, the name-rule machinery, TE spellings),
 `qwen2` / `qwen3` (one name table and config mapping per family), `families` (dispatch on
 model_type), `hf_folder` (safetensors reading one tensor at a time, the one safetensors writer),
-`megatron_io` (chunks in and out), `dist_checkpoint` (megatron-core distributed checkpoints),
-`agreement` (the HF / megatron-core / vLLM log-prob check). docs/checkpoints.md has the tables.
+`megatron_io` (chunks in and out), `dist_checkpoint` (megatron-core distributed checkpoints).
+The HF / megatron-core / vLLM log-prob check is tests/conversion_agreement.py. docs/checkpoints.md
+has the tables.
 """
 
 from megatron_ba.conversion.families import (
@@ -28,8 +29,6 @@ from megatron_ba.conversion.megatron_io import (
     write_hf_folder,
 )
 
-# megatron_io imports megatron_ba.megatron.model inside its functions only: the model module
-# imports conversion.names, and a module-level import would be a cycle.
 __all__ = [
     "HFCheckpoint",
     "export_chunks_to_hf",

@@ -29,6 +29,10 @@ import torch
 
 from megatron_ba.conversion import hf_folder
 from megatron_ba.conversion.hf_config import DTYPE_NAMES, DTYPES
+from megatron_ba.megatron.mcore_compat import check_checkpoint_readable
+from megatron_ba.megatron.model import ModelSpec
+from megatron_ba.parallel import collectives
+from megatron_ba.parallel.full_shape import unwrap
 
 SPEC_FILE = "megatron_ba_spec.json"
 HF_META = "hf"
@@ -38,14 +42,14 @@ FORMAT_VERSION = 1
 def spec_to_json(spec) -> dict:
     from dataclasses import fields
 
-    out = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "config_overrides"}
+    # config_overrides are a build's, not the checkpoint's; name is a label
+    skip = ("config_overrides", "name")
+    out = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name not in skip}
     out["params_dtype"] = DTYPE_NAMES[spec.params_dtype]
     return {"format_version": FORMAT_VERSION, "spec": out}
 
 
 def spec_from_json(obj: dict):
-    from megatron_ba.megatron.model import ModelSpec
-
     if obj.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{SPEC_FILE}: format_version {obj.get('format_version')!r} != 1")
     fields = dict(obj["spec"])
@@ -77,19 +81,15 @@ def _cpu_synchronize():
 
 
 def _single_model(chunks: list[torch.nn.Module]) -> torch.nn.Module:
-    from megatron_ba.megatron.model import _unwrap
-
     if len(chunks) != 1:
         raise ValueError(f"chunks: one model chunk expected (no virtual pipeline): {len(chunks)}")
-    return _unwrap(chunks[0])
+    return unwrap(chunks[0])
 
 
 def save_sharded(sharded_sd: dict, ckpt_dir: str | Path) -> Path:
     """`dist_checkpointing.save` of a sharded state dict into the new or empty `ckpt_dir`
     (collective: every rank calls it). Training checkpoints save model + optimiser this way."""
     from megatron.core import dist_checkpointing
-
-    from megatron_ba.parallel import collectives
 
     out = Path(ckpt_dir)
     if collectives.world_rank_and_size()[0] == 0:
@@ -106,8 +106,6 @@ def save_sharded(sharded_sd: dict, ckpt_dir: str | Path) -> Path:
 def load_sharded(sharded_sd: dict, ckpt_dir: str | Path) -> dict:
     """`dist_checkpointing.load`: the tensors of `sharded_sd`'s keys, resharded to this layout."""
     from megatron.core import dist_checkpointing
-
-    from megatron_ba.megatron.mcore_compat import check_checkpoint_readable
 
     check_checkpoint_readable(ckpt_dir)
     return dist_checkpointing.load(sharded_sd, str(ckpt_dir))
@@ -139,7 +137,6 @@ def save_dist_checkpoint(
     chunks: list[torch.nn.Module], spec, ckpt_dir: str | Path, *, source_dir=None
 ) -> Path:
     """Save the model as a distributed checkpoint in the empty (or new) folder `ckpt_dir`."""
-    from megatron_ba.parallel import collectives
 
     out = save_sharded(model_sharded_state_dict(chunks), ckpt_dir)
     if collectives.world_rank_and_size()[0] == 0:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from megatron_ba.conversion import qwen2, qwen3
-from megatron_ba.conversion.core import FamilyTable
+from megatron_ba.conversion.family_table import FamilyTable
 
 FAMILY_MODULES = {"qwen2": qwen2, "qwen3": qwen3}  # model_type -> module
 

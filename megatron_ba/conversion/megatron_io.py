@@ -21,8 +21,11 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.conversion import core, hf_folder
+from megatron_ba.conversion import family_table, hf_folder
 from megatron_ba.conversion.families import hf_config_from_spec, spec_from_hf_dir, table_for
+from megatron_ba.conversion.hf_config import DTYPE_NAMES
+from megatron_ba.parallel import collectives
+from megatron_ba.parallel.full_shape import iter_full_tensors, load_full_tensors
 
 # Export shards: the writer holds one shard, so this bounds what an export adds to the model.
 DEFAULT_SHARD_BYTES = 512 * 1024**2
@@ -31,7 +34,7 @@ DEFAULT_SHARD_BYTES = 512 * 1024**2
 def check_checkpoint_names(ckpt: hf_folder.HFCheckpoint, spec) -> None:
     """ValueError naming tensors the family expects but the folder lacks, or the reverse."""
     expected = set(table_for(spec).hf_names(spec))
-    present = {k for k in ckpt.keys() if not core.is_skipped(k)}
+    present = {k for k in ckpt.keys() if not family_table.is_skipped(k)}
     extra = present - expected
     if spec.tie_word_embeddings and "lm_head.weight" in extra:
         # Some tied checkpoints store the head anyway: accepted only if it is the embedding.
@@ -56,13 +59,14 @@ def load_hf_into_chunks(chunks: list[torch.nn.Module], model_dir: str | Path, sp
     spec: the model's ModelSpec (default: from the folder's config.json). Every rank calls it
     with its own chunks; no collectives.
     """
-    from megatron_ba.megatron.model import load_full_tensors
 
     spec = spec if spec is not None else spec_from_hf_dir(model_dir)
     ckpt = hf_folder.HFCheckpoint(model_dir)
     check_checkpoint_names(ckpt, spec)
     table = table_for(spec)
-    load_full_tensors(chunks, lambda name: core.megatron_tensor(table, spec, name, ckpt.get))
+    load_full_tensors(
+        chunks, lambda name: family_table.megatron_tensor(table, spec, name, ckpt.get)
+    )
     return spec
 
 
@@ -84,7 +88,7 @@ def megatron_state_dict_from_hf(
 
     table = table_for(spec)
     return {
-        core.spelled(n, spelling): core.megatron_tensor(table, spec, n, read)
+        family_table.spelled(n, spelling): family_table.megatron_tensor(table, spec, n, read)
         for n in table.megatron_names(spec)
     }
 
@@ -93,12 +97,10 @@ def hf_named_tensors(
     full: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], spec
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of full-shape megatron tensors: the vLLM weight sync and exports."""
-    return core.iter_hf_tensors(table_for(spec), spec, full)
+    return family_table.iter_hf_tensors(table_for(spec), spec, full)
 
 
 def _is_writer() -> bool:
-    from megatron_ba.parallel import collectives
-
     return collectives.world_rank_and_size()[0] == 0
 
 
@@ -124,7 +126,6 @@ def write_hf_folder(
     config.json (e.g. token ids). generation_config: written when the source has none (default:
     the config's token ids).
     """
-    from megatron_ba.conversion.hf_config import DTYPE_NAMES
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +155,6 @@ def export_chunks_to_hf(
     """Write this model (every rank's chunks) as a Hugging Face folder; see `write_hf_folder`
     for the options. A collective over the TP and PP groups; global rank 0 writes (other
     data-parallel replicas take part in their own groups and write nothing)."""
-    from megatron_ba.megatron.model import iter_full_tensors
 
     stream = iter_full_tensors(chunks)
     if not _is_writer():

@@ -7,7 +7,8 @@ tied (0.5B, 1.5B, 3B) or untied (7B and up) embeddings.
 from __future__ import annotations
 
 from megatron_ba.conversion import hf_config
-from megatron_ba.conversion.core import Copy, FamilyTable, FusedQKV, GatedFC1
+from megatron_ba.conversion.family_table import Copy, FamilyTable, FusedQKV, GatedFC1
+from megatron_ba.megatron.model import ModelSpec
 
 ATTENTION_AND_MLP = {
     "input_layernorm.weight": Copy("input_layernorm.weight"),
@@ -40,8 +41,6 @@ TABLE = FamilyTable(
 
 
 def spec_from_config(cfg: dict, **changes):
-    from megatron_ba.megatron.model import ModelSpec
-
     fields = hf_config.common_spec_fields(cfg, "qwen2")
     fields.update(qkv_bias=True, qk_layernorm=False)  # Qwen2 always has the q/k/v bias
     fields.update(changes)

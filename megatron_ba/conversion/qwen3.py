@@ -10,8 +10,9 @@ Engine spec), and an explicit `head_dim` that may differ from hidden / heads (Qw
 from __future__ import annotations
 
 from megatron_ba.conversion import hf_config
-from megatron_ba.conversion.core import Copy, FamilyTable
+from megatron_ba.conversion.family_table import Copy, FamilyTable
 from megatron_ba.conversion.qwen2 import ATTENTION_AND_MLP, TOP
+from megatron_ba.megatron.model import ModelSpec
 
 LAYER = {k: v for k, v in ATTENTION_AND_MLP.items() if k != "self_attention.linear_qkv.bias"}
 LAYER["self_attention.q_layernorm.weight"] = Copy("self_attn.q_norm.weight")
@@ -28,8 +29,6 @@ TABLE = FamilyTable(
 
 
 def spec_from_config(cfg: dict, **changes):
-    from megatron_ba.megatron.model import ModelSpec
-
     if cfg.get("attention_bias"):
         raise ValueError(
             "config.json (qwen3): attention_bias=true (a bias on q/k/v and o_proj) is not "

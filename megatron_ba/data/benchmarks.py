@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_ba.data.livecodebench import load_livecodebench
 from megatron_ba.data.records import LoadedSet, LoadReport, Problem, SchemaError
 from megatron_ba.data.sources import first_present, iter_rows, open_table
+from megatron_ba.rewards.math_answer import last_boxed
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,6 @@ def _answer_text(value) -> str:
 
 
 def load_math_benchmark(name: str, source: str | Path | None = None) -> LoadedSet:
-    from megatron_ba.rewards.math_answer import last_boxed
-
     spec = BENCHMARKS[name]
     table = open_table(source or spec.hub_id, split=spec.split, config=spec.config)
     title = f"{spec.title} ({source or spec.hub_id})"
@@ -112,8 +112,6 @@ def load_benchmark(name: str, source: str | Path | None = None, **options) -> Lo
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose from {sorted(BENCHMARKS)}")
     if BENCHMARKS[name].kind == "code":
-        from megatron_ba.data.livecodebench import load_livecodebench
-
         return load_livecodebench(source, **options)
     if options:
         raise ValueError(f"benchmark {name!r} takes no options, got {sorted(options)}")

@@ -4,7 +4,7 @@
     report = evaluate(generate, {"math500": problems}, samples=8)
     print(markdown_table([report]))
 
-`megatron-ba eval MODEL_DIR` wraps a vLLM engine (megatron_ba.evaluation.vllm_engine) around it.
+`megatron-ba eval MODEL_DIR` wraps a vLLM engine (megatron_ba.evaluation.eval_engine) around it.
 """
 
 from megatron_ba.evaluation.metrics import acc_at_k, average, best_at_k

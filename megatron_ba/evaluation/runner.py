@@ -22,6 +22,8 @@ from megatron_ba.data.records import Problem
 from megatron_ba.data.templates import plain_chat, problem_messages
 from megatron_ba.evaluation.metrics import acc_at_k, best_at_k
 from megatron_ba.evaluation.report import BenchmarkResult, EvalReport
+from megatron_ba.rewards.code import code_score
+from megatron_ba.rewards.math_pool import MathRewardPool
 
 GenerateFn = Callable[[list[str], int, float, int], list[list[str]]]
 
@@ -39,8 +41,6 @@ def _check_generated(out, prompts: list[str], n: int, name: str) -> list[list[st
 def _score_code(
     problems: list[Problem], responses: list[list[str]], workers: int, timeout_s: float
 ) -> list[list[bool]]:
-    from megatron_ba.rewards.code import code_score
-
     jobs = [(i, j) for i in range(len(problems)) for j in range(len(responses[i]))]
 
     def one(job):
@@ -55,6 +55,61 @@ def _score_code(
     for (i, j), s in zip(jobs, scores, strict=True):
         correct[i][j] = s == 1.0
     return correct
+
+
+def _fitting(
+    name: str,
+    problems: list[Problem],
+    prompts: list[str],
+    prompt_tokens: Callable[[str], int] | None,
+    max_model_len: int | None,
+    max_tokens: int,
+) -> tuple[list[Problem], list[str]]:
+    """The problems (and their prompts) whose prompt plus `max_tokens` fit the engine's context;
+    all of them without `prompt_tokens` and `max_model_len`. None fitting is an error."""
+    if prompt_tokens is None or max_model_len is None:
+        return problems, prompts
+    keep = [i for i, x in enumerate(prompts) if prompt_tokens(x) + max_tokens <= max_model_len]
+    if not keep:
+        raise ValueError(
+            f"benchmark {name!r}: no prompt fits the context of {max_model_len} tokens "
+            f"with max_tokens={max_tokens} for generation (all {len(problems)} too long); "
+            f"lower max_tokens or use a model with a longer context"
+        )
+    return [problems[i] for i in keep], [prompts[i] for i in keep]
+
+
+def _score(
+    problems: list[Problem],
+    responses: list[list[str]],
+    samples: int,
+    math_pool,
+    code_workers: int,
+    code_timeout_s: float,
+) -> tuple[list[list[bool]], int]:
+    """(correct[problem][sample], math answers that hit the hard timeout)."""
+    timeouts = 0
+    math_idx = [i for i, p in enumerate(problems) if p.kind == "math"]
+    code_idx = [i for i, p in enumerate(problems) if p.kind == "code"]
+    correct = [[False] * samples for _ in problems]
+    if math_idx:
+        flat = [(i, j) for i in math_idx for j in range(samples)]
+        scored = math_pool.score(
+            [responses[i][j] for i, j in flat], [problems[i].answer for i, _ in flat]
+        )
+        timeouts = sum(scored.timed_out)
+        for (i, j), s in zip(flat, scored.scores, strict=True):
+            correct[i][j] = s == 1.0
+    if code_idx:
+        code_correct = _score_code(
+            [problems[i] for i in code_idx],
+            [responses[i] for i in code_idx],
+            code_workers,
+            code_timeout_s,
+        )
+        for i, row in zip(code_idx, code_correct, strict=True):
+            correct[i] = row
+    return correct, timeouts
 
 
 def evaluate(
@@ -94,66 +149,32 @@ def evaluate(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if not benchmarks:
         raise ValueError("benchmarks is empty: give at least one name -> problems")
-    benchmarks = dict(benchmarks)  # filtered below; the caller's dict stays as it was
     for name, problems in benchmarks.items():
         if not problems:
             raise ValueError(f"benchmark {name!r} has no problems")
     prompts_of: dict[str, list[str]] = {}
-    skipped: dict[str, int] = {}
-    for name, problems in list(benchmarks.items()):
+    kept: dict[str, list[Problem]] = {}  # the caller's dict stays as it was
+    for name, problems in benchmarks.items():
         prompts = [
             prompt_of(p) if prompt_of else format_prompt(problem_messages(p, template))
             for p in problems
         ]
-        if prompt_tokens is not None and max_model_len is not None:
-            keep = [
-                i for i, x in enumerate(prompts) if prompt_tokens(x) + max_tokens <= max_model_len
-            ]
-            if not keep:
-                raise ValueError(
-                    f"benchmark {name!r}: no prompt fits the context of {max_model_len} tokens "
-                    f"with max_tokens={max_tokens} for generation (all {len(problems)} too long); "
-                    f"lower max_tokens or use a model with a longer context"
-                )
-            benchmarks[name] = [problems[i] for i in keep]
-            prompts = [prompts[i] for i in keep]
-        skipped[name] = len(problems) - len(prompts)
-        prompts_of[name] = prompts
+        kept[name], prompts_of[name] = _fitting(
+            name, problems, prompts, prompt_tokens, max_model_len, max_tokens
+        )
     own_pool = None
-    if math_pool is None and any(
-        p.kind == "math" for problems in benchmarks.values() for p in problems
-    ):
-        from megatron_ba.rewards.math_pool import MathRewardPool
-
+    if math_pool is None and any(p.kind == "math" for ps in kept.values() for p in ps):
         math_pool = own_pool = MathRewardPool(timeout_s=math_timeout_s)
     results = {}
     try:
-        for name, problems in benchmarks.items():
+        for name, problems in kept.items():
             started = time.monotonic()
             prompts = prompts_of[name]
             out = generate(prompts, samples, temperature, max_tokens)
             responses = _check_generated(out, prompts, samples, name)
-            timeouts = 0
-            math_idx = [i for i, p in enumerate(problems) if p.kind == "math"]
-            code_idx = [i for i, p in enumerate(problems) if p.kind == "code"]
-            correct = [[False] * samples for _ in problems]
-            if math_idx:
-                flat = [(i, j) for i in math_idx for j in range(samples)]
-                scored = math_pool.score(
-                    [responses[i][j] for i, j in flat], [problems[i].answer for i, _ in flat]
-                )
-                timeouts = sum(scored.timed_out)
-                for (i, j), s in zip(flat, scored.scores, strict=True):
-                    correct[i][j] = s == 1.0
-            if code_idx:
-                code_correct = _score_code(
-                    [problems[i] for i in code_idx],
-                    [responses[i] for i in code_idx],
-                    code_workers,
-                    code_timeout_s,
-                )
-                for i, row in zip(code_idx, code_correct, strict=True):
-                    correct[i] = row
+            correct, timeouts = _score(
+                problems, responses, samples, math_pool, code_workers, code_timeout_s
+            )
             spec = BENCHMARKS.get(name)
             results[name] = BenchmarkResult(
                 name=name,
@@ -165,7 +186,7 @@ def evaluate(
                 correct_counts=[sum(row) for row in correct],
                 timeouts=timeouts,
                 seconds=round(time.monotonic() - started, 3),
-                skipped_too_long=skipped[name],
+                skipped_too_long=len(benchmarks[name]) - len(problems),
             )
     finally:
         if own_pool is not None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ba.generation.samples import Sample
+from megatron_ba.generation.engine import Sample
 from megatron_ba.megatron.batching import causal_mask
 
 
-class BuiltinSampler:
+class BuiltinSampler:  # an Engine (generation.engine)
     """Plain autoregressive sampling through the policy itself, no KV cache (slow; explicit only).
 
     `forward(tokens, position_ids, attention_mask) -> logits [B, S, V]` on the full vocabulary,
@@ -33,7 +33,14 @@ class BuiltinSampler:
         temperature: float,
         max_tokens: int,
         seed: int,
+        first_index: int = 0,
     ) -> list[list[Sample]]:
+        """n samples per prompt, in prompt order, from one generator seeded with `seed` (the
+        sampler serves a world of one: it always gets the whole batch, `first_index` 0)."""
+        if first_index != 0:
+            raise ValueError(
+                f"first_index: the built-in sampler takes whole batches, got {first_index}"
+            )
         g = torch.Generator().manual_seed(seed)
         rows = [p for p in prompt_ids for _ in range(n)]
         width = max(len(p) for p in rows)
@@ -63,3 +70,6 @@ class BuiltinSampler:
             text_ids = ids[:-1] if finished else ids
             samples.append(Sample(ids, self.decode(text_ids), finished))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
+
+    def close(self) -> None:
+        """Nothing to free: the policy is the trainer's."""

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ba.conversion import table_for
+from megatron_ba.conversion.family_table import OUTPUT_LAYER, canonical_name, hf_tensors, is_skipped
 from megatron_ba.generation.weight_buckets import iter_buckets
 from megatron_ba.parallel import collectives
+from megatron_ba.parallel.full_shape import local_to_full_names, tp_layout
 
 
 @dataclass(frozen=True)
@@ -39,18 +42,28 @@ class ReplicaGroups:
     def is_engine_rank(self) -> bool:
         return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
 
+    @classmethod
+    def of_this_rank(cls) -> ReplicaGroups:
+        """This rank's replica groups, from megatron-core's parallel state."""
+        from megatron.core import parallel_state as ps  # megatron-core: imported on first use
+
+        return cls(
+            tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(),
+        )
+
 
 def _skipped(spec, name: str) -> bool:
     """No HF tensor comes of it (buffers; a tied model's output-layer copy): not sent at all."""
-    from megatron_ba.conversion.core import OUTPUT_LAYER, canonical_name, is_skipped
 
     return is_skipped(name) or (spec.tie_word_embeddings and canonical_name(name) == OUTPUT_LAYER)
 
 
 class WeightRefit:
     def __init__(self, chunks, spec, groups: ReplicaGroups, *, bucket_bytes: int, dtype) -> None:
-        from megatron_ba.megatron.model import local_to_full_names, tp_layout
-
         if bucket_bytes < 1:
             raise ValueError(f"rollout.refit_bucket_mb: must be >= 1, got {bucket_bytes} bytes")
         self.spec, self.groups, self.dtype = spec, groups, dtype
@@ -90,8 +103,6 @@ class WeightRefit:
 
     def _engine_stream(self):
         """(HF name, tensor) on the engine rank: stage 0's tensors, then each later stage's."""
-        from megatron_ba.conversion import table_for
-        from megatron_ba.conversion.core import hf_tensors
 
         table = table_for(self.spec)
         device = self.local[0][1].device if self.local else None

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.generation.samples import Sample
+from megatron_ba.generation.engine import Sample
+from megatron_ba.generation.weight_buckets import SharedBucket, iter_buckets
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
@@ -77,7 +78,7 @@ def _visible_devices(device, count: int, in_process: bool):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-class VLLMEngine:
+class VLLMEngine:  # a RefitEngine (generation.engine)
     """vLLM over a Hugging Face model directory, in its own process (default) or in this one."""
 
     def __init__(
@@ -221,7 +222,6 @@ class VLLMEngine:
         bucket, reused, grown when a bucket needs more) and the engine's workers load them from
         there; only a handle and the layout travel as RPC arguments.
         """
-        from megatron_ba.generation.weight_buckets import SharedBucket
 
         if not bucket:
             return
@@ -249,7 +249,6 @@ class VLLMEngine:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_mb: int = 256
     ) -> None:
         """Replace the engine's weights in place (HF names), `bucket_mb` MiB per bucket."""
-        from megatron_ba.generation.weight_buckets import iter_buckets
 
         for bucket in iter_buckets(named_tensors, limit_bytes=bucket_mb << 20):
             self.load_bucket(bucket)

@@ -3,7 +3,7 @@
 The public tensors are token-aligned (`logprobs[i, t]` is about `tokens[i, t]`); a causal LM's
 output at position p predicts token p + 1, so the loss inputs are shifted to be position-aligned
 before they are cut into micro-batches (rows) and context-parallel shards (positions, megatron-
-core's load-balanced layout: megatron_ba.parallel.layout). Sequences are right-padded to a
+core's load-balanced layout: megatron_ba.parallel.shard_layout). Sequences are right-padded to a
 multiple of 2 x CP; the padding is masked.
 """
 
@@ -15,7 +15,8 @@ from functools import partial
 import torch
 
 from megatron_ba.megatron.packing import fixed_count_microbatches, token_budget_microbatches
-from megatron_ba.parallel.layout import cp_shard
+from megatron_ba.megatron.thd import thd_microbatch
+from megatron_ba.parallel.shard_layout import cp_shard
 
 
 @dataclass(frozen=True)
@@ -236,8 +237,6 @@ def prepare_microbatches(
 
 
 def _thd_microbatches(batch, view: CPView, max_tokens, seq_tokens, uniform: bool):
-    from megatron_ba.megatron.thd import thd_microbatch
-
     if max_tokens is None:
         raise ValueError("thd: packed micro-batches need a token budget (max_tokens)")
     if seq_tokens is None:

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from megatron_ba.megatron.model import local_layer_spec, model_pg_collection_without_cp
+
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 ATTENTIONS = ("auto", "sdpa", "unfused")
 RECOMPUTE = ("none", "selective", "full")
@@ -104,10 +106,10 @@ class BuildOptions:
             )
 
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-        from megatron_ba.megatron.model import local_layer_spec
 
         local = local_layer_spec(spec.qk_layernorm)
         if self.attention == "sdpa":
+            # megatron-core (sdpa_attention imports it at module level): imported on use
             from megatron_ba.megatron.sdpa_attention import sdpa_layer_spec
 
             return sdpa_layer_spec(local)
@@ -118,7 +120,6 @@ class BuildOptions:
         gets a CP group of this rank alone (it sees whole sequences). Collective."""
         if self.model_cp == self.cp:
             return None
-        from megatron_ba.megatron.model import model_pg_collection_without_cp
 
         return model_pg_collection_without_cp()
 

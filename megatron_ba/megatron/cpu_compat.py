@@ -6,10 +6,11 @@ returns the names of the shims it installed the first time (an empty list afterw
 
 1. `torch.cuda.current_device()` returns "cpu": megatron-core uses it as the device of buffers
    (DDP grad buffers, GlobalMemoryBuffer, p2p shape exchange, attention scratch).
-2. `megatron.core.pipeline_parallel.schedules` sees a `torch` whose `zeros(..., device="cuda")`
-   allocates on the CPU: the three forward_backward_* functions create their `total_num_tokens`
-   counter that way (0.16.1, schedules.py, forward_backward_no_pipelining and both pipelined
-   schedules). Only that module's view of torch changes.
+2. `megatron.core.pipeline_parallel.schedules` sees a `torch` (`TorchOnCpu`) whose tensor
+   factories called with `device="cuda"` allocate on the CPU: the three forward_backward_*
+   functions create their `total_num_tokens` counter with `zeros(..., device="cuda")` (0.16.1,
+   schedules.py, forward_backward_no_pipelining and both pipelined schedules). Only that
+   module's view of torch changes.
 
 Two more CPU needs are not patches; callers apply them (4 after initialize_model_parallel, 5 is
 merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
@@ -29,6 +30,7 @@ Nothing here is needed (or wanted) on a GPU cluster.
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -47,7 +49,6 @@ CPU_CONFIG_OVERRIDES: dict[str, Any] = {
     "gradient_accumulation_fusion": False,
 }
 
-_ORIGINAL_CURRENT_DEVICE = torch.cuda.current_device
 _installed: list[str] = []
 
 
@@ -85,21 +86,31 @@ class _CudaOnCpu(types.SimpleNamespace):
         return "cpu"
 
 
-class _TorchWithCpuZeros(types.SimpleNamespace):
-    """torch as seen by a shimmed megatron-core module: `zeros(device="cuda")` lands on the
-    CPU (the literal "cpu" is what this CPU-only shim exists for) and `cuda` is `_CudaOnCpu`."""
+# The tensor factories whose `device="cuda"` TorchOnCpu turns into the CPU.
+_FACTORIES = frozenset({"tensor", "zeros", "empty", "ones", "full", "as_tensor", "arange"})
+
+
+class TorchOnCpu(types.SimpleNamespace):
+    """torch as seen by a shimmed module that allocates on "cuda" literally: its tensor
+    factories (`_FACTORIES`) put such tensors on the CPU (the literal "cpu" is what this
+    CPU-only shim exists for) and `cuda` is `_CudaOnCpu`; everything else is torch's. Used here
+    for megatron-core's schedules and DDP buckets and by the NeMo-Aligner CPU shims."""
 
     cuda = _CudaOnCpu()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
+        obj = getattr(torch, name)
+        if name not in _FACTORIES:
+            return obj
 
-    @staticmethod
-    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
+        @functools.wraps(obj)
+        def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs["device"] = "cpu"
+            return obj(*args, **kwargs)
+
+        return factory
 
 
 def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
@@ -140,8 +151,8 @@ def install() -> list[str]:
         torch.cuda.current_device = _cpu_current_device
         done.append("torch.cuda.current_device")
     for module in _modules_seeing_cpu_torch():
-        if not isinstance(module.torch, _TorchWithCpuZeros):
-            module.torch = _TorchWithCpuZeros()
+        if not isinstance(module.torch, TorchOnCpu):
+            module.torch = TorchOnCpu()
             done.append(f"{module.__name__.removeprefix('megatron.core.')}.torch")
     from megatron.core.tensor_parallel import random as mcore_random
 

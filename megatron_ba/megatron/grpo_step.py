@@ -5,9 +5,10 @@ context_parallel_size=cp)`, with `chunks = model.build_model_chunks(spec)` on ev
 
     old, _ = compute_logprobs(chunks, tokens, num_microbatches=4)       # [N, S] on every rank
     batch = GRPOBatch(tokens, response_mask, advantages, group_ids, old)  # batching.GRPOBatch
-    cfg = StepConfig(num_groups=prompts_per_global_batch, num_microbatches=4, rule="balanced")
+    cfg = StepConfig(num_groups=prompts_per_global_batch, num_microbatches=4,
+                     aggregation=AggregationSettings(rule="balanced"))
     result = forward_backward(chunks, batch, cfg)   # finalised gradients in param.main_grad
-    applied, grad_norm = optimizer.step()           # optimizer.ShardedAdamW(chunks, lr=...)
+    applied, grad_norm = optimizer.step()           # cpu_optimizer.ShardedAdamW(chunks, lr=...)
 
 Every TP, PP and CP rank of a data-parallel rank passes the same batch: that DP rank's sequences,
 whole (this module cuts the CP shards). Group ids are global in [0, num_groups); a group may span
@@ -16,7 +17,7 @@ DP ranks. Layout of the tensors: megatron_ba.megatron.batching.
 Exactness: the loss plan (per-sequence weights) is built once per global batch from whole-sequence
 statistics summed over the DP group by one all-reduce (collectives.StatisticsReducer), on the ranks
 that compute the loss (the last pipeline stage). Each micro-batch and CP shard then contributes
-its exact share L_part of the global loss, multiplied by `scaling.loss_scale` to cancel the
+its exact share L_part of the global loss, multiplied by `loss_scale.loss_scale` to cancel the
 schedule's 1/num_microbatches and DDP's 1/(DP x CP) (or finalize_model_grads' 1/num_tokens under
 `calculate_per_token_loss`), so the finalised gradient is d(global loss)/d(theta).
 
@@ -35,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
-from megatron_ba.megatron import scaling
 from megatron_ba.megatron.batching import (
     CPView,
     GRPOBatch,
@@ -43,19 +43,24 @@ from megatron_ba.megatron.batching import (
     run_schedule,
     shape2,
 )
+from megatron_ba.megatron.loss_scale import loss_scale
 from megatron_ba.megatron.model import check_cp_agreement
 from megatron_ba.megatron.thd import thd_scatter
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
+from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
+from megatron_ba.rules import AggregationSettings
 
-__all__ = ["GRPOBatch", "StepConfig", "StepResult", "compute_logprobs", "forward_backward"]
+__all__ = [
+    "GRPOBatch",
+    "LossNormalization",
+    "StepConfig",
+    "StepResult",
+    "compute_logprobs",
+    "forward_backward",
+]
 
 CP_MODES = ("model", "loss")
-# Auto chunking of the vocab-parallel log-softmax: a micro-batch above AUTO_CHUNK_ABOVE tokens is
-# walked AUTO_CHUNK tokens at a time, so its fp32 softmax buffers stay O(AUTO_CHUNK x V/TP)
-# (2 x 1024 x 152k/TP x 4 bytes = 1.2 GB at TP=1 for Qwen2's vocabulary) instead of O(T x V/TP).
-AUTO_CHUNK_ABOVE, AUTO_CHUNK = 4096, 1024
-NORMALIZATIONS = ("plan", "per_microbatch")
 
 
 @dataclass(frozen=True)
@@ -67,12 +72,7 @@ class StepConfig:
     # parallel.max_tokens_per_microbatch: pack each micro-batch up to this many tokens (rows x
     # longest, see batching.prepare_microbatches) instead of num_microbatches equal parts.
     max_tokens_per_microbatch: int | None = None
-    rule: str = "balanced"
-    scope: str = "group"
-    reg_rule: str = "token"
-    reg_scope: str = "batch"
-    max_length: int | None = None  # dr_grpo's generation budget
-    neutral_eps: float = 0.0
+    aggregation: AggregationSettings = field(default_factory=AggregationSettings)  # the plan
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     temperature: float = 1.0  # the sampler's: logits are divided by it before the softmax
     # parallel.logprob_chunk_size: tokens per chunk of the vocab-parallel log-softmax; None:
@@ -83,13 +83,33 @@ class StepConfig:
     # Packed (THD) micro-batches under a token budget: None = auto (CUDA, cp_mode "model");
     # needs Transformer Engine attention (megatron_ba.megatron.thd; status: docs/status.md).
     thd: bool | None = None
-    # Testing only. "per_microbatch": the same loss with each micro-batch's plan built from that
-    # micro-batch's own statistics, averaged over micro-batches and DP ranks (NeMo-Aligner's
-    # normalisation); wrong on purpose wherever a micro-batch is not the global batch: the
-    # layout check's negative control. It differs from "plan" in the normalisation alone.
-    normalization: str = "plan"
-    # Testing only: cancel the scaling of this megatron-core version instead of the installed one.
-    assume_megatron_version: tuple[int, int] | None = None
+
+
+class LossNormalization:
+    """How the step's loss is cut into parts and scaled: the exact way, which training uses.
+
+    The plan is built once per global batch from statistics summed over DP (`global_plan`, on
+    the last pipeline stage), each micro-batch (and CP shard) takes its rows of it (`part_plan`),
+    so the parts' losses add up to the step's loss (`part_share` 1), and each part is multiplied
+    by the factor that cancels the installed megatron-core's scaling (`scale`). The layout check
+    subclasses it for its negative controls (megatron_ba.megatron.layout_equivalence.cases).
+    """
+
+    def global_plan(self, cfg: StepConfig, batch: GRPOBatch, reducer) -> LossPlan | None:
+        return loss_plan(cfg, batch, slice(None), reducer)
+
+    def part_plan(self, plan: LossPlan | None, cfg: StepConfig, batch: GRPOBatch, rows):
+        return plan.select(rows)
+
+    def part_share(self, num_parts: int, dp: int) -> float:
+        """The share of the step's loss one part's loss is."""
+        return 1.0
+
+    def scale(self, num_parts: int, dp: int, cp: int, *, per_token_loss: bool) -> int:
+        return loss_scale(num_parts, dp, cp, per_token_loss=per_token_loss)
+
+
+EXACT = LossNormalization()
 
 
 @dataclass
@@ -163,6 +183,7 @@ def forward_backward(
     cfg: StepConfig,
     *,
     reducer: collectives.StatisticsReducer | None = None,
+    normalization: LossNormalization = EXACT,
 ) -> StepResult:
     """One forward/backward of the GRPO loss over this rank's batch; gradients finalised.
 
@@ -170,33 +191,19 @@ def forward_backward(
     runs the schedule (which calls megatron-core's finalize_model_grads: DP/CP all-reduce,
     TP-replicated and embedding gradients) and returns the global loss and metrics on every rank.
     `reducer` defaults to a StatisticsReducer over the DP group; pass one to count its calls.
+    `normalization`: how the loss is cut into parts and scaled (the exact way by default).
     """
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.utils import get_model_config
-
-    if cfg.normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization: unknown value {cfg.normalization!r}")
     batch = batch.checked()
     view = _cp_view(cfg.cp_mode, cfg.explicit_causal_mask)
     check_cp_agreement(chunks, view.mode, view.cp)  # model CP == batch CP sharding, or raise
     ps = _ps()
-    config = get_model_config(chunks[0])
-    config.finalize_model_grads_func = finalize_model_grads
-    if len(chunks) == 1 and hasattr(chunks[0], "no_sync"):
-        config.no_sync_func = chunks[0].no_sync
-    for chunk in chunks:
-        if hasattr(chunk, "zero_grad_buffer"):
-            chunk.zero_grad_buffer()
-        else:
-            chunk.zero_grad(set_to_none=False)
+    config = _ready_for_backward(chunks)
     last = ps.is_pipeline_last_stage()
-    global_plan = cfg.normalization == "plan"
     plan = None
     if last:  # the loss, hence the plan, exists on the last pipeline stage only
         if reducer is None:
             reducer = collectives.StatisticsReducer(ps.get_data_parallel_group())
-        if global_plan:
-            plan = _loss_plan(cfg, batch, slice(None), reducer)
+        plan = normalization.global_plan(cfg, batch, reducer)
     logprob_chunk(cfg.logprob_chunk_size, 0)  # a bad setting fails before the schedule runs
     data, seq_len, mbs = prepare_microbatches(
         batch,
@@ -206,19 +213,38 @@ def forward_backward(
         uniform=ps.get_pipeline_model_parallel_world_size() > 1,
         thd=_use_thd(cfg.thd, cfg.max_tokens_per_microbatch, view),
     )
-    dp, cp = ps.get_data_parallel_world_size(), view.cp
-    factor = scaling.loss_scale(
-        len(data),
-        dp,
-        cp,
-        per_token_loss=bool(config.calculate_per_token_loss),
-        version=cfg.assume_megatron_version,
+    dp = ps.get_data_parallel_world_size()
+    factor = normalization.scale(
+        len(data), dp, view.cp, per_token_loss=bool(config.calculate_per_token_loss)
     )
-    # The share of the step's loss one part's loss is: 1 under the global plan (the parts add up
-    # to the loss); 1 / (M x DP) for the control (the mean over micro-batches and DP ranks of
-    # each micro-batch's self-normalised loss; its CP shards still add up to that loss, since
-    # the micro-batch's plan comes from whole-sequence lengths).
-    share = 1.0 if global_plan else 1.0 / (len(data) * dp)
+    share = normalization.part_share(len(data), dp)
+    loss_func = _grpo_loss_func(cfg, view, batch, plan, normalization, factor * share, share)
+    store = run_schedule(chunks, data, seq_len, mbs, forward_only=False, loss_func=loss_func)
+    return _global_result(store, last, reducer)
+
+
+def _ready_for_backward(chunks: list[torch.nn.Module]):
+    """The model's TransformerConfig, set up for the schedule to finalise gradients (DDP's
+    no_sync between micro-batches, megatron-core's finalize_model_grads), with every gradient
+    buffer zeroed."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    if len(chunks) == 1 and hasattr(chunks[0], "no_sync"):
+        config.no_sync_func = chunks[0].no_sync
+    for chunk in chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+        else:
+            chunk.zero_grad(set_to_none=False)
+    return config
+
+
+def _grpo_loss_func(cfg, view, batch, plan, normalization, scale: float, share: float):
+    """The schedule's loss function: each micro-batch's (and CP shard's) part of the GRPO loss,
+    times `scale`, with its additive metrics."""
     with_entropy = cfg.loss.entropy_coef > 0
     one = torch.ones((), dtype=torch.int, device=batch.tokens.device)
 
@@ -231,8 +257,7 @@ def forward_backward(
             chunk_size=cfg.logprob_chunk_size,
             with_entropy=with_entropy,
         )
-        rows = mb["rows"]
-        mb_plan = plan.select(rows) if global_plan else _loss_plan(cfg, batch, rows, None)
+        mb_plan = normalization.part_plan(plan, cfg, batch, mb["rows"])
         if "packed_seq_params" in mb:  # THD: [1, total] -> the packed (sequence-index) form
             logp, ent = logp[0], (None if ent is None else ent[0])
         else:
@@ -246,29 +271,24 @@ def forward_backward(
             ref_logprobs=mb.get("ref"),
             entropy=ent,
         )
-        # `part * share` is this micro-batch's (and CP shard's) exact share of the step's loss.
-        # The factor cancels megatron-core's scaling (scaling.py names the lines in schedules.py,
-        # distributed_data_parallel.py and finalize_model_grads.py); num_tokens = 1 per
-        # micro-batch makes every divisor megatron-core applies a count known in advance.
-        return part * (factor * share), one, _additive(part, metrics, share)
+        # `part * share` is this micro-batch's (and CP shard's) exact share of the step's loss;
+        # `scale` is that share times the factor that cancels megatron-core's scaling
+        # (loss_scale.py names the lines in schedules.py, distributed_data_parallel.py and
+        # finalize_model_grads.py); num_tokens = 1 per micro-batch makes every divisor
+        # megatron-core applies a count known in advance.
+        return part * scale, one, _additive(part, metrics, share)
 
-    store = run_schedule(chunks, data, seq_len, mbs, forward_only=False, loss_func=loss_func)
-    return _global_result(store, last, reducer)
+    return loss_func
 
 
-def _loss_plan(cfg: StepConfig, batch: GRPOBatch, rows, reduce) -> LossPlan:
+def loss_plan(cfg: StepConfig, batch: GRPOBatch, rows, reduce) -> LossPlan:
     """The plan of `batch[rows]`'s sequences from their statistics summed by `reduce`: the
     global batch's (rows = all, reduce over DP) or, for the control, one micro-batch's alone."""
     return LossPlan.build(
-        cfg.rule,
+        cfg.aggregation,
         batch.lengths[rows],
         batch.advantages[rows],
         batch.group_ids[rows],
-        scope=cfg.scope,
-        reg_rule=cfg.reg_rule,
-        reg_scope=cfg.reg_scope,
-        max_length=cfg.max_length,
-        neutral_eps=cfg.neutral_eps,
         reduce=reduce,
         num_groups=cfg.num_groups,
     )
@@ -334,20 +354,11 @@ def compute_logprobs(
     view = _cp_view(cp_mode, explicit_causal_mask)
     check_cp_agreement(chunks, view.mode, view.cp)  # model CP == batch CP sharding, or raise
     ps = _ps()
-    no_response = torch.zeros_like(tokens, dtype=torch.bool)
-    dev = tokens.device
-    dummy = GRPOBatch(
-        tokens,
-        no_response,
-        torch.zeros(n, device=dev),
-        torch.zeros(n, dtype=torch.long, device=dev),
-        torch.zeros(n, s, device=dev),
-    )
     logprob_chunk(chunk_size, 0)
     if max_tokens_per_microbatch is not None and seq_tokens is None:
         seq_tokens = [s] * n
     data, seq_len, mbs = prepare_microbatches(
-        dummy,
+        _tokens_only_batch(tokens),
         view,
         num_microbatches,
         max_tokens=max_tokens_per_microbatch,
@@ -356,7 +367,7 @@ def compute_logprobs(
         thd=_use_thd(None, max_tokens_per_microbatch, view),
     )
 
-    def loss_func(mb, output):
+    def loss_func(mb, output):  # no loss: the log-probs (and entropy) as the micro-batch's metrics
         logp, ent = _logprobs(
             output,
             mb,
@@ -366,31 +377,49 @@ def compute_logprobs(
             with_entropy=with_entropy,
         )
         res = {"logprobs": logp} if ent is None else {"logprobs": logp, "entropy": ent}
-        zero = torch.zeros((), dtype=torch.float32, device=dev)
-        return zero, torch.ones((), dtype=torch.int, device=dev), res
+        zero = torch.zeros((), dtype=torch.float32, device=tokens.device)
+        return zero, torch.ones((), dtype=torch.int, device=tokens.device), res
 
     store = run_schedule(chunks, data, seq_len, mbs, forward_only=True, loss_func=loss_func)
-    last = ps.is_pipeline_last_stage()
-    outs = []
-    for key in ("logprobs", "entropy") if with_entropy else ("logprobs",):
-        full = None
-        if last:
-            full = torch.zeros(n, s, dtype=torch.float32, device=tokens.device)
-            for mb, d in zip(data, store, strict=True):  # d[key]: [rows, width / CP]
-                if "packed_seq_params" in mb:  # THD: [1, total], CP = 1
-                    thd_scatter(d[key][0].float(), mb, full)
-                    continue
-                whole = collectives.gather_context_parallel(
-                    d[key].float(), dim=1, group=ps.get_context_parallel_group()
-                )[: mb["num_rows"]]
-                w = min(mb["width"], s - 1)
-                full[mb["rows"], 1 : 1 + w] = whole[:, :w]  # position p predicts token p + 1
-        outs.append(
-            collectives.broadcast_from_last_stage(
-                full,
-                shape=(n, s),
-                dtype=torch.float32,
-                group=ps.get_pipeline_model_parallel_group(),
-            ).to(tokens.device)
-        )
+    keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+    outs = [_token_aligned(store, data, key, tokens) for key in keys]
     return outs[0], (outs[1] if with_entropy else None)
+
+
+def _tokens_only_batch(tokens: torch.Tensor) -> GRPOBatch:
+    """`tokens` as a batch for the schedule: no response, zero advantages and log-probs."""
+    n, s = tokens.shape
+    dev = tokens.device
+    return GRPOBatch(
+        tokens,
+        torch.zeros_like(tokens, dtype=torch.bool),
+        torch.zeros(n, device=dev),
+        torch.zeros(n, dtype=torch.long, device=dev),
+        torch.zeros(n, s, device=dev),
+    )
+
+
+def _token_aligned(store: list, data: list, key: str, tokens: torch.Tensor) -> torch.Tensor:
+    """The [N, S] fp32 tensor of the micro-batches' `key` outputs, token-aligned (position p
+    holds what position p - 1 predicted), assembled on the last stage from its micro-batches
+    (CP shards gathered, THD parts scattered) and sent to every pipeline stage."""
+    ps = _ps()
+    n, s = tokens.shape
+    full = None
+    if ps.is_pipeline_last_stage():
+        full = torch.zeros(n, s, dtype=torch.float32, device=tokens.device)
+        for mb, d in zip(data, store, strict=True):  # d[key]: [rows, width / CP]
+            if "packed_seq_params" in mb:  # THD: [1, total], CP = 1
+                thd_scatter(d[key][0].float(), mb, full)
+                continue
+            whole = collectives.gather_context_parallel(
+                d[key].float(), dim=1, group=ps.get_context_parallel_group()
+            )[: mb["num_rows"]]
+            w = min(mb["width"], s - 1)
+            full[mb["rows"], 1 : 1 + w] = whole[:, :w]  # position p predicts token p + 1
+    return collectives.broadcast_from_last_stage(
+        full,
+        shape=(n, s),
+        dtype=torch.float32,
+        group=ps.get_pipeline_model_parallel_group(),
+    ).to(tokens.device)

@@ -7,7 +7,7 @@ environment runs megatron-core 0.10, where only the NeMo-Aligner actor is suppor
 Each helper below asks the installed megatron-core (or torch) whether it has a feature (a
 parameter, a module) and never compares version strings, so a patch release that back-ports a
 change is read correctly. The one exception is the loss-scale table of
-megatron_ba.megatron.scaling: a change in what the schedules divide by leaves no signature to
+megatron_ba.megatron.loss_scale: a change in what the schedules divide by leaves no signature to
 detect, and both ends of the range are proven by the layout check.
 """
 

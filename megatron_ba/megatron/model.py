@@ -1,17 +1,12 @@
-"""A Qwen2-shaped megatron-core GPTModel, and full-shape weights in and out of its shards.
+"""A Qwen2-shaped megatron-core GPTModel and its deterministic full-shape initial weights.
 
-    spec = ModelSpec(vocab_size=..., hidden_size=..., num_layers=..., num_attention_heads=...,
-                     num_query_groups=..., ffn_hidden_size=...)   # or spec_from_hf_config(cfg)
+    spec = ModelSpec.of(PRESETS["debug"])           # a model_shape preset, a ModelShape, or
+                                                     # conversion.spec_from_hf_config(cfg)
     # after torch.distributed and parallel_state.initialize_model_parallel(tp, pp, ...)
     chunks = build_model_chunks(spec)                # [DDP(GPTModel)] for this rank's stage
-    load_full_state_dict(chunks, full_init_state_dict(spec, seed=0))  # same weights, any layout
-    full = gather_full_state_dict(chunks)            # {megatron TP=1/PP=1 name: full tensor}
-    grads = gather_full_state_dict(chunks, grads=True)
+    load_full_state_dict(chunks, full_init_state_dict(spec, seed=0))  # parallel.full_shape
 
-The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE (theta
-`rope_theta`, not interleaved), grouped-query attention with a bias on the fused QKV projection
-(Qwen2) or RMSNorms on each q and k head (Qwen3, `qk_layernorm`), an explicit head dimension
-(`kv_channels`), tied or untied output layer.
+The architecture is megatron_ba.model_shape's (Qwen2 / Qwen3; RoPE not interleaved).
 By default it is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine),
 so it runs on CPU with megatron_ba.megatron.cpu_compat installed; on GPUs pass a Transformer Engine
 layer spec (`layer_spec=`) for fused kernels and context-parallel attention
@@ -22,106 +17,47 @@ Full-shape state dicts use megatron-core's own names at TP=1 / PP=1 (`embedding.
 weight`, `decoder.layers.{i}.self_attention.linear_qkv.weight`, ..., `output_layer.weight`), with
 global layer numbers and megatron's fused layouts (QKV rows grouped per query group: for each
 group, its q heads then one k and one v head; `linear_fc1` = [gate; up]). Converting these names
-and layouts to Hugging Face Qwen2 is the caller's business. Every rank may call the gather; every
-rank gets the whole dict (CPU tensors).
+and layouts to Hugging Face Qwen2 is the caller's business. Moving full-shape tensors in and out
+of this rank's shards is megatron_ba.parallel.full_shape's (it knows no architecture).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import torch
 
-from megatron_ba.conversion.names import megatron_layer_name, split_megatron_layer
+from megatron_ba.megatron import cpu_compat
+from megatron_ba.model_shape import PRESETS, ModelShape
 from megatron_ba.parallel import collectives
-from megatron_ba.parallel.layout import tp_shard
-
-FAMILIES = ("qwen2", "qwen3")
+from megatron_ba.parallel.full_shape import unwrap
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """The shape of a Qwen-family decoder (field names follow megatron-core where they overlap).
+class ModelSpec(ModelShape):
+    """A model shape (megatron_ba.model_shape.ModelShape: its fields, checks and parameter
+    counts) with what only building it needs: the parameters' dtype, the initialisation's
+    standard deviation and megatron-core TransformerConfig overrides.
 
-    family: "qwen2" (Qwen2 / Qwen2.5: QKV bias) or "qwen3" (q/k RMSNorm, no QKV bias); it names
-    the Hugging Face conversion table (megatron_ba.conversion) and does not change the build:
-    the flags below do. kv_channels: the head dimension when it is not hidden / heads (Qwen3);
-    None means hidden_size // num_attention_heads. tie_word_embeddings: the output layer reuses
-    the embedding (megatron-core's share_embeddings_and_output_weights).
-    Build one from a Hugging Face config.json with megatron_ba.conversion.spec_from_hf_config.
+    Build one from a shape with `ModelSpec.of(PRESETS["debug"])`, from a Hugging Face
+    config.json with megatron_ba.conversion.spec_from_hf_config.
     """
 
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    max_position_embeddings: int = 4096
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-6
-    qkv_bias: bool = True
     init_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     config_overrides: dict[str, Any] = field(default_factory=dict)
-    family: str = "qwen2"
-    qk_layernorm: bool = False
-    kv_channels: int | None = None
-    tie_word_embeddings: bool = False
 
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_attention_heads",
-            "num_query_groups",
-            "ffn_hidden_size",
-            "max_position_embeddings",
-        ):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
-        if self.family not in FAMILIES:
-            raise ValueError(f"family: must be one of {FAMILIES}, got {self.family!r}")
-        if self.kv_channels is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"hidden_size: {self.hidden_size} must be a multiple of num_attention_heads "
-                    f"({self.num_attention_heads}), or set kv_channels (the head dimension)"
-                )
-        elif not (isinstance(self.kv_channels, int) and self.kv_channels >= 1):
-            raise ValueError(
-                f"kv_channels: must be an integer >= 1 or None, got {self.kv_channels!r}"
-            )
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"num_query_groups: {self.num_query_groups} must divide num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        if self.kv_channels is not None:
-            return self.kv_channels
-        return self.hidden_size // self.num_attention_heads
+    @classmethod
+    def of(cls, shape: ModelShape, **changes: Any) -> ModelSpec:
+        """The spec of `shape`, with `changes` to its fields or the build options."""
+        fields = {f.name: getattr(shape, f.name) for f in dataclass_fields(ModelShape)}
+        return cls(**{**fields, **changes})
 
     def num_parameters(self) -> int:
         return sum(math.prod(s) for s in full_parameter_shapes(self).values())
-
-    def check_layout(self, tp: int, pp: int) -> None:
-        """ValueError naming what does not divide, for a TP x PP layout of this model."""
-        problems = []
-        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
-            if getattr(self, name) % tp:
-                problems.append(f"{name}={getattr(self, name)} is not a multiple of tp={tp}")
-        if self.num_layers % pp:
-            problems.append(f"num_layers={self.num_layers} is not a multiple of pp={pp}")
-        if problems:
-            raise ValueError("layout: " + "; ".join(problems))
 
 
 # The name callers used before the spec covered Qwen3 (same fields, family "qwen2" by default).
@@ -129,22 +65,8 @@ Qwen2Spec = ModelSpec
 
 
 def tiny_qwen2_spec(**changes: Any) -> ModelSpec:
-    """A Qwen2-shaped model small enough for multi-process CPU tests (~60k parameters).
-
-    head_dim 16, 4 query heads in 2 groups: TP=2 splits both; 4 layers: PP=2 (or 4) splits them.
-    """
-    base = dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_layers=4,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=96,
-        max_position_embeddings=256,
-        rope_theta=10_000.0,
-    )
-    base.update(changes)
-    return ModelSpec(**base)
+    """The "debug" preset's model (~60k parameters: multi-process CPU tests), with `changes`."""
+    return ModelSpec.of(PRESETS["debug"], **changes)
 
 
 def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides: Any):
@@ -185,8 +107,6 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
         sequence_parallel=False,
     )
     if cpu:
-        from megatron_ba.megatron import cpu_compat
-
         cpu_compat.install()
         kwargs.update(cpu_compat.CPU_CONFIG_OVERRIDES)
     kwargs.update(spec.config_overrides)
@@ -272,7 +192,7 @@ def build_model_chunks(
     if config.bf16 or config.fp16:
         # megatron-core's mixed-precision wrapper: casts the module to bf16 (config.params_dtype
         # already is) and the last stage's output back to fp32, as Megatron-LM wraps its model
-        # before DDP; the optimiser keeps the fp32 main weights (mcore_optimizer).
+        # before DDP; the optimiser keeps the fp32 main weights (optimizer_choice).
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
@@ -313,7 +233,7 @@ def model_pg_collection_without_cp():
 def model_cp_size(chunk: torch.nn.Module) -> int:
     """The CP size a built model runs itself: its CP process group's size (megatron-core's
     rotary embedding and CP attention shard by that group). 1 when it has none."""
-    model = _unwrap(chunk)
+    model = unwrap(chunk)
     pgs = getattr(model, "pg_collection", None)
     group = getattr(pgs, "cp", None) if pgs is not None else None
     return 1 if group is None else collectives.group_rank_and_size(group)[1]
@@ -331,7 +251,7 @@ def check_cp_agreement(chunks: list[torch.nn.Module], cp_view_mode: str, cp_size
     rotary embedding sliced by a CP rank that sees the whole sequence).
     """
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = unwrap(chunk)
         built = model_cp_size(chunk)
         config_cp = int(getattr(getattr(model, "config", None), "context_parallel_size", 1))
         if built != config_cp:
@@ -400,152 +320,3 @@ def full_init_state_dict(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tens
             t = spec.init_std * torch.randn(shape, generator=g, dtype=torch.float64)
         out[name] = t.to(spec.params_dtype)
     return out
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
-def local_to_full_names(chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.nn.Parameter, str]]:
-    """Full (global) name -> (local parameter, local name) for this rank's chunks."""
-    out: dict[str, tuple[torch.nn.Parameter, str]] = {}
-    for chunk in chunks:
-        model = _unwrap(chunk)
-        layers = model.decoder.layers if hasattr(model, "decoder") else []
-        for local_name, param in model.named_parameters():
-            name = local_name
-            parts = split_megatron_layer(local_name)
-            if parts:  # local index -> global layer number (1-based in megatron-core)
-                name = megatron_layer_name(layers[parts[0]].layer_number - 1, parts[1])
-            out[name] = (param, local_name)
-    return out
-
-
-def tp_layout(param: torch.nn.Parameter) -> tuple[bool, int, int]:
-    """(sharded over TP, partition dim, partition stride) of a megatron-core parameter."""
-    sharded = bool(getattr(param, "tensor_model_parallel", False))
-    return (
-        sharded,
-        int(getattr(param, "partition_dim", 0)),
-        int(getattr(param, "partition_stride", 1)),
-    )
-
-
-EMBEDDING = "embedding.word_embeddings.weight"
-
-
-@torch.no_grad()
-def load_full_tensors(
-    chunks: list[torch.nn.Module], read: Callable[[str], torch.Tensor]
-) -> list[str]:
-    """Copy full-shape tensors, fetched one at a time by `read(full_name)`, into this rank's
-    shards; return the names loaded. Streaming: only one full tensor is alive at a time.
-
-    A tied model's last stage at PP > 1 holds a copy of the embedding (`output_layer.weight`,
-    marked `shared_embedding` by megatron-core): it is read as the embedding.
-    """
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    loaded = []
-    for name, (param, _) in local_to_full_names(chunks).items():
-        source = EMBEDDING if getattr(param, "shared_embedding", False) else name
-        src = read(source)
-        sharded, dim, stride = tp_layout(param)
-        piece = tp_shard(src, dim=dim, stride=stride, rank=rank, size=tp) if sharded else src
-        if piece.shape != param.shape:
-            raise ValueError(
-                f"full: {name!r} has shape {tuple(src.shape)}, which does not shard to this "
-                f"rank's {tuple(param.shape)} (tp={tp}, dim={dim}, stride={stride})"
-            )
-        param.copy_(piece.to(param.dtype))
-        loaded.append(name)
-    return loaded
-
-
-def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Tensor]) -> None:
-    """Copy a full-shape (TP=1, PP=1 names) state dict into this rank's shards.
-
-    Every parameter this rank holds must be in `full` with the full shape (ValueError
-    otherwise); entries for other pipeline stages are ignored.
-    """
-
-    def read(name: str) -> torch.Tensor:
-        if name not in full:
-            raise ValueError(f"full: missing parameter {name!r}")
-        return full[name]
-
-    load_full_tensors(chunks, read)
-
-
-def _local_tensor(param: torch.nn.Parameter, grads: bool) -> torch.Tensor:
-    if not grads:
-        return param.detach()
-    t = getattr(param, "main_grad", None)
-    if t is None:
-        t = param.grad
-    return (torch.zeros_like(param) if t is None else t).detach()
-
-
-def gather_full_state_dict(
-    chunks: list[torch.nn.Module], *, grads: bool = False
-) -> dict[str, torch.Tensor]:
-    """The full-shape (TP=1, PP=1 names) parameters, or their gradients, on every rank.
-
-    A collective over the tensor- and pipeline-parallel groups: every rank of them must call it.
-    Gradients are read from `main_grad` (megatron-core DDP) or `.grad`; call it after the
-    schedule's `finalize_model_grads` to see the data-parallel-reduced gradient. Tensors come
-    back as CPU copies in the parameters' dtype. Holds the whole model once more; to stream
-    (an export), use `iter_full_tensors`.
-    """
-    from megatron.core import parallel_state
-
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    local: dict[str, torch.Tensor] = {}
-    for name, (param, _) in local_to_full_names(chunks).items():
-        t = _local_tensor(param, grads)
-        sharded, dim, stride = tp_layout(param)
-        if sharded:
-            t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
-        local[name] = t.to(param.dtype).clone()  # a copy: buffers change at the next step
-    merged = collectives.gather_pipeline_stages(local, group=pp_group)
-    return {k: v.cpu() for k, v in sorted(merged.items(), key=lambda kv: _order(kv[0]))}
-
-
-def iter_full_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(full name, full-shape CPU tensor) of every parameter, one at a time, on every rank.
-
-    The streaming form of `gather_full_state_dict` (a collective over the TP and PP groups:
-    every rank must exhaust the iterator): one full tensor is alive at a time, so an export
-    needs the model's shards plus its largest tensor, not a second copy of the model.
-    """
-    from megatron.core import parallel_state
-
-    tp_group = parallel_state.get_tensor_model_parallel_group()
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    held = local_to_full_names(chunks)
-    # The names of every stage (empty placeholders travel, not the tensors).
-    names = collectives.gather_pipeline_stages({k: torch.empty(0) for k in held}, group=pp_group)
-    for name in sorted(names, key=_order):
-        one: dict[str, torch.Tensor] = {}
-        if name in held:
-            param = held[name][0]
-            t = param.detach()
-            sharded, dim, stride = tp_layout(param)
-            if sharded:
-                t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
-            one[name] = t.clone()
-        yield name, collectives.gather_pipeline_stages(one, group=pp_group)[name].cpu()
-
-
-def _order(name: str) -> tuple[int, int, str]:
-    parts = split_megatron_layer(name)
-    if name.startswith("embedding."):
-        return (0, 0, name)
-    if parts:
-        return (1, parts[0], name)
-    return (2, 0, name)

@@ -15,7 +15,7 @@
   log-softmax's three collectives over the TP group (megatron_ba.megatron.vocab_parallel).
 - `init_process_group` / `destroy_process_group`, `world_rank_and_size`, `world_group`,
   `barrier`, `broadcast_object`, `all_gather_object`: the world's lifecycle and the small
-  picklable exchanges of the trainer (train/distributed.py), the layout check's workers and the
+  picklable exchanges of the trainer (parallel/world.py), the layout check's workers and the
   benchmarks. Nothing outside this module calls torch.distributed (tests/test_code_structure.py).
 
 Process groups are arguments (no parallel_state lookups here), so the module is torch alone.
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_ba.parallel.layout import cp_unshard, tp_unshard
+from megatron_ba.aggregation import NUM_COLUMNS
+from megatron_ba.parallel.shard_layout import cp_unshard, tp_unshard
 
 
 def comm_device(group) -> torch.device:
@@ -80,8 +81,6 @@ class StatisticsReducer:
 def statistics_payload_bytes(num_groups: int, num_columns: int | None = None) -> int:
     """Bytes one statistics all-reduce moves per rank: num_groups x columns float64 numbers."""
     if num_columns is None:
-        from megatron_ba.aggregation import NUM_COLUMNS
-
         num_columns = NUM_COLUMNS
     return int(num_groups) * int(num_columns) * 8
 

@@ -26,7 +26,7 @@ from its vendor's data sheet; a run records which one it used.
 
 from __future__ import annotations
 
-from megatron_ba.planning.memory import ModelShape
+from megatron_ba.model_shape import ModelShape
 
 # Dense bf16 tensor-core peaks (TFLOP/s) from NVIDIA's data sheets (the sparse figures are twice
 # these). Keyed by a substring of torch.cuda.get_device_name().
@@ -38,8 +38,8 @@ ATTENTION_COUNTS = ("causal", "full")
 def matmul_parameters(shape: ModelShape) -> int:
     """N: parameters of the step's matrix multiplications (projections and the output layer)."""
     h, d = shape.hidden_size, shape.head_dim
-    q, kv = shape.num_attention_heads * d, shape.num_key_value_heads * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * shape.intermediate_size
+    q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * shape.ffn_hidden_size
     return shape.num_layers * per_layer + shape.vocab_size * h
 
 

@@ -8,9 +8,9 @@ The model is the megatron-core mixed-precision recipe the local backend and NeMo
 weights, fp32 gradient buffers (grads are reduced in fp32), and the distributed optimiser's fp32
 master copy plus Adam's two moments, sharded over the data-parallel ranks (including CP, which
 megatron-core folds into the optimiser's sharding group). Everything is bytes per GPU on the
-worst pipeline stage. The figures are estimates with named assumptions (docs/scaling.md compares
-them with layouts that are known to run); fragmentation, NCCL buffers and the CUDA context are not
-modelled here but kept as headroom by the layout search (layout.py).
+worst pipeline stage. The figures are estimates with named assumptions (docs/cluster-planning.md
+compares them with layouts that are known to run); fragmentation, NCCL buffers and the CUDA
+context are not modelled here but kept as headroom by the layout search (cluster_layout.py).
 """
 
 from __future__ import annotations
@@ -19,110 +19,19 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_ba.model_shape import PRESETS, ModelShape, preset
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 GIB = 1024**3
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """A Qwen2/Qwen3-style decoder: GQA attention, SwiGLU MLP, RMSNorm (HF config.json names)."""
-
-    name: str
-    hidden_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2: biases on q, k, v; Qwen3: none, but RMSNorms on q and k (qk_norm)
-    qk_norm: bool
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, name: str = "model") -> ModelShape:
-        need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-        missing = [k for k in (*need, "vocab_size") if k not in cfg]
-        if missing:
-            raise ValueError(f"--model {name}: config.json lacks {', '.join(missing)}")
-        heads = int(cfg["num_attention_heads"])
-        qwen3 = cfg.get("model_type") == "qwen3"
-        return cls(
-            name=name,
-            hidden_size=int(cfg["hidden_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", not qwen3)),
-            qk_norm=qwen3,
-        )
-
-    # -- parameter counts -------------------------------------------------------------------
-    def layer_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections
-        if self.qkv_bias:
-            attn += q + 2 * kv
-        if self.qk_norm:
-            attn += 2 * d
-        mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return attn + mlp + 2 * h  # + the two RMSNorms
-
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def head_params(self) -> int:
-        """The output layer (0 when tied: megatron-core then shares the embedding's weight, but
-        the last stage of a pipeline still holds a copy; stage_params counts it there)."""
-        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
-
-    def total_params(self) -> int:
-        return (
-            self.num_layers * self.layer_params()
-            + self.embedding_params()
-            + self.head_params()
-            + self.hidden_size  # final norm
-        )
-
-    # -- activation elements per token per layer (bf16 tensors saved for the backward) ---------
-    def layer_activation_elements(self) -> int:
-        """Elements one token leaves in memory per transformer layer for the backward, with flash
-        attention (no S x S scores) and no dropout (Qwen trains without): the inputs of the two
-        RMSNorms (h each), the inputs of the QKV and MLP projections (h each), q, k and v, the
-        attention output (the out-projection's input), the MLP's gate and up outputs (SwiGLU's
-        backward needs both) and SwiGLU's output (the down projection's input)."""
-        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        return 4 * h + (q + 2 * kv) + q + 2 * f + f
-
-
-PRESETS: dict[str, ModelShape] = {
-    # Values of each model's public config.json on the Hugging Face hub.
-    "Qwen2.5-Math-7B": ModelShape(
-        "Qwen2.5-Math-7B", 3584, 28, 28, 4, 128, 18944, 152064, False, True, False
-    ),
-    "Qwen3-1.7B": ModelShape("Qwen3-1.7B", 2048, 28, 16, 8, 128, 6144, 151936, True, False, True),
-    # Not a model of the paper's recipes: the shape of NeMo-RL's Qwen3-32B recipe, which
-    # docs/scaling.md compares the planner with.
-    "Qwen3-32B": ModelShape("Qwen3-32B", 5120, 64, 64, 8, 128, 25600, 151936, False, False, True),
-    "Qwen2.5-32B": ModelShape(
-        "Qwen2.5-32B", 5120, 64, 40, 8, 128, 27648, 152064, False, True, False
-    ),
-}
-
-
 def load_model(name_or_path: str) -> ModelShape:
     """A preset (case-insensitive, `Qwen/` prefix allowed) or an HF config.json (or its folder)."""
-    key = name_or_path.split("/")[-1].lower()
-    for name, shape in PRESETS.items():
-        if name.lower() == key and not Path(name_or_path).exists():
-            return shape
+    if not Path(name_or_path).exists():
+        try:
+            return preset(name_or_path)
+        except KeyError:
+            pass
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
@@ -302,5 +211,5 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
 
 def kv_cache_bytes_per_token(shape: ModelShape, tp: int, kv_bytes: int = 2) -> float:
     """vLLM's KV cache per token on one GPU of a TP-`tp` engine (keys and values, every layer)."""
-    kv_heads_local = max(1, shape.num_key_value_heads // tp)  # vLLM replicates when tp > kv
+    kv_heads_local = max(1, shape.num_query_groups // tp)  # vLLM replicates when tp > kv
     return 2 * shape.num_layers * kv_heads_local * shape.head_dim * kv_bytes

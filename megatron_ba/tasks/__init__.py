@@ -11,16 +11,15 @@ math_dataset.py) a real data set file: DAPO-Math-17k or Polaris.
 
 from __future__ import annotations
 
+from megatron_ba.tasks.arithmetic import ArithmeticTask
+from megatron_ba.tasks.math_dataset import MathTask
+
 
 def build_task(recipe, tokenizer=None):
     d = recipe.data
     if d.task == "arithmetic":
-        from megatron_ba.tasks.arithmetic import ArithmeticTask
-
         return ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, seed=d.seed)
     if d.task == "math":
-        from megatron_ba.tasks.math_dataset import MathTask
-
         if tokenizer is None:
             raise ValueError("tokenizer: the math task renders prompts with the model's tokenizer")
         return MathTask.from_recipe(recipe, tokenizer)

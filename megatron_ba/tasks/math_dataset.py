@@ -20,6 +20,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from megatron_ba.data import load_dapo_math, load_polaris
+from megatron_ba.data.templates import chat_prompt, plain_chat, problem_messages
+
 
 @dataclass
 class MathTask:
@@ -30,8 +33,6 @@ class MathTask:
 
     @classmethod
     def from_recipe(cls, recipe, tokenizer) -> MathTask:
-        from megatron_ba.data import load_dapo_math, load_polaris
-
         d = recipe.data
         if d.dataset == "dapo-math-17k":
             loaded = load_dapo_math(d.path, on_conflict=d.on_conflict)
@@ -62,8 +63,6 @@ class MathTask:
         seed: int,
         load_report: dict | None = None,
     ) -> MathTask:
-        from megatron_ba.data.templates import chat_prompt, plain_chat, problem_messages
-
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         report = {"load": dict(load_report or {}), "too_long": 0, "duplicate_prompt": 0}
         answers: dict[str, str] = {}

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_ba.model_shape import PRESETS
+from megatron_ba.tokenization import train_bpe
+
+# The models' default shapes ("tiny-qwen2", "tiny-qwen3"; the vocabulary is the tokenizer's size).
+TINY_QWEN2, TINY_QWEN3 = PRESETS["tiny-qwen2"], PRESETS["tiny-qwen3"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -41,7 +46,6 @@ _CORPUS = [
 
 def build_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on the built-in corpus, with a ChatML template."""
-    from megatron_ba.tokenization import train_bpe
 
     return train_bpe(
         _CORPUS * 4,
@@ -93,13 +97,13 @@ def _write_tiny(out_dir: str | Path, family: str, vocab_size: int, seed: int, **
 def build_tiny_qwen2(
     out_dir: str | Path,
     *,
-    vocab_size: int = 512,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 4096,
+    vocab_size: int = TINY_QWEN2.vocab_size,
+    hidden_size: int = TINY_QWEN2.hidden_size,
+    num_layers: int = TINY_QWEN2.num_layers,
+    num_heads: int = TINY_QWEN2.num_attention_heads,
+    num_kv_heads: int = TINY_QWEN2.num_query_groups,
+    intermediate_size: int = TINY_QWEN2.ffn_hidden_size,
+    max_position_embeddings: int = TINY_QWEN2.max_position_embeddings,
     seed: int = 0,
 ) -> Path:
     """Write a random Qwen2ForCausalLM and its tokenizer to `out_dir`; return the path."""
@@ -125,14 +129,14 @@ def build_tiny_qwen2(
 def build_tiny_qwen3(
     out_dir: str | Path,
     *,
-    vocab_size: int = 512,
-    hidden_size: int = 128,
-    head_dim: int = 32,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 256,
-    max_position_embeddings: int = 1024,
+    vocab_size: int = TINY_QWEN3.vocab_size,
+    hidden_size: int = TINY_QWEN3.hidden_size,
+    head_dim: int = TINY_QWEN3.head_dim,
+    num_layers: int = TINY_QWEN3.num_layers,
+    num_heads: int = TINY_QWEN3.num_attention_heads,
+    num_kv_heads: int = TINY_QWEN3.num_query_groups,
+    intermediate_size: int = TINY_QWEN3.ffn_hidden_size,
+    max_position_embeddings: int = TINY_QWEN3.max_position_embeddings,
     seed: int = 0,
 ) -> Path:
     """Write a random Qwen3ForCausalLM (q/k RMSNorm, no QKV bias, explicit head_dim, tied

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from megatron_ba.conversion import dist_checkpoint as dc
-from megatron_ba.megatron.model import local_to_full_names
+from megatron_ba.megatron.cpu_compat import seed_model_parallel_rng
 
 DIST = "dist"
 RNG = "rng"
@@ -94,15 +94,8 @@ def reseed_rng(seed: int, step: int) -> None:
 
         tensor_parallel.model_parallel_cuda_manual_seed(value)  # CUDA generators and tracker
     else:
-        from megatron_ba.megatron.cpu_compat import seed_model_parallel_rng
-
         seed_model_parallel_rng(value)
     torch.manual_seed(value)  # the CPU generator (and every CUDA one) last: one known state
-
-
-def model_state(chunks) -> dict[str, torch.Tensor]:
-    """This rank's parameters by their full (global) names."""
-    return {name: p.detach().clone() for name, (p, _) in local_to_full_names(chunks).items()}
 
 
 def step_dir_name(step: int) -> str:

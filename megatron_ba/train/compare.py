@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from megatron_ba.recipe import Recipe
+from megatron_ba.train.plots import plot_comparison
 from megatron_ba.train.run_log import MetricsLog, eval_table
 
 FIGURES = [
@@ -151,8 +152,6 @@ def seed_spread_lines(records: dict[str, list[list[dict]]], k: int) -> list[str]
 
 
 def write_report(recipe: Recipe, runs: dict[str, list[Path]], out_dir: Path) -> Path:
-    from megatron_ba.train.plots import plot_comparison
-
     records = {
         rule: [MetricsLog(d / "metrics.jsonl").read() for d in dirs] for rule, dirs in runs.items()
     }

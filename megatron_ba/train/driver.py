@@ -22,8 +22,20 @@ from pathlib import Path
 
 import torch
 
+from megatron_ba.diagnostics import batch_diagnostics
+from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.recipe import Recipe
-from megatron_ba.train import preemption
+from megatron_ba.tasks import build_task
+from megatron_ba.tokenization import load_hf_tokenizer, load_tokenizer
+from megatron_ba.train import checkpoint, preemption
+from megatron_ba.train.experience import build_experience
+from megatron_ba.train.plots import plot_run
+from megatron_ba.train.policy import Policy
+from megatron_ba.train.rollouts import Rollouts
+from megatron_ba.train.run_log import RunFolder
+from megatron_ba.train.scoring import Scorer
+from megatron_ba.train.update import grpo_update
+from megatron_ba.train.warmstart import run_warmstart
 
 
 def _seed_for(seed: int, step: int, purpose: str) -> int:
@@ -37,15 +49,12 @@ class Trainer:
     def __init__(
         self, recipe: Recipe, run_dir: Path, *, resume: bool, cache_dir: Path, log=print
     ) -> None:
-        from megatron_ba.train.distributed import setup
-        from megatron_ba.train.run_log import RunFolder
-
         self.recipe, self.log = recipe, log
         self.folder = RunFolder(run_dir)
         self.run_dir = self.folder.path
         self.rollouts = self.scorer = None
-        p = recipe.parallel
-        self.ctx = setup(tp=p.tp, pp=p.pp, cp=p.cp, seed=recipe.seed)
+        parallel = recipe.parallel
+        self.ctx = setup(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, seed=recipe.seed)
         if recipe.rollout.threads:
             torch.set_num_threads(recipe.rollout.threads)
         if self.ctx.is_main:
@@ -54,28 +63,21 @@ class Trainer:
         self._build(resume, cache_dir)
 
     def _build(self, resume: bool, cache_dir: Path) -> None:
-        from megatron_ba.tasks import build_task
-        from megatron_ba.tokenization import load_hf_tokenizer, load_tokenizer
-        from megatron_ba.train import checkpoint
-        from megatron_ba.train.policy import Policy
-        from megatron_ba.train.rollouts import Rollouts
-        from megatron_ba.train.scoring import Scorer
-        from megatron_ba.train.warmstart import run_warmstart
-
-        r, ctx = self.recipe, self.ctx
-        if r.warmstart.enabled:  # the synthetic task: a fresh tiny policy, warm-started (cached)
+        recipe, ctx = self.recipe, self.ctx
+        # The synthetic task: a fresh tiny policy, warm-started (cached).
+        if recipe.warmstart.enabled:
             hf_dir = ctx.broadcast(
-                str(run_warmstart(r, cache_dir, log=self.log)) if ctx.is_main else None
+                str(run_warmstart(recipe, cache_dir, log=self.log)) if ctx.is_main else None
             )
             self.hf_dir = Path(hf_dir)
         else:  # a Hugging Face checkpoint
-            self.hf_dir = Path(r.model.pretrained)
-        if r.tokenizer.kind == "hf":  # the checkpoint's own tokenizer and chat template
-            self.tokenizer = load_hf_tokenizer(r.tokenizer.path or self.hf_dir)
+            self.hf_dir = Path(recipe.model.pretrained)
+        if recipe.tokenizer.kind == "hf":  # the checkpoint's own tokenizer and chat template
+            self.tokenizer = load_hf_tokenizer(recipe.tokenizer.path or self.hf_dir)
         else:  # trained-bpe: the one the warm start trained and saved beside its model
             self.tokenizer = load_tokenizer(self.hf_dir)
-        self.policy = Policy.from_hf(self.hf_dir, r, is_main=ctx.is_main, device=ctx.device)
-        self.task = build_task(r, self.tokenizer) if ctx.is_main else None
+        self.policy = Policy.from_hf(self.hf_dir, recipe, is_main=ctx.is_main, device=ctx.device)
+        self.task = build_task(recipe, self.tokenizer) if ctx.is_main else None
         if self.task is not None and getattr(self.task, "report", None):
             self.log(f"[data] {self.task.report}")
         self.start_step = 0
@@ -84,19 +86,21 @@ class Trainer:
             ckpt = checkpoint.latest_dir(self.run_dir)
             if ckpt is None:
                 raise FileNotFoundError(f"--resume: no complete checkpoint in {self.run_dir}")
-            p = self.policy  # any saved TP / PP / DP layout; RNG: see checkpoint.py's policy
-            meta = checkpoint.load(ctx, ckpt, p.chunks, p.optimizer, seed=r.seed, log=self.log)
+            policy = self.policy  # any saved TP / PP / DP layout; RNG: see checkpoint.py's policy
+            meta = checkpoint.load(
+                ctx, ckpt, policy.chunks, policy.optimizer, seed=recipe.seed, log=self.log
+            )
             self.start_step, self.data_position = meta["step"], meta["data_position"]
             if ctx.is_main:
                 self.folder.truncate_after(self.start_step)
                 self.log(f"[resume] from {ckpt} (step {self.start_step})")
         self.rollouts = Rollouts.start(
-            r, ctx, self.hf_dir, self.run_dir, self.tokenizer, self.policy
+            recipe, ctx, self.hf_dir, self.run_dir, self.tokenizer, self.policy
         )
         if ctx.is_main:
             self.scorer = Scorer(
                 self.task,
-                r,
+                recipe,
                 self.tokenizer,
                 context=self.policy.spec.max_position_embeddings,
             )
@@ -114,40 +118,40 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         """Rollouts, rewards, the GRPO update and the weight sync; the step's metrics (rank 0)."""
-        from megatron_ba.train.experience import build_experience
-        from megatron_ba.train.update import grpo_update
 
-        r, ctx, g = self.recipe, self.ctx, self.recipe.grpo
+        recipe, ctx, grpo = self.recipe, self.ctx, self.recipe.grpo
         timings: dict[str, float] = {}
         exp = None
         if ctx.is_main:
-            t = time.perf_counter()
+            started = time.perf_counter()
             prompts, ids, samples, rewards, sampling = self._rollout_batch(step)
             self.rollouts.end_batch()
             timings["time/reward"] = sampling.pop("reward_seconds")
-            timings["time/rollout"] = time.perf_counter() - t - timings["time/reward"]
+            timings["time/rollout"] = time.perf_counter() - started - timings["time/reward"]
             self.folder.log_samples(step + 1, prompts, samples, rewards)
             exp = build_experience(
                 ids,
                 samples,
                 rewards,
                 pad_id=self.tokenizer.pad_token_id,
-                normalize_std=g.normalize_std,
-                std=g.std,
-                drop_zero_variance=g.drop_zero_variance,
-                multiple_of=2 * r.parallel.cp,
+                normalize_std=grpo.normalize_std,
+                std=grpo.std,
+                drop_zero_variance=grpo.drop_zero_variance,
+                multiple_of=2 * recipe.parallel.cp,
             )
             exp.report.update(sampling)
         else:
             self.rollouts.serve()  # this replica's engine generates its share of each round
         exp = ctx.broadcast(exp)
-        t = time.perf_counter()
-        self.policy.set_lr(step)
-        p = self.policy
-        updates = grpo_update(p.chunks, p.ref_chunks, p.optimizer, r, ctx, exp)
-        timings["time/train"] = time.perf_counter() - t
-        timings["time/sync"] = self.rollouts.sync(self.policy)
-        return step_record(step, exp, updates, p.lr, timings, r.loss.scope) if ctx.is_main else {}
+        started = time.perf_counter()
+        policy = self.policy
+        policy.set_lr(step)
+        updates = grpo_update(policy.chunks, policy.ref_chunks, policy.optimizer, recipe, ctx, exp)
+        timings["time/train"] = time.perf_counter() - started
+        timings["time/sync"] = self.rollouts.sync(policy)
+        if not ctx.is_main:
+            return {}
+        return step_record(step, exp, updates, policy.lr, timings, recipe.loss.scope)
 
     def _rollout_batch(self, step: int):
         """P prompt groups of G scored samples (rank 0), from the data position on.
@@ -156,13 +160,13 @@ class Trainer:
         signal) are set aside and further prompts sampled, up to `grpo.max_sampling_rounds`
         rounds; groups still missing are filled with set-aside ones (their advantages are 0).
         """
-        r, g = self.recipe, self.recipe.grpo
-        rounds = g.max_sampling_rounds if g.dynamic_sampling else 1
+        grpo = self.recipe.grpo
+        rounds = grpo.max_sampling_rounds if grpo.dynamic_sampling else 1
         kept: list[tuple] = []
         spare: list[tuple] = []
         reward_seconds, done = 0.0, 0
         for k in range(rounds):
-            missing = g.prompts_per_step - len(kept)
+            missing = grpo.prompts_per_step - len(kept)
             if missing == 0:
                 break
             done += 1
@@ -170,20 +174,23 @@ class Trainer:
             self.data_position += missing
             purpose = "rollout" if k == 0 else f"rollout:{k}"
             ids, samples = self.rollouts.generate(
-                prompts, g.group_size, g.temperature, _seed_for(r.seed, step, purpose)
+                prompts,
+                grpo.group_size,
+                grpo.temperature,
+                _seed_for(self.recipe.seed, step, purpose),
             )
-            t = time.perf_counter()
+            started = time.perf_counter()
             rewards = self.scorer.score(prompts, samples)
-            reward_seconds += time.perf_counter() - t
-            G = g.group_size
+            reward_seconds += time.perf_counter() - started
+            size = grpo.group_size
             for i in range(len(prompts)):
-                group = (prompts[i], ids[i], samples[i], rewards[i * G : (i + 1) * G])
-                flat = g.dynamic_sampling and len(set(group[3])) == 1
+                group = (prompts[i], ids[i], samples[i], rewards[i * size : (i + 1) * size])
+                flat = grpo.dynamic_sampling and len(set(group[3])) == 1
                 (spare if flat else kept).append(group)
-        filled = spare[: g.prompts_per_step - len(kept)]
+        filled = spare[: grpo.prompts_per_step - len(kept)]
         groups = kept + filled
         report = {"reward_seconds": reward_seconds}
-        if g.dynamic_sampling:
+        if grpo.dynamic_sampling:
             report.update(
                 {
                     "sampling/rounds": done,
@@ -203,17 +210,17 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------
     def run(self, progress_stream=None) -> dict:
         """Train from `start_step` to `grpo.steps`; the summary (rank 0; {} elsewhere)."""
-        r, ctx = self.recipe, self.ctx
-        steps = r.grpo.steps
+        recipe, ctx = self.recipe, self.ctx
+        steps = recipe.grpo.steps
         last_eval = {}
         if self.start_step == 0:
             last_eval = self.evaluate(0)
             if ctx.is_main:
                 self.folder.metrics.append({"step": 0, **last_eval})
                 acc = last_eval["eval_accuracy"]
-                self.log(f"[eval] step 0 (warm start): Acc@{r.eval.samples} {acc:.3f}")
+                self.log(f"[eval] step 0 (warm start): Acc@{recipe.eval.samples} {acc:.3f}")
         progress = None
-        if ctx.is_main and r.logging.progress:
+        if ctx.is_main and recipe.logging.progress:
             from tqdm import tqdm
 
             progress = tqdm(
@@ -222,7 +229,7 @@ class Trainer:
         for step in range(self.start_step, steps):
             record = self.train_step(step)
             done = step + 1
-            if done == steps or (r.eval.every and done % r.eval.every == 0):
+            if done == steps or (recipe.eval.every and done % recipe.eval.every == 0):
                 last_eval = self.evaluate(done)
                 record.update(last_eval)
             if ctx.is_main:
@@ -233,7 +240,7 @@ class Trainer:
                         post["eval"] = f"{last_eval['eval_accuracy']:.3f}"
                     progress.set_postfix(post)
                     progress.update(1)
-            every = r.checkpoint.every
+            every = recipe.checkpoint.every
             if done == steps or (every and done % every == 0):
                 self._checkpoint(done)
             # [preemption hook 2/2] asked to stop (SIGUSR1 / RUN_DIR/PREEMPT): checkpoint, raise
@@ -245,35 +252,29 @@ class Trainer:
         if not ctx.is_main:
             return {}
         summary = self.folder.finish()
-        if r.logging.plots:
-            from megatron_ba.train.plots import plot_run
-
+        if recipe.logging.plots:
             plot_run(self.run_dir)
         return summary
 
     def _checkpoint(self, step: int) -> None:
-        from megatron_ba.train import checkpoint
-
         # Sharded model + optimiser and per-rank RNG; no Hugging Face export here (that is the
         # end of the run's RUN_DIR/hf/, or `megatron-ba convert CKPT OUT --to hf` on demand).
         meta = {"data_position": self.data_position, "recipe": self.recipe.to_dict()}
-        p = self.policy
+        policy = self.policy
         checkpoint.save(
             self.ctx,
             self.run_dir,
             step,
-            p.chunks,
-            p.optimizer,
+            policy.chunks,
+            policy.optimizer,
             meta,
-            spec=p.spec,
-            source_dir=p.source,
+            spec=policy.spec,
+            source_dir=policy.source,
         )
         if self.ctx.is_main:
             checkpoint.prune(self.run_dir, self.recipe.checkpoint.keep)
 
     def close(self) -> None:
-        from megatron_ba.train.distributed import teardown
-
         if self.scorer is not None:
             self.scorer.close()
         if self.rollouts is not None:
@@ -283,7 +284,6 @@ class Trainer:
 
 def step_record(step: int, exp, updates: dict, lr: float, timings: dict, scope: str) -> dict:
     """One metrics.jsonl line: rewards, the update's losses, the paper's diagnostics, timings."""
-    from megatron_ba.diagnostics import batch_diagnostics
 
     diag = batch_diagnostics(exp.lengths, exp.advantages.double(), exp.group_ids, scope=scope)
     return {

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from megatron_ba.advantages import AdvantageReport, group_advantages
-from megatron_ba.generation.samples import Sample
+from megatron_ba.generation.engine import Sample
 
 
 @dataclass

@@ -8,7 +8,7 @@
 The architecture comes from the Hugging Face folder's config.json (Qwen2 / Qwen2.5 / Qwen3,
 megatron_ba.conversion) and the weights stream into this rank's shards one tensor at a time.
 Training runs in `model.precision` (fp32, or bf16 with fp32 main weights on CUDA:
-megatron_ba.megatron.mcore_optimizer) whatever the checkpoint's dtype; exports are written in
+megatron_ba.megatron.optimizer_choice) whatever the checkpoint's dtype; exports are written in
 the source checkpoint's dtype, so that a run with learning rate 0 exports its input bit for bit.
 Every conversion between megatron-core's names and Hugging Face names goes through this class.
 """
@@ -21,6 +21,18 @@ from pathlib import Path
 
 import torch
 
+from megatron_ba.conversion import (
+    export_chunks_to_hf,
+    hf_named_tensors,
+    load_hf_into_chunks,
+    spec_from_hf_dir,
+)
+from megatron_ba.conversion.hf_config import dtype as config_dtype
+from megatron_ba.megatron.build_options import resolve_build_options
+from megatron_ba.megatron.model import build_model_chunks, transformer_config
+from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
+from megatron_ba.parallel.full_shape import gather_full_state_dict
+from megatron_ba.parallel.world import rank_device
 from megatron_ba.recipe import Recipe
 
 
@@ -46,14 +58,9 @@ class Policy:
         """The policy (and, with the KL term on, its frozen reference) from an HF folder.
 
         device: this rank's device (`DistContext.device`); default: the current one
-        (train.distributed.rank_device). The model is built on it (megatron-core allocates on
-        the current CUDA device, which distributed.setup made this rank's GPU).
+        (parallel.world.rank_device). The model is built on it (megatron-core allocates on
+        the current CUDA device, which parallel.world.join_world made this rank's GPU).
         """
-        from megatron_ba.conversion import load_hf_into_chunks, spec_from_hf_dir
-        from megatron_ba.megatron.build_options import resolve_build_options
-        from megatron_ba.megatron.mcore_optimizer import build_optimizer, ddp_overrides
-        from megatron_ba.megatron.model import build_model_chunks, transformer_config
-        from megatron_ba.train.distributed import rank_device
 
         hf_dir = Path(hf_dir)
         device = rank_device() if device is None else device
@@ -97,15 +104,12 @@ class Policy:
     def set_lr(self, step: int) -> None:
         """Linear warm-up over `optimizer.warmup_steps` optimiser steps, then constant (on CUDA
         by megatron-core's OptimizerParamScheduler, the same schedule)."""
-        from megatron_ba.megatron.mcore_optimizer import apply_lr_schedule
 
         o = self.recipe.optimizer
         apply_lr_schedule(self.optimizer, step, lr=o.lr, warmup_steps=o.warmup_steps)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
         """Gather the full policy (a collective: every rank calls it); HF-named on rank 0."""
-        from megatron_ba.conversion import hf_named_tensors
-        from megatron_ba.megatron.model import gather_full_state_dict
 
         full = gather_full_state_dict(self.chunks)
         return hf_named_tensors(full, self.spec) if self.is_main else None
@@ -113,8 +117,6 @@ class Policy:
     def export_hf(self, out_dir: Path, tokenizer) -> None:
         """A Hugging Face folder of the current policy, in the source checkpoint's dtype
         (collective; rank 0 writes). Config, tokenizer and generation config follow the source."""
-        from megatron_ba.conversion import export_chunks_to_hf
-        from megatron_ba.conversion.hf_config import dtype as config_dtype
 
         source_cfg = json.loads((self.source / "config.json").read_text())
         export_chunks_to_hf(

@@ -29,6 +29,9 @@ import signal
 import threading
 from pathlib import Path
 
+from megatron_ba.parallel.collectives import all_reduce_sum, world_group
+from megatron_ba.train import checkpoint
+
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later", which a requeue does
 REQUEST_FILE = "PREEMPT"
 MARKER_FILE = "preempted.json"
@@ -88,8 +91,6 @@ def should_stop(ctx, run_dir: Path) -> bool:
         return mine
     import torch
 
-    from megatron_ba.parallel.collectives import all_reduce_sum, world_group
-
     votes = all_reduce_sum(torch.tensor([int(mine)], dtype=torch.int64), group=world_group())
     return int(votes.item()) > 0
 
@@ -102,7 +103,6 @@ def clear(run_dir: Path) -> None:
 
 def stop(trainer, step: int) -> None:
     """Checkpoint `step` (collective) unless the last checkpoint is that step; mark and raise."""
-    from megatron_ba.train import checkpoint
 
     latest = checkpoint.latest_dir(trainer.run_dir)
     if latest is None or latest.name != checkpoint.step_dir_name(step):

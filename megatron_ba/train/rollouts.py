@@ -26,6 +26,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_ba.generation.builtin_sampler import BuiltinSampler
+from megatron_ba.generation.engine import Engine
+from megatron_ba.generation.refit import ReplicaGroups, WeightRefit
+from megatron_ba.generation.vllm_engine import VLLMEngine
 from megatron_ba.parallel import collectives
 from megatron_ba.recipe import Recipe
 
@@ -58,21 +62,6 @@ def merge_shares(shares: list[list], bounds: list[tuple[int, int]]) -> list:
     return out
 
 
-def _replica_groups():
-    """This rank's replica groups (megatron-core's parallel state) for the refit."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ba.generation.refit import ReplicaGroups
-
-    return ReplicaGroups(
-        tp_group=ps.get_tensor_model_parallel_group(),
-        pp_group=ps.get_pipeline_model_parallel_group(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        cp_rank=ps.get_context_parallel_rank(),
-    )
-
-
 def _engines_group():
     """The engine ranks of every replica (the data-parallel group of tp/pp/cp rank 0)."""
     from megatron.core import parallel_state as ps
@@ -81,7 +70,9 @@ def _engines_group():
 
 
 class Rollouts:
-    def __init__(self, engine, tokenizer, recipe: Recipe, *, groups, engines_group, is_main):
+    def __init__(
+        self, engine: Engine | None, tokenizer, recipe: Recipe, *, groups, engines_group, is_main
+    ):
         self.engine, self.tokenizer, self.recipe = engine, tokenizer, recipe
         self.max_new_tokens = recipe.grpo.max_new_tokens
         self.groups, self.engines_group, self.is_main = groups, engines_group, is_main
@@ -102,7 +93,7 @@ class Rollouts:
         if r.engine == "builtin":
             sampler = _builtin(policy, tokenizer)
             return cls(sampler, tokenizer, recipe, groups=None, engines_group=None, is_main=True)
-        groups = _replica_groups()
+        groups = ReplicaGroups.of_this_rank()
         engines = _engines_group() if groups.is_engine_rank else None
         device = getattr(ctx, "device", None)  # DistContext.device (cuda:LOCAL_RANK or cpu)
         engine = _vllm_engine(recipe, hf_dir, policy, device) if groups.is_engine_rank else None
@@ -199,7 +190,6 @@ class Rollouts:
         calls: the gathers are collectives within each model-parallel group)."""
         if self.groups is None:  # the built-in sampler samples through the policy itself
             return 0.0
-        from megatron_ba.generation.refit import WeightRefit
 
         t = time.perf_counter()
         if self.refit is None:
@@ -221,7 +211,7 @@ class Rollouts:
         return time.perf_counter() - t
 
     def close(self) -> None:
-        if hasattr(self.engine, "close"):
+        if self.engine is not None:
             self.engine.close()
 
 
@@ -248,8 +238,6 @@ def _engine_dtype() -> torch.dtype:
 
 
 def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
-    from megatron_ba.generation.vllm_engine import VLLMEngine
-
     r = recipe.rollout
     return VLLMEngine(
         str(hf_dir),
@@ -266,8 +254,6 @@ def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
 
 
 def _builtin(policy, tokenizer):
-    from megatron_ba.generation.builtin_sampler import BuiltinSampler
-
     return BuiltinSampler(
         policy.full_vocab_forward,
         eos_token_id=tokenizer.eos_token_id,

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import time
 
+from megatron_ba.data.benchmarks import find_local_source, load_benchmark
+from megatron_ba.data.records import Problem
+from megatron_ba.data.templates import chat_prompt, plain_chat
+from megatron_ba.evaluation import evaluate
+from megatron_ba.rewards import MathRewardPool
+
 
 class Scorer:
     def __init__(self, task, recipe, tokenizer, *, context: int) -> None:
-        from megatron_ba.rewards import MathRewardPool
-
         self.task, self.recipe, self.tokenizer, self.context = task, recipe, tokenizer, context
         rw = recipe.reward
         self.pool = MathRewardPool(workers=rw.workers, timeout_s=rw.timeout_s)
@@ -30,7 +34,6 @@ class Scorer:
 
     def _load_benchmarks(self) -> dict:
         """name -> Problems: the recipe's benchmarks, or the task's held-out prompts."""
-        from megatron_ba.data.records import Problem
 
         e = self.recipe.eval
         if not e.benchmarks:
@@ -41,7 +44,6 @@ class Scorer:
                     for i, p in enumerate(prompts)
                 ]
             }
-        from megatron_ba.data.benchmarks import find_local_source, load_benchmark
 
         out = {}
         for name in e.benchmarks:
@@ -64,8 +66,6 @@ class Scorer:
     def evaluate(self, rollouts, *, seed: int) -> dict:
         """Acc@k and Best@k of the current policy: their means over the benchmarks
         (`eval_accuracy`, `eval_best_at_k`) and each benchmark's (`eval/<name>/acc`, ...)."""
-        from megatron_ba.data.templates import chat_prompt, plain_chat
-        from megatron_ba.evaluation import evaluate
 
         e, g = self.recipe.eval, self.recipe.grpo
         max_tokens = e.max_new_tokens or g.max_new_tokens

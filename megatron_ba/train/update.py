@@ -13,9 +13,10 @@ second mini-batch on the ratio moves away from 1 and the clip acts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from megatron_ba.loss import GRPOLossConfig
 from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.grpo_step import (
     GRPOBatch,
@@ -37,19 +38,10 @@ def step_config(
     return StepConfig(
         num_groups=num_groups,
         num_microbatches=num_microbatches,
-        rule=L.rule,
-        scope=L.scope,
-        reg_rule=L.reg_rule,
-        reg_scope=L.reg_scope,
-        max_length=L.max_length or g.max_new_tokens,
-        neutral_eps=L.neutral_eps,
-        loss=GRPOLossConfig(
-            clip_low=L.clip_low,
-            clip_high=L.clip_high,
-            dual_clip=L.dual_clip,
-            kl_coef=L.kl_coef,
-            entropy_coef=L.entropy_coef,
+        aggregation=dataclasses.replace(
+            L.aggregation_settings(), max_length=L.max_length or g.max_new_tokens
         ),
+        loss=L.loss_config(),
         temperature=g.temperature,
         max_tokens_per_microbatch=recipe.parallel.max_tokens_per_microbatch,
         logprob_chunk_size=recipe.parallel.logprob_chunk_size,

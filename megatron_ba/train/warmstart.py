@@ -21,7 +21,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_ba.conversion import hf_config_from_spec
+from megatron_ba.megatron.model import ModelSpec
+from megatron_ba.model_shape import PRESETS
 from megatron_ba.recipe import Recipe
+from megatron_ba.tasks import build_task
 from megatron_ba.tasks.arithmetic import ArithmeticTask
 from megatron_ba.tokenization import EOS, load_tokenizer, train_tokenizer
 
@@ -30,7 +34,6 @@ WARMSTART_VERSION = 1  # bump when the procedure changes, to invalidate caches
 
 def task_of(recipe: Recipe) -> ArithmeticTask:
     """The synthetic task the warm start trains on (the warm start exists for it alone)."""
-    from megatron_ba.tasks import build_task
 
     if recipe.data.task != "arithmetic":
         raise ValueError(f"warmstart: trains the arithmetic task only, not {recipe.data.task!r}")
@@ -54,9 +57,14 @@ def _hf_model(recipe: Recipe, vocab_size: int, eos_id: int):
     """A fresh transformers Qwen2 with the policy's exact shape (one config source)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_ba.conversion import hf_config_from_spec
-
-    spec = recipe.model.qwen2_spec(vocab_size)
+    # The one source of both the megatron-core policy and its Hugging Face twin (warm start,
+    # vLLM, exports): the recipe's shape keys.
+    spec = ModelSpec.of(
+        PRESETS["tiny"],
+        vocab_size=vocab_size,
+        init_std=recipe.model.init_std,
+        **recipe.model.shape(),
+    )
     return Qwen2ForCausalLM(
         Qwen2Config(**hf_config_from_spec(spec, eos_token_id=eos_id, bos_token_id=eos_id))
     )

@@ -8,7 +8,7 @@
 
 `python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ...` does the swap inside
 NeMo-RL's own GRPO script. NeMo-RL is not installed here: the protocol and call sites relied on
-are checked against its source (v0.7.0) by `megatron_ba.integrations.nemo_rl.contract`.
+are checked against its source (v0.7.0) by tests/nemo_rl_contract.py.
 """
 
 from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn

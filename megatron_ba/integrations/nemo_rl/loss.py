@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from megatron_ba._checks import check_choice
-from megatron_ba.aggregation import RULES, SCOPES
+from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_advantages
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
 
 try:  # NeMo-RL compares these by identity with its own enums
     from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
@@ -42,6 +42,8 @@ except ImportError:  # not installable here: same names and values (checked by t
 
 
 PLAN_KEYS = ("ba_weights", "ba_reg_weights")
+# AggregationSettings field -> its key in NeMo-RL's loss_fn config
+CONFIG_KEYS = {f: f"ba_{f}" for f in ("rule", "scope", "max_length", "neutral_eps")}
 
 
 class BalancedPGLossFn:
@@ -61,11 +63,15 @@ class BalancedPGLossFn:
 
     def __init__(self, cfg: Any, *, group_size: int):
         get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
-        self.rule = get("ba_rule", "balanced")
-        self.scope = get("ba_scope", "group")
-        self.neutral_eps = float(get("ba_neutral_eps", 0.0))
-        check_choice("loss_fn.ba_rule", self.rule, RULES)
-        check_choice("loss_fn.ba_scope", self.scope, SCOPES)
+        try:
+            self.aggregation = AggregationSettings(
+                rule=get("ba_rule", "balanced"),
+                scope=get("ba_scope", "group"),
+                max_length=get("ba_max_length", None),
+                neutral_eps=float(get("ba_neutral_eps", 0.0)),
+            )
+        except SettingError as e:
+            raise ValueError(e.renamed(CONFIG_KEYS, prefix="loss_fn.")) from None
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size: must be an integer >= 1, got {group_size!r}")
         for key, allowed in (("disable_ppo_ratio", False), ("use_cispo", False)):
@@ -83,7 +89,6 @@ class BalancedPGLossFn:
                 f"{get('reference_policy_kl_type')!r}"
             )
         self.group_size = group_size
-        self.max_length = get("ba_max_length", None)
         self.config = GRPOLossConfig(
             clip_low=get("ratio_clip_min", 0.2),
             clip_high=get("ratio_clip_max", 0.2),
@@ -107,15 +112,7 @@ class BalancedPGLossFn:
                 f"data: {n} sequences are not whole groups of group_size={self.group_size}"
             )
         group_ids = torch.arange(n) // self.group_size
-        plan = LossPlan.build(
-            self.rule,
-            lengths,
-            advantages.to(torch.float64),
-            group_ids,
-            scope=self.scope,
-            max_length=self.max_length,
-            neutral_eps=self.neutral_eps,
-        )
+        plan = LossPlan.build(self.aggregation, lengths, advantages.to(torch.float64), group_ids)
         data["ba_weights"] = plan.pg_weights
         data["ba_reg_weights"] = plan.reg_weights
 

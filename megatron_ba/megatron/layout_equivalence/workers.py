@@ -1,10 +1,10 @@
-"""The process bodies of the layout check (megatron_ba.megatron.layout_check spawns them).
+"""The process bodies of the layout equivalence check (its check.py spawns them).
 
 `reference_worker` (one process, TP=PP=CP=DP=1, one micro-batch) computes the model's log-probs
 and entropy (checked against a direct forward + log_softmax), the noisy old/reference log-probs
 of the synthetic batch, every (rule, scope)'s loss and full gradients, and one clipped AdamW step.
 `layout_worker` (tp*pp*cp*dp processes) recomputes all of that on its layout and writes the
-errors (rank 0) to a JSON file. Both are started by layout_check.py (parallel.launch.spawn).
+errors (rank 0) to a JSON file. Both are started by check.py (parallel.world.spawn).
 """
 
 from __future__ import annotations
@@ -15,8 +15,12 @@ from dataclasses import asdict
 
 import torch
 
-from megatron_ba.megatron.batching import causal_mask, response_end
-from megatron_ba.megatron.layout_cases import (
+from megatron_ba.megatron import model as mm
+from megatron_ba.megatron.batching import GRPOBatch, causal_mask, response_end
+from megatron_ba.megatron.build_options import resolve_build_options
+from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
+from megatron_ba.megatron.grpo_step import StepConfig, compute_logprobs, forward_backward
+from megatron_ba.megatron.layout_equivalence.cases import (
     LOSS_CONFIG,
     Case,
     Layout,
@@ -25,7 +29,13 @@ from megatron_ba.megatron.layout_cases import (
     synthetic_batch,
     tiny_spec,
 )
-from megatron_ba.parallel import collectives
+from megatron_ba.megatron.mcore_compat import cp_shard_batch
+from megatron_ba.megatron.startup import setup
+from megatron_ba.parallel import collectives, full_shape
+from megatron_ba.parallel.collectives import StatisticsReducer
+from megatron_ba.parallel.full_shape import gather_full_state_dict
+from megatron_ba.parallel.shard_layout import cp_shard
+from megatron_ba.rules import AggregationSettings
 
 # One clipped AdamW step (eps 1e-2 keeps the update a smooth function of the gradient, so that
 # float32 rounding in the gradient stays small in the update; the clip threshold is below the
@@ -38,20 +48,19 @@ def _init(rank: int, world: int, port: int, layout: Layout) -> None:
     # megatron-core warns at import that Apex / Transformer Engine are missing: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     torch.set_num_threads(1)
-    collectives.init_process_group("gloo", rank=rank, world_size=world, port=port)
-    from megatron_ba.megatron import cpu_compat
-
-    cpu_compat.install()
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
-    cpu_compat.seed_model_parallel_rng(0)
+    setup(
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        seed=0,
+        backend="gloo",
+        rank=rank,
+        world_size=world,
+        port=port,
+    )
 
 
 def _build(per_token_loss: bool, seed: int, attention: str = "unfused"):
-    from megatron_ba.megatron import model as mm
-    from megatron_ba.megatron.build_options import resolve_build_options
-
     spec = tiny_spec()
     config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss)
     # The world's device (gloo: the CPU): the layout check runs where its collectives do.
@@ -63,13 +72,11 @@ def _build(per_token_loss: bool, seed: int, attention: str = "unfused"):
         layer_spec=layer_spec,
         pg_collection=mm.model_pg_collection_without_cp(),
     )
-    mm.load_full_state_dict(chunks, mm.full_init_state_dict(spec, seed))
+    full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, seed))
     return chunks
 
 
 def _local_batch(batch: dict, rows: torch.Tensor):
-    from megatron_ba.megatron.batching import GRPOBatch
-
     return GRPOBatch(
         tokens=batch["tokens"][rows],
         response_mask=batch["response_mask"][rows],
@@ -83,30 +90,26 @@ def _local_batch(batch: dict, rows: torch.Tensor):
 def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
     from megatron.core import parallel_state
 
-    from megatron_ba.megatron.grpo_step import StepConfig, forward_backward
-    from megatron_ba.megatron.model import gather_full_state_dict
-    from megatron_ba.parallel.collectives import StatisticsReducer
-
     cfg = StepConfig(
         num_groups=num_groups(batch["tokens"].shape[0]),
         num_microbatches=case.num_microbatches,
         max_tokens_per_microbatch=case.token_budget,
-        rule=case.rule,
-        scope=case.scope,
-        max_length=16,
+        aggregation=AggregationSettings(rule=case.rule, scope=case.scope, max_length=16),
         loss=LOSS_CONFIG,
-        normalization=case.normalization,
-        assume_megatron_version=case.assume_megatron_version,
     )
     reducer = StatisticsReducer(parallel_state.get_data_parallel_group())
-    result = forward_backward(chunks, _local_batch(batch, rows), cfg, reducer=reducer)
+    result = forward_backward(
+        chunks,
+        _local_batch(batch, rows),
+        cfg,
+        reducer=reducer,
+        normalization=case.loss_normalization(),
+    )
     return result, reducer.calls, gather_full_state_dict(chunks, grads=True)
 
 
 def _optimizer_step(chunks, batch: dict, rows: torch.Tensor):
     """(gradient norm, full-shape parameter change) of one clipped AdamW step."""
-    from megatron_ba.megatron.model import gather_full_state_dict
-    from megatron_ba.megatron.optimizer import ShardedAdamW
 
     before = gather_full_state_dict(chunks)
     _run_case(chunks, batch, rows, OPTIMIZER_CASE)
@@ -133,7 +136,6 @@ def reference_worker(
     rank: int, port: int, seed: int, keys: list, out_path: str, sequences: int
 ) -> None:
     _init(rank, 1, port, Layout())
-    from megatron_ba.megatron.grpo_step import compute_logprobs
 
     chunks = _build(False, seed)
     batch = synthetic_batch(seed, sequences)
@@ -177,9 +179,6 @@ def _cp_layout_matches_megatron(tokens: torch.Tensor) -> bool:
     """Our CP shard of the tokens is megatron-core's get_batch_on_this_cp_rank (real CP group)."""
     from megatron.core import parallel_state
 
-    from megatron_ba.megatron.mcore_compat import cp_shard_batch
-    from megatron_ba.parallel.layout import cp_shard
-
     cp = parallel_state.get_context_parallel_world_size()
     rank = parallel_state.get_context_parallel_rank()
     group = parallel_state.get_context_parallel_group()
@@ -190,8 +189,6 @@ def _cp_layout_matches_megatron(tokens: torch.Tensor) -> bool:
 def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     _init(rank, world, port, layout)
     from megatron.core import parallel_state
-
-    from megatron_ba.megatron.grpo_step import compute_logprobs
 
     ref = torch.load(ref_path, weights_only=False)
     batch = ref["batch"]

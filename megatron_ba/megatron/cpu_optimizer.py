@@ -1,4 +1,4 @@
-"""The optimiser step of a GRPO step: global-norm clipping and torch AdamW over the shards.
+"""The CPU optimiser: global-norm clipping and torch AdamW over this rank's shards.
 
     optimizer = ShardedAdamW(chunks, lr=1e-6, weight_decay=0.0, clip_grad=1.0)    # once
     result = forward_backward(chunks, batch, cfg)      # megatron_ba.megatron.grpo_step
@@ -122,7 +122,7 @@ class ShardedAdamW:
     # The Adam moments are saved as megatron-core ShardedTensors keyed like the model's own
     # (`optimizer.exp_avg.<model key>`, same global shape, offsets and replica ids), so
     # dist_checkpointing reshards them under another TP / PP / DP exactly as it does the weights.
-    # megatron-core's optimiser (megatron/mcore_optimizer.py) offers the same two methods.
+    # megatron-core's optimiser (megatron/optimizer_choice.py) offers the same two methods.
 
     def step_count(self) -> int:
         """AdamW's step count, the same for every parameter (0 before the first step)."""

@@ -1,8 +1,9 @@
-"""What the layout check checks: layouts, cases, the synthetic batch, the results' records.
+"""What the layout check checks: layouts, cases and their negative controls, the synthetic batch,
+the results' records.
 
-Shared by the launcher (layout_check.py, the parent process) and the process bodies
-(layout_workers.py, the spawned ranks); importing neither, so that they import it and not each
-other. The check itself and its error measures: megatron_ba.megatron.layout_check.
+Shared by the launcher (check.py, the parent process) and the process bodies
+(workers.py, the spawned ranks); importing neither, so that they import it and not each
+other. The check itself and its error measures: megatron_ba.megatron.layout_equivalence.check.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ba.advantages import group_advantages
 from megatron_ba.loss import GRPOLossConfig
+from megatron_ba.megatron.batching import response_end
+from megatron_ba.megatron.grpo_step import EXACT, LossNormalization, loss_plan
+from megatron_ba.megatron.loss_scale import loss_scale
+from megatron_ba.megatron.model import tiny_qwen2_spec
+from megatron_ba.megatron.packing import balanced_dp_shards
 
 TOLERANCE = 1e-5
 LOSS_CONFIG = GRPOLossConfig(
@@ -38,6 +45,39 @@ class Layout:
         return f"TP{self.tp}xPP{self.pp}xCP{self.cp}xDP{self.dp}{core}"
 
 
+NORMALIZATIONS = ("plan", "per_microbatch")
+
+
+class ScaledAsVersion(LossNormalization):
+    """The negative control of the scaling: cancel another megatron-core version's factors
+    (None: the installed one's)."""
+
+    def __init__(self, version: tuple[int, int] | None) -> None:
+        self.version = version
+
+    def scale(self, num_parts: int, dp: int, cp: int, *, per_token_loss: bool) -> int:
+        return loss_scale(num_parts, dp, cp, per_token_loss=per_token_loss, version=self.version)
+
+
+class PerMicrobatchNormalization(ScaledAsVersion):
+    """The negative control of the plan: the same loss with each micro-batch's plan built from
+    that micro-batch's own statistics, averaged over micro-batches and DP ranks (NeMo-Aligner's
+    normalisation); wrong on purpose wherever a micro-batch is not the global batch. It differs
+    from the exact step in the normalisation alone."""
+
+    def global_plan(self, cfg, batch, reducer):
+        return None  # no global statistics: the reducer is never called
+
+    def part_plan(self, plan, cfg, batch, rows):
+        return loss_plan(cfg, batch, rows, None)
+
+    def part_share(self, num_parts: int, dp: int) -> float:
+        # The mean over micro-batches and DP ranks of each micro-batch's self-normalised loss;
+        # its CP shards still add up to that loss, since the micro-batch's plan comes from
+        # whole-sequence lengths.
+        return 1.0 / (num_parts * dp)
+
+
 @dataclass(frozen=True)
 class Case:
     rule: str
@@ -54,6 +94,16 @@ class Case:
     # parallel.max_tokens_per_microbatch: token-budget micro-batches (num_microbatches is then
     # ignored) on DP shards balanced by tokens (packing.balanced_dp_shards).
     token_budget: int | None = None
+
+    def loss_normalization(self) -> LossNormalization:
+        """How the step normalises this case's loss: exactly, or as one of the two controls."""
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization: unknown value {self.normalization!r}")
+        if self.normalization == "per_microbatch":
+            return PerMicrobatchNormalization(self.assume_megatron_version)
+        if self.assume_megatron_version is not None:
+            return ScaledAsVersion(self.assume_megatron_version)
+        return EXACT
 
     def __str__(self) -> str:
         extra = " per-token" if self.per_token_loss else ""
@@ -109,7 +159,6 @@ def num_groups(sequences: int) -> int:
 
 def tiny_spec():
     """The model of the check: megatron_ba.megatron.model.tiny_qwen2_spec()."""
-    from megatron_ba.megatron.model import tiny_qwen2_spec
 
     return tiny_qwen2_spec()
 
@@ -167,7 +216,6 @@ def synthetic_batch(seed: int, sequences: int = SEQUENCES) -> dict[str, torch.Te
     pos = torch.arange(s)[None]
     mask = (pos >= prompt[:, None]) & (pos < (prompt + resp)[:, None])
     tokens = torch.where(pos < (prompt + resp)[:, None], tokens, torch.zeros_like(tokens))
-    from megatron_ba.advantages import group_advantages
 
     adv = group_advantages(rewards, group_ids).advantages.float()
     return {"tokens": tokens, "response_mask": mask, "advantages": adv, "group_ids": group_ids}
@@ -184,8 +232,6 @@ def case_rows(batch: dict, layout: Layout, case: Case, rank: int) -> torch.Tenso
     n = batch["tokens"].shape[0]
     if case.token_budget is None:
         return dp_rows(n, layout.dp, rank)
-    from megatron_ba.megatron.batching import response_end
-    from megatron_ba.megatron.packing import balanced_dp_shards
 
     shards = balanced_dp_shards(response_end(batch["response_mask"]), layout.dp)
     return torch.tensor(shards[rank], dtype=torch.long)

@@ -1,7 +1,7 @@
 """The family-independent part of HF <-> megatron-core conversion: fused layouts and name rules.
 
 A family module (qwen2.py, qwen3.py) holds a `FamilyTable`: for each megatron-core parameter (in
-the full-shape, TP=1 / PP=1 naming of megatron_ba.megatron.model, local layer spec spelling) a
+the full-shape, TP=1 / PP=1 naming of megatron_ba.parallel.full_shape, local layer spec spelling) a
 rule saying which Hugging Face tensors it is made of:
 
 - `Copy(hf)`: the same tensor under another name;
@@ -25,11 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ba.conversion.names import (
-    hf_layer_name,
-    megatron_layer_name,
-    split_megatron_layer,
-)
+from megatron_ba.parallel.full_shape import EMBEDDING, megatron_layer_name, split_megatron_layer
 
 
 @dataclass(frozen=True)
@@ -65,8 +61,12 @@ TE_SPELLINGS: dict[str, str] = {
 LOCAL_TO_TE: dict[str, str] = {local: te for te, local in TE_SPELLINGS.items()}
 SPELLINGS = ("local", "transformer_engine")
 
-EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_LAYER = "output_layer.weight"
+
+
+def hf_layer_name(index: int, rest: str) -> str:
+    """Hugging Face Qwen's name of a layer's tensor: `model.layers.{index}.{rest}`."""
+    return f"model.layers.{index}.{rest}"
 
 
 def is_skipped(name: str) -> bool:

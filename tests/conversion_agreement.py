@@ -1,9 +1,9 @@
 """Do transformers, megatron-core and vLLM compute the same model from one checkpoint?
 
-    python -m megatron_ba.conversion.agreement megatron OUT.json HF_DIR [HF_DIR ...]
+    python -m tests.conversion_agreement megatron OUT.json HF_DIR [HF_DIR ...]
         [--layouts 1x1] [--export-root DIR] [--dist-ckpt CKPT]
-    torchrun --nproc-per-node 2 -m megatron_ba.conversion.agreement megatron ... --layouts 2x1,1x2
-    python -m megatron_ba.conversion.agreement vllm OUT.json HF_DIR [HF_DIR ...] --sync-root DIR
+    torchrun --nproc-per-node 2 -m tests.conversion_agreement megatron ... --layouts 2x1,1x2
+    python -m tests.conversion_agreement vllm OUT.json HF_DIR [HF_DIR ...] --sync-root DIR
 
 `megatron`: for each TP x PP layout (each uses the whole gloo world; tied models are skipped at
 PP=2 or more, which megatron-core cannot build on CPU) and each folder, the model is built, loaded
@@ -58,13 +58,13 @@ def _megatron_logprobs(chunks, ids: list[int]) -> torch.Tensor:
 
 def _negative_read(table, spec, ckpt, control: str):
     """The real per-tensor read with one property changed (see the module docstring)."""
-    from megatron_ba.conversion import core
+    from megatron_ba.conversion import family_table
 
     def read(name: str) -> torch.Tensor:
-        t = core.megatron_tensor(table, spec, name, ckpt.get)
+        t = family_table.megatron_tensor(table, spec, name, ckpt.get)
         if control == "gate_up_swapped" and name.endswith("mlp.linear_fc1.weight"):
-            gate, up = core.split_gated(t)
-            return core.merge_gated(up, gate)
+            gate, up = family_table.split_gated(t)
+            return family_table.merge_gated(up, gate)
         if control == "kv_heads_swapped" and ".linear_qkv." in name:
             r = spec.num_attention_heads // spec.num_query_groups
             g = t.reshape(spec.num_query_groups, r + 2, spec.head_dim, *t.shape[1:]).clone()
@@ -108,6 +108,7 @@ def _check_model(d: Path, spec, ids, ref, layout: str, export_root, dist_ckpt, c
     from megatron_ba.conversion.families import table_for
     from megatron_ba.conversion.hf_folder import HFCheckpoint
     from megatron_ba.megatron import model as mm
+    from megatron_ba.parallel import full_shape
 
     chunks = mm.build_model_chunks(spec, ddp=False)
     load_hf_into_chunks(chunks, d, spec)
@@ -115,7 +116,7 @@ def _check_model(d: Path, spec, ids, ref, layout: str, export_root, dist_ckpt, c
     table, ckpt = table_for(spec), HFCheckpoint(d)
     for control in ("gate_up_swapped", "kv_heads_swapped"):
         wrong = mm.build_model_chunks(spec, ddp=False)
-        mm.load_full_tensors(wrong, _negative_read(table, spec, ckpt, control))
+        full_shape.load_full_tensors(wrong, _negative_read(table, spec, ckpt, control))
         r[f"{control}_vs_hf_max_abs"] = _max_abs(_megatron_logprobs(wrong, ids), ref)
         del wrong
     if export_root is not None:
@@ -127,7 +128,7 @@ def _check_model(d: Path, spec, ids, ref, layout: str, export_root, dist_ckpt, c
     if dist_ckpt is not None:
         again = mm.build_model_chunks(spec, ddp=False)
         load_dist_checkpoint(again, dist_ckpt)
-        a, b = mm.gather_full_state_dict(chunks), mm.gather_full_state_dict(again)
+        a, b = full_shape.gather_full_state_dict(chunks), full_shape.gather_full_state_dict(again)
         r["dist_ckpt_equal"] = set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
         r["dist_ckpt_vs_hf_max_abs"] = _max_abs(_megatron_logprobs(again, ids), ref)
     return r
@@ -141,7 +142,7 @@ def run_megatron(
     from megatron.core import parallel_state
 
     from megatron_ba.conversion import spec_from_hf_dir
-    from megatron_ba.train.distributed import setup, teardown
+    from megatron_ba.megatron.startup import setup, teardown
 
     specs = {d: spec_from_hf_dir(d) for d in dirs}
     refs = {}
@@ -177,7 +178,7 @@ def run_vllm(out_json: str, dirs: list[str], sync_root: str) -> None:
 
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     from megatron_ba.conversion import (
-        core,
+        family_table,
         hf_named_tensors,
         megatron_state_dict_from_hf,
         spec_from_hf_dir,
@@ -191,7 +192,9 @@ def run_vllm(out_json: str, dirs: list[str], sync_root: str) -> None:
         ref = hf_logprobs(d, ids)
         full = megatron_state_dict_from_hf(d, spec)
         wrong = {
-            k: core.merge_gated(*reversed(core.split_gated(v))) if "linear_fc1" in k else v
+            k: family_table.merge_gated(*reversed(family_table.split_gated(v)))
+            if "linear_fc1" in k
+            else v
             for k, v in full.items()
         }
         engine = VLLMEngine(  # weights refit in memory (no sync folder)
@@ -213,7 +216,7 @@ def run_vllm(out_json: str, dirs: list[str], sync_root: str) -> None:
 def main(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m megatron_ba.conversion.agreement")
+    p = argparse.ArgumentParser(prog="python -m tests.conversion_agreement")
     p.add_argument("what", choices=("megatron", "vllm"))
     p.add_argument("out_json")
     p.add_argument("dirs", nargs="+")

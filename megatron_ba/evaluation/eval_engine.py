@@ -1,6 +1,7 @@
-"""The vLLM engine of `megatron-ba eval`, and the `generate` callable that evaluate() takes.
+"""How `megatron-ba eval` builds its vLLM engine, and the `generate` callable that evaluate()
+takes.
 
-    from megatron_ba.evaluation.vllm_engine import build_engine, vllm_generate
+    from megatron_ba.evaluation.eval_engine import build_engine, vllm_generate
     engine = build_engine("runs/x/hf", max_model_len=4096)
     generate = vllm_generate(engine)
     generate(["1+1="], 8, 1.0, 64)        # -> [[8 completions]]
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from megatron_ba.generation.vllm_engine import VLLMEngine
+
 
 def _on_cpu() -> bool:
     import torch
@@ -24,7 +27,6 @@ def _on_cpu() -> bool:
 
 def build_engine(model_dir: str, *, max_model_len: int | None = None, seed: int = 0):
     """A VLLMEngine over `model_dir` (config.json, safetensors, tokenizer files)."""
-    from megatron_ba.generation.vllm_engine import VLLMEngine
 
     if _on_cpu():
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))

@@ -1,6 +1,6 @@
 """Check that a TP x PP x CP x DP layout gives the single-process loss and gradients exactly.
 
-    from megatron_ba.megatron.layout_check import Layout, Case, run_layout
+    from megatron_ba.megatron.layout_equivalence.check import Layout, Case, run_layout
     results = run_layout(Layout(tp=2, pp=1, cp=1, dp=2), [Case("balanced", 3)], seed=0)
 
 One launch of tp*pp*cp*dp gloo processes (torch.multiprocessing, spawn) runs every case of the
@@ -16,7 +16,7 @@ Errors (float32 runs):
 CP runs at the loss level on CPU (grpo_step's cp_mode="loss"): the model sees whole sequences.
 Each launch also checks, once per layout: our CP shards against megatron-core's
 get_batch_on_this_cp_rank, forward-only log-probs/entropy, and one clipped AdamW step
-(layout_workers.py). The cases, the batch and the records of the results: layout_cases.py.
+(workers.py). The cases, the batch and the records of the results: cases.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import json
 import os
 import tempfile
 
-from megatron_ba.megatron import layout_workers
-from megatron_ba.megatron.layout_cases import (  # re-exported: the check's public names
+from megatron_ba.megatron.layout_equivalence import workers
+from megatron_ba.megatron.layout_equivalence.cases import (  # re-exported: the check's public names
     SEQUENCES,
     TOLERANCE,
     Case,
@@ -36,7 +36,7 @@ from megatron_ba.megatron.layout_cases import (  # re-exported: the check's publ
     check_layout_possible,
     expected_reducer_calls,
 )
-from megatron_ba.parallel.launch import free_port, spawn
+from megatron_ba.parallel.world import free_port, spawn
 
 __all__ = [
     "TOLERANCE",
@@ -54,7 +54,7 @@ __all__ = [
 def compute_reference(cases: list[Case], seed: int, path: str, sequences: int = SEQUENCES) -> None:
     """The single-process results of every (rule, scope) in `cases`, saved to `path`."""
     keys = sorted({(c.rule, c.scope) for c in cases})
-    spawn(layout_workers.reference_worker, 1, (free_port(), seed, keys, path, sequences))
+    spawn(workers.reference_worker, 1, (free_port(), seed, keys, path, sequences))
 
 
 def run_layout(
@@ -77,7 +77,7 @@ def run_layout(
             compute_reference(cases, seed, reference, sequences)
         out = os.path.join(tmp, "report.json")
         args = (layout.world, free_port(), layout, cases, reference, out)
-        spawn(layout_workers.layout_worker, layout.world, args)
+        spawn(workers.layout_worker, layout.world, args)
         with open(out) as f:
             report = json.load(f)
     results = []

