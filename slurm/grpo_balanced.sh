@@ -3,14 +3,16 @@
 #
 #   sbatch [sbatch options] slurm/grpo_balanced.sh RECIPE [key=value ...]
 #   sbatch --nodes=4 --gpus-per-node=8 --time=24:00:00 slurm/grpo_balanced.sh recipes/X.yaml
+#   sbatch --ntasks-per-node=8 --gpus-per-node=8 slurm/grpo_balanced.sh RECIPE backend=nemo_aligner
 #   DRY_RUN=1 SLURM_JOB_NODELIST='gpu[01-04]' GPUS_PER_NODE=8 bash slurm/grpo_balanced.sh RECIPE
 #
-# One launcher per node (srun): torchrun --nnodes N for `backend: local`, NeMo-Aligner's entry
-# with trainer.num_nodes/devices for `backend: nemo_aligner`. Rendezvous on the first node of
-# SLURM_JOB_NODELIST. Preemption / time limit: Slurm sends SIGUSR1 to this shell 300 s before the
-# end (--signal below), training checkpoints at the next step boundary, and this job requeues
-# itself; the requeued job resumes from that checkpoint. --dependency=singleton keeps one job per
-# job name, which this script sets to the run folder's name.
+# `backend: local`: one torchrun --nnodes N per node (srun). `backend: nemo_aligner`: one srun
+# task per process (hence --ntasks-per-node), each `megatron-ba train` writing the recipe's
+# prompts and running NeMo-Aligner's entry with the recipe as overrides. Rendezvous on the first
+# node of SLURM_JOB_NODELIST. Preemption / time limit: Slurm sends SIGUSR1 to this shell 300 s
+# before the end (--signal below), training checkpoints at the next step boundary, and this job
+# requeues itself; the requeued job resumes from that checkpoint. --dependency=singleton keeps one
+# job per job name, which this script sets to the run folder's name.
 #SBATCH --job-name=megatron-ba
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1

@@ -199,7 +199,11 @@ mba_plan() {
     MBA_JOB_NAME=$(basename "$MBA_RUN_DIR")
     MBA_LOG_DIR=$MBA_RUN_DIR/logs/job-${SLURM_JOB_ID:-local}-restart-${SLURM_RESTART_COUNT:-0}
     MBA_RESUME=0
-    [[ -f $MBA_RUN_DIR/checkpoints/latest ]] && MBA_RESUME=1
+    if [[ $RECIPE_BACKEND == nemo_aligner ]]; then # NeMo finds its own last checkpoint there
+        if compgen -G "$MBA_RUN_DIR/checkpoints/*-last" >/dev/null; then MBA_RESUME=1; fi
+    elif [[ -f $MBA_RUN_DIR/checkpoints/latest ]]; then
+        MBA_RESUME=1
+    fi
     MBA_FIT_RECIPE=$recipe
 
     MBA_HEAD=${MASTER_ADDR:-${MBA_HOSTS[0]}}
@@ -230,26 +234,39 @@ mba_plan() {
         MBA_TASK_LOG=node-%n.log # the node's ranks, prefixed; per rank files under ranks/
         ;;
     nemo_aligner)
-        # NeMo-Aligner's entry reads the recipe plus Hydra overrides; one task per GPU, as
-        # Lightning's SLURM environment expects (it takes its ranks from srun).
-        # The recipe becomes NeMo-style ++key=value overrides (megatron_ba.integrations.
-        # nemo_aligner.overrides, through `megatron-ba train ... --print-overrides`).
-        local translated
+        # One task per GPU (gloo processes on CPU), as Lightning's SLURM environment expects (it
+        # takes its ranks from srun), each running `megatron-ba train` with the recipe: it
+        # writes the recipe's prompts (RUN_DIR/data/), then becomes NeMo-Aligner's entry
+        # (exec) with the recipe as ++key=value overrides (megatron_ba.integrations.nemo_aligner.
+        # overrides). NeMo logs, checkpoints and resumes in the run folder. The translation runs
+        # here first, so that a recipe it refuses launches nothing; DRY_RUN shows it.
+        local accelerator=gpu
+        ((gpus > 0)) || accelerator=cpu
+        local -a nemo_args=(--run-dir "$MBA_RUN_DIR" --nodes "$MBA_NODES" --devices "$MBA_GPUS"
+            --accelerator "$accelerator")
+        local translated why
+        why=$(mktemp "${TMPDIR:-/tmp}/megatron-ba-translate.XXXXXX")
         translated=$("${MBA_PYTHON[@]}" -m megatron_ba.cli train "$MBA_RECIPE" \
-            "${MBA_OVERRIDES[@]}" --print-overrides --nodes "$MBA_NODES" --devices "$MBA_GPUS") ||
+            "${MBA_OVERRIDES[@]}" --print-overrides "${nemo_args[@]}" 2>"$why") || {
+            cat "$why" >&2
+            rm -f "$why"
             mba_die "backend nemo_aligner: the recipe does not translate (above); nothing launched"
-        local -a nemo
-        mapfile -t nemo <<<"$translated"
-        # NeMo's logs, checkpoints and metrics.jsonl in the run folder (its resume_if_exists
-        # finds the checkpoints there after a requeue).
-        launcher=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.integrations.nemo_aligner.train_grpo
-            "${nemo[@]}" "++exp_manager.explicit_log_dir=$MBA_RUN_DIR")
+        }
+        rm -f "$why"
+        mapfile -t MBA_NEMO_OVERRIDES <<<"$translated"
+        launcher=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.cli train "$MBA_RECIPE"
+            "${MBA_OVERRIDES[@]}" "${nemo_args[@]}")
         MBA_TASKS_PER_NODE=$MBA_GPUS
         MBA_TASK_LOG=rank-%t.log # one task per rank: Slurm's task id is the global rank
         ;;
     *) mba_die "backend $RECIPE_BACKEND: no launcher for it" ;;
     esac
 
+    # srun starts no more tasks per node than the allocation holds (sbatch --ntasks-per-node).
+    if [[ $mode == batch && ${SLURM_NTASKS_PER_NODE:-} =~ ^[0-9]+$ ]] &&
+        ((MBA_TASKS_PER_NODE > SLURM_NTASKS_PER_NODE)); then
+        mba_die "backend $RECIPE_BACKEND runs $MBA_TASKS_PER_NODE tasks per node (one per process: Lightning takes its ranks from Slurm's tasks) and this job has $SLURM_NTASKS_PER_NODE: submit with sbatch --ntasks-per-node=$MBA_TASKS_PER_NODE; nothing launched"
+    fi
     if [[ $mode == batch ]]; then
         local -a srun=(srun --nodes="$MBA_NODES" --ntasks-per-node="$MBA_TASKS_PER_NODE"
             --kill-on-bad-exit=1 --output="$MBA_LOG_DIR/$MBA_TASK_LOG")
@@ -279,6 +296,10 @@ mba_describe() {
         "resume: $([[ $MBA_RESUME == 1 ]] && echo yes || echo no)"
     echo "# logs: $MBA_LOG_DIR"
     echo "# recipe read with ${MBA_PYTHON[*]} ($MBA_PYTHON_FROM)"
+    if [[ $RECIPE_BACKEND == nemo_aligner ]]; then
+        echo "# NeMo-Aligner overrides (train_grpo, after the recipe's prompts are written):"
+        printf '#   %s\n' "${MBA_NEMO_OVERRIDES[@]}"
+    fi
     local name
     for name in "${MBA_ENV_NAMES[@]}"; do
         printf 'export %s=%q\n' "$name" "${!name}"

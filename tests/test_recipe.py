@@ -270,6 +270,8 @@ def test_every_recipe_translates_for_nemo_aligner(path):
             str(path),
             "backend=nemo_aligner",
             "--print-overrides",
+            "--accelerator",
+            "gpu",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -279,6 +281,7 @@ def test_every_recipe_translates_for_nemo_aligner(path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert f"++model.tensor_model_parallel_size={r.parallel.tp}" in lines
+    assert f"++model.megatron_amp_O2={str(r.model.precision == 'bf16').lower()}" in lines
     if r.model.pretrained:
         assert "++pretrained_checkpoint.restore_from_path=???" in lines
         assert "convert it to .nemo" in out.stderr

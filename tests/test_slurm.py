@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+import slurm_cluster
 
 from megatron_ba.planning.launch import FitError, check_fit, expand_hostlist
 
@@ -110,14 +109,19 @@ def test_dry_run_prints_the_commands(tmp_path, nodes, backend):
         assert "logs/job-77-restart-0/node-%n.log" in cmd
     else:
         assert "--ntasks-per-node=8 " in cmd
-        assert (
-            f" python3 -m megatron_ba.integrations.nemo_aligner.train_grpo "
-            f"++trainer.num_nodes={nodes} "
-            "++trainer.devices=8 ++model.tensor_model_parallel_size=2 "
-            "++model.pipeline_model_parallel_size=2 "
-        ) in cmd
+        # in the container: `megatron-ba train`, which writes the prompts and runs train_grpo
+        assert cmd.endswith(
+            f" python3 -m megatron_ba.cli train {TP2} backend=nemo_aligner parallel.pp=2 "
+            f"parallel.micro_batch_size=2 --run-dir runs/tiny-cpu-tp2-balanced --nodes {nodes} "
+            "--devices 8 --accelerator gpu"
+        )
         assert "logs/job-77-restart-0/rank-%t.log" in cmd
-        assert cmd.endswith(" ++exp_manager.explicit_log_dir=runs/tiny-cpu-tp2-balanced")
+        shown = [line[4:] for line in out.splitlines() if line.startswith("#   ++")]
+        assert shown[:5] == [f"++trainer.num_nodes={nodes}", "++trainer.devices=8",
+                             "++trainer.accelerator=gpu", "++model.tensor_model_parallel_size=2",
+                             "++model.pipeline_model_parallel_size=2"]  # fmt: skip
+        assert "++exp_manager.explicit_log_dir=runs/tiny-cpu-tp2-balanced" in shown
+        assert "++model.data.data_prefix.train=runs/tiny-cpu-tp2-balanced/data/train.jsonl" in shown
     assert not (tmp_path / "runs").exists()  # nothing written, nothing launched
 
 
@@ -130,6 +134,28 @@ def test_dry_run_on_cpu_uses_the_recipes_processes(tmp_path):
     cmd = p.stdout.strip().splitlines()[-1]
     assert cmd.startswith("bash -c") and "torchrun --nnodes=1 --nproc-per-node=1 " in cmd
     assert "srun" not in cmd
+    # backend nemo_aligner on CPU: two gloo processes, fp32 with torch's AdamW
+    p = _dry(BATCH, str(TP2), "backend=nemo_aligner", cwd=tmp_path, SLURM_JOB_NODELIST="vm",
+             GPUS_PER_NODE="")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    cmd = p.stdout.strip().splitlines()[-1]
+    assert "--ntasks-per-node=2 " in cmd and cmd.endswith("--devices 2 --accelerator cpu")
+    shown = [line[4:] for line in p.stdout.splitlines() if line.startswith("#   ")]
+    assert {"++trainer.accelerator=cpu", "++trainer.precision=32", "++model.optim.name=adamw",
+            "~model.optim.bucket_cap_mb"} <= set(shown)  # fmt: skip
+
+
+def test_nemo_aligner_needs_an_allocation_with_a_task_per_process(tmp_path):
+    """srun starts no more tasks per node than the job holds: one task per process
+    (backend nemo_aligner) needs sbatch --ntasks-per-node=G, said before anything starts."""
+    args = (str(TP2), "backend=nemo_aligner")
+    env = dict(SLURM_JOB_NODELIST="gpu01", GPUS_PER_NODE=8)
+    p = _dry(BATCH, *args, cwd=tmp_path, SLURM_NTASKS_PER_NODE=1, **env)
+    assert p.returncode == 2
+    assert "this job has 1: submit with sbatch --ntasks-per-node=8" in p.stderr
+    assert _dry(BATCH, *args, cwd=tmp_path, SLURM_NTASKS_PER_NODE=8, **env).returncode == 0
+    # the local backend: one torchrun agent per node, whatever the job holds
+    assert _dry(BATCH, str(TP2), cwd=tmp_path, SLURM_NTASKS_PER_NODE=1, **env).returncode == 0
 
 
 def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):
@@ -282,22 +308,9 @@ def test_shellcheck_clean():
 # -- a real Slurm -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slurm():
-    """SLURM_CONF of a running one-node cluster: the caller's, or one slurm_up.sh starts."""
-    conf = os.environ.get("SLURM_CONF")
-    if conf and shutil.which("sinfo"):
-        if subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
-            yield conf
-            return
-    if os.geteuid() != 0 and shutil.which("sbatch") is None:
-        pytest.skip("Slurm is not installed and installing it needs root")
-    up = subprocess.run(["bash", str(ROOT / "scripts/slurm_up.sh")], capture_output=True,
-                        text=True, timeout=300)  # fmt: skip
-    if up.returncode != 0:
-        pytest.skip(f"could not start a Slurm here: {up.stderr.strip()[-500:]}")
-    conf = up.stdout.strip().split("=", 1)[1]
-    yield conf
-    if "already running" not in up.stderr:  # stop only what this fixture started
-        subprocess.run(["bash", str(ROOT / "scripts/slurm_down.sh")], capture_output=True)
+    """SLURM_CONF of a running one-node cluster (tests/slurm_cluster.py)."""
+    with slurm_cluster.cluster() as conf:
+        yield conf
 
 
 @pytest.fixture(scope="module")
@@ -318,20 +331,7 @@ def _sbatch(conf, cwd, run_dir, cache, *overrides) -> int:
     return int(p.stdout.strip().split(";")[0])
 
 
-def _job(conf, job) -> dict:
-    p = subprocess.run(["scontrol", "-o", "show", "job", str(job)], capture_output=True,
-                       text=True, env=_env(SLURM_CONF=conf))  # fmt: skip
-    return dict(re.findall(r"(\w+)=(\S*)", p.stdout))
-
-
-def _wait(cond, what, timeout=900.0, every=1.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+_job, _wait, _why = slurm_cluster.job_info, slurm_cluster.wait, slurm_cluster.why
 
 
 def _train_steps(run_dir: Path) -> list[int]:
@@ -344,30 +344,6 @@ def _train_steps(run_dir: Path) -> list[int]:
 def _comparable(run_dir: Path) -> list[dict]:
     rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
     return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
-
-
-def _daemon_log(conf: str, key: str) -> str:
-    """The log(s) a slurm.conf names under KEY (SlurmctldLogFile, SlurmdLogFile; %n = any node)."""
-    for line in Path(conf).read_text().splitlines():
-        if line.startswith(key + "="):
-            pattern = line.split("=", 1)[1].strip().replace("%n", "*")
-            return "\n".join(p.read_text() for p in sorted(Path("/").glob(pattern.lstrip("/"))))
-    return ""
-
-
-def _slurm_log(cwd: Path) -> str:
-    return "\n".join(p.read_text() for p in sorted(cwd.glob("slurm-*.out")))
-
-
-def _why(conf: str, cwd: Path, info: dict) -> str:
-    """A failed job's story: its state and reason, the jobs' output, and what slurmctld and
-    slurmd logged about it (a job can fail before its script prints a line)."""
-    job = info.get("JobId", "?")
-    ours = re.compile(rf"JobId={job}\b|job {job}\b|\[{job}\.|StepId={job}\.")
-    logs = _daemon_log(conf, "SlurmctldLogFile") + "\n" + _daemon_log(conf, "SlurmdLogFile")
-    daemons = "\n".join(line for line in logs.splitlines() if ours.search(line))
-    state = {k: info.get(k) for k in ("JobState", "Reason", "ExitCode", "Restarts")}
-    return f"{state}\n{_slurm_log(cwd)}\n-- slurmctld/slurmd on job {job}:\n{daemons}"
 
 
 @pytest.mark.slow
@@ -401,7 +377,7 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     assert 1 <= stopped < 5
     assert (pre / "checkpoints" / f"step-{stopped:06d}" / "meta.json").is_file()
     assert _train_steps(pre) == list(range(1, stopped + 1))
-    assert "requeueing job" in _slurm_log(tmp_path)
+    assert "requeueing job" in slurm_cluster.batch_output(tmp_path)
     # Slurm holds a requeued job until its last run's credentials expire (cred_expire + 1 s:
     # slurm_up.sh sets 15 s) and then starts it again by itself. Forcing it earlier races the
     # revocation of those credentials (whole seconds) and the job can fail as "job credential
@@ -449,3 +425,37 @@ def test_preemption_flag_file_and_children(tmp_path):
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
         signal.signal(signal.SIGUSR1, old_handler)
         preemption._requested = False
+
+
+class _Clock:
+    """NeMo-Aligner's Timer as RunTimerWithRequests uses it: time left, settable."""
+
+    def __init__(self) -> None:
+        self.left = 10.0
+
+    def start_time(self) -> None:
+        pass
+
+    def get_time_remaining(self) -> float:
+        return self.left
+
+
+def test_nemo_aligner_run_timer_stops_on_the_launchers_request(tmp_path):
+    """The NeMo backend's side of the protocol: the same file names and exit status as the local
+    backend's, and a run timer that finishes when RUN_DIR/PREEMPT appears or time is up."""
+    from megatron_ba.integrations.nemo_aligner import preemption as nemo
+    from megatron_ba.train import preemption
+
+    assert (nemo.REQUEST_FILE, nemo.MARKER_FILE, nemo.PREEMPTED_EXIT_CODE) == (
+        preemption.REQUEST_FILE, preemption.MARKER_FILE, preemption.PREEMPTED_EXIT_CODE
+    )  # fmt: skip
+    clock = _Clock()
+    timer = nemo.RunTimerWithRequests(clock, tmp_path)
+    assert not timer.is_finished() and not timer.requested
+    (tmp_path / "PREEMPT").touch()
+    assert timer.is_finished() and timer.requested
+    (tmp_path / "PREEMPT").unlink()
+    clock.left = 0.0  # NeMo's own limit (exp_manager.max_time_per_run): finished, not requested
+    assert timer.is_finished() and not timer.requested
+    nemo.mark_preempted(tmp_path, 3)
+    assert json.loads((tmp_path / "preempted.json").read_text()) == {"step": 3}

@@ -18,7 +18,6 @@ start is kept.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -116,21 +115,11 @@ def _not_the_model(folder: str, names: list[str]) -> list[str]:
     return [n for n in names if n in ("DONE", "warmstart.json")]  # the warm-start cache's marks
 
 
-def write_prompts(recipe, out: Path) -> None:
-    from megatron_ba.train.warmstart import task_of
-
-    task = task_of(recipe)
-    files = {"train": ("train", NUM_TRAIN_PROMPTS), "val": ("eval", recipe.data.eval_prompts)}
-    for name, (split, count) in files.items():
-        prompts = task.prompts(split, count)
-        rows = [{"prompt": p, "ground_truth": task.answer(p)} for p in prompts]
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
 def make(out: str | Path, recipe_path: str | Path = DEFAULT_RECIPE, overrides=(),
          cache_dir: str | Path = "~/.cache/megatron-ba") -> Path:  # fmt: skip
     """OUT with model.nemo, hf/, train.jsonl, val.jsonl (kept if already made alike)."""
     from megatron_ba.recipe import load_recipe
+    from megatron_ba.train.prompt_files import write_prompt_files
     from megatron_ba.train.warmstart import cache_key, run_warmstart
 
     out = Path(out)
@@ -144,7 +133,7 @@ def make(out: str | Path, recipe_path: str | Path = DEFAULT_RECIPE, overrides=()
     (out / "DONE").unlink(missing_ok=True)
     shutil.rmtree(out / "model_weights", ignore_errors=True)  # NeMo's scratch folder
     save_nemo(hf_dir, out)
-    write_prompts(recipe, out)
+    write_prompt_files(recipe, out, train_prompts=NUM_TRAIN_PROMPTS)
     (out / "DONE").write_text(key + "\n")
     print(f"nemo-tiny-model: wrote {out}/model.nemo, train.jsonl, val.jsonl")
     return out

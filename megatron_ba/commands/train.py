@@ -25,6 +25,7 @@ from pathlib import Path
 from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
 from megatron_ba.recipe import RecipeError, load_recipe
 from megatron_ba.train.console import Console
+from megatron_ba.train.prompt_files import prompt_file_paths, write_prompt_files
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,31 +48,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--devices", type=int, default=None, help="nemo_aligner: trainer.devices (default TP x PP)"
     )
     p.add_argument(
+        "--accelerator",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="nemo_aligner: trainer.accelerator (auto: gpu where torch sees one, else cpu)",
+    )
+    p.add_argument(
         "--verbose",
         action="store_true",
         help="show every library's output on the terminal (default: RUN_DIR/logs/rank-<r>.log)",
     )
 
 
-def _nemo_aligner(recipe, args: argparse.Namespace) -> int:
-    """backend=nemo_aligner: the recipe as NeMo-Aligner overrides; print them, or launch its entry
-    point (`python -m megatron_ba.integrations.nemo_aligner.train_grpo`) in this environment."""
+def _nemo_aligner(recipe, args: argparse.Namespace, run_dir: Path) -> int:
+    """backend=nemo_aligner: the recipe as NeMo-Aligner overrides; print them, or write the
+    recipe's prompts (RUN_DIR/data/) and become its entry point (`python -m
+    megatron_ba.integrations.nemo_aligner.train_grpo`, exec'd: a signal to this process reaches
+    the training loop). NeMo logs, checkpoints and resumes in RUN_DIR: the same command again
+    continues the run (NeMo moves the files it finds there into RUN_DIR/run_<N>/ first)."""
     import importlib.util
-    import subprocess
 
     hf = recipe.model.pretrained is not None and not recipe.model.pretrained.endswith(".nemo")
+    files = prompt_file_paths(run_dir / "data")
+    accelerator = _accelerator(args.accelerator)
     try:
         overrides = recipe_to_nemo_overrides(
             recipe,
             num_nodes=args.nodes,
             devices=args.devices,
             hf_checkpoint="placeholder" if args.print_overrides else "refuse",
+            accelerator=accelerator,
+            prompt_files=(str(files[0]), str(files[1])),
+            log_dir=str(run_dir),
         )
     except ValueError as e:
-        print(f"train: {e}", file=sys.stderr)
+        found = " (--accelerator auto: no GPU here; --accelerator gpu translates for GPU nodes)"
+        print(f"train: {e}{found if args.accelerator != accelerator else ''}", file=sys.stderr)
         return 2
     if args.print_overrides:
         print("\n".join(overrides))
+        print("train: the prompt files named above are written by the same command without "
+              "--print-overrides, which then runs train_grpo with these overrides",
+              file=sys.stderr)  # fmt: skip
         if hf:
             print(
                 f"train: model.pretrained {recipe.model.pretrained!r} is a Hugging Face folder: "
@@ -88,8 +106,23 @@ def _nemo_aligner(recipe, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:  # every process of the run writes the same files (atomically): no rank waits for one
+        write_prompt_files(recipe, run_dir / "data")
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
     entry = [sys.executable, "-m", "megatron_ba.integrations.nemo_aligner.train_grpo"]
-    return subprocess.call([*entry, *overrides])
+    sys.stdout.flush()
+    os.execv(sys.executable, [*entry, *overrides])
+
+
+def _accelerator(choice: str) -> str:
+    """--accelerator auto: a GPU where torch sees one, else the CPU (gloo processes)."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"train: {e}", file=sys.stderr)
         return 2
     if recipe.backend == "nemo_aligner":
-        return _nemo_aligner(recipe, args)
+        return _nemo_aligner(recipe, args, run_dir)
     if args.print_overrides:
         print("train: --print-overrides is for backend=nemo_aligner", file=sys.stderr)
         return 2

@@ -23,8 +23,14 @@ TINY = REPO / "recipes/tiny-cpu.yaml"
 
 
 def _as_dict(overrides: list[str]) -> dict[str, str]:
-    assert all(o.startswith("++") and "=" in o for o in overrides), overrides
-    return dict(o[2:].split("=", 1) for o in overrides)
+    """The `++key=value` overrides as a dict (`~key` removals: _removed)."""
+    kept = [o for o in overrides if not o.startswith("~")]
+    assert all(o.startswith("++") and "=" in o for o in kept), overrides
+    return dict(o[2:].split("=", 1) for o in kept)
+
+
+def _removed(overrides: list[str]) -> list[str]:
+    return [o[1:] for o in overrides if o.startswith("~")]
 
 
 def _has_key(tree: dict, dotted: str) -> bool:
@@ -177,3 +183,81 @@ def test_local_backend_only_keys_are_refused_by_name(override):
     recipe = load_recipe(TINY, [override])
     with pytest.raises(ValueError, match=override.split("=")[0].replace(".", r"\.")):
         recipe_to_nemo_overrides(recipe)
+
+
+def test_cpu_runs_fp32_with_torchs_adamw_and_drop_apexs_keys():
+    """accelerator=cpu: what a CPU run needs, all of it and only there (a GPU translation of the
+    same recipe keeps the config's apex Adam)."""
+    recipe = load_recipe(TINY)
+    cpu = recipe_to_nemo_overrides(recipe, accelerator="cpu")
+    gpu = recipe_to_nemo_overrides(recipe)
+    got = _as_dict(cpu)
+    assert got["trainer.accelerator"] == "cpu" and got["trainer.precision"] == "32"
+    assert got["model.megatron_amp_O2"] == "false"  # fp32 weights: no O2 master copy
+    assert got["model.optim.name"] == "adamw"
+    assert got["model.reinforce.offload_adam_states"] == "false"
+    conf = yaml.safe_load(CONF.read_text())
+    assert _removed(cpu) == [f"model.optim.{k}" for k in ("bucket_cap_mb", "overlap_grad_sync",
+                                                           "contiguous_grad_buffer")]  # fmt: skip
+    assert all(_has_key(conf, k) for k in _removed(cpu))  # each names a key the config has
+    assert _removed(gpu) == [] and "model.optim.name" not in _as_dict(gpu)
+    assert _as_dict(gpu)["trainer.accelerator"] == "gpu"
+    with pytest.raises(ValueError, match=r"^model\.precision: the nemo_aligner backend on CPU"):
+        recipe_to_nemo_overrides(load_recipe(TINY, ["model.precision=bf16"]), accelerator="cpu")
+    with pytest.raises(ValueError, match=r"^accelerator: must be gpu or cpu"):
+        recipe_to_nemo_overrides(recipe, accelerator="tpu")
+
+
+@pytest.mark.parametrize(
+    ("every", "want"),
+    [
+        (["eval.every=10", "checkpoint.every=10"], ("10", "10")),
+        (["eval.every=5", "checkpoint.every=10"], ("5", "10")),
+        (["eval.every=0", "checkpoint.every=0"], ("40", "40")),  # 0: at the end, grpo.steps
+        (["eval.every=5", "checkpoint.every=0"], ("5", "40")),
+    ],
+)
+def test_eval_and_checkpoint_intervals(every, want):
+    got = _as_dict(recipe_to_nemo_overrides(load_recipe(TINY, ["grpo.steps=40", *every])))
+    assert (
+        got["trainer.reinforce.val_check_interval"],
+        got["trainer.reinforce.save_interval"],
+    ) == want
+
+
+@pytest.mark.parametrize("every", [["eval.every=4", "checkpoint.every=10"],
+                                   ["eval.every=0", "checkpoint.every=10"]])  # fmt: skip
+def test_a_checkpoint_interval_off_the_evaluation_steps_names_both_keys(every):
+    with pytest.raises(ValueError, match=r"^checkpoint\.every: .* multiple of eval\.every"):
+        recipe_to_nemo_overrides(load_recipe(TINY, ["grpo.steps=40", *every]))
+
+
+def test_rollout_and_validation_batches_follow_the_dp_share():
+    """Each DP rank generates all its prompts in one call and validates on its share."""
+    recipe = load_recipe(TINY, ["data.eval_prompts=24"])  # 32 prompts, micro-batches of 64
+    got = _as_dict(recipe_to_nemo_overrides(recipe, devices=2))  # TP1: DP 2
+    assert got["model.reinforce.rollout_micro_batch_size"] == "16"
+    assert got["model.reinforce.num_val_samples"] == "24"
+    assert got["model.reinforce.val_rollout_micro_batch_size"] == "12"
+    assert got["model.reinforce.forward_micro_batch_size"] == "64"
+    with pytest.raises(ValueError, match=r"^data\.eval_prompts: 25 held-out prompts"):
+        recipe_to_nemo_overrides(load_recipe(TINY, ["data.eval_prompts=25"]), devices=2)
+
+
+def test_prompt_files_and_log_folder():
+    got = _as_dict(
+        recipe_to_nemo_overrides(
+            load_recipe(TINY), prompt_files=("d/train.jsonl", "d/val.jsonl"), log_dir="runs/r"
+        )
+    )
+    assert got["model.data.data_prefix.train"] == "d/train.jsonl"
+    assert got["model.data.data_prefix.validation"] == "d/val.jsonl"
+    assert got["exp_manager.explicit_log_dir"] == "runs/r"
+    bare = _as_dict(recipe_to_nemo_overrides(load_recipe(TINY)))
+    assert not any(k.startswith(("model.data.", "exp_manager.")) for k in bare)
+
+
+def test_the_recipes_seed_becomes_a_positive_nemo_seed():
+    """NeMo refuses seed 0, which every shipped recipe uses: seed s becomes s + 1."""
+    assert _as_dict(recipe_to_nemo_overrides(load_recipe(TINY)))["model.seed"] == "1"
+    assert _as_dict(recipe_to_nemo_overrides(load_recipe(TINY, ["seed=7"])))["model.seed"] == "8"

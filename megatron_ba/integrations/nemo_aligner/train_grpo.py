@@ -11,7 +11,9 @@ Config: conf/gpt_grpo_balanced.yaml. The wiring follows NeMo-Aligner's REINFORCE
 in-process math rewards instead of the reward-model server. Data: JSONL lines
 {"prompt": str, "ground_truth": str}. Without a CUDA device it installs the CPU shims
 (cpu_shims.py) first. Besides NeMo's logs (TensorBoard events, checkpoints) the log folder gets
-metrics.jsonl (metrics_log.py). What has run where: docs/status.md.
+metrics.jsonl (metrics_log.py). RUN_DIR/PREEMPT stops it after the step in flight with a checkpoint,
+RUN_DIR/preempted.json and exit status 75 (preemption.py; slurm/lib.sh requeues the job). What
+has run where: docs/status.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import torch
 
 from megatron_ba.integrations.nemo_aligner.config import grpo_settings
 from megatron_ba.integrations.nemo_aligner.metrics_log import MetricsJsonl
+from megatron_ba.integrations.nemo_aligner.preemption import (
+    PREEMPTED_EXIT_CODE,
+    RunTimerWithRequests,
+    mark_preempted,
+)
 from megatron_ba.parallel import collectives
 
 
@@ -139,6 +146,8 @@ def _main(cfg) -> None:
     divide(rc.num_rollout_samples, dp)  # every DP rank generates for its own prompts
     init_using_ptl(trainer, actor, train_builder(consumed_samples=0), train_ds)
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
+    # stops after a step when time is up or RUN_DIR/PREEMPT appears (preemption.py)
+    run_timer = RunTimerWithRequests(Timer(cfg.exp_manager.get("max_time_per_run")), log_dir)
     grpo = GRPOTrainer(
         cfg=cfg.trainer.reinforce,
         model=actor,
@@ -151,7 +160,7 @@ def _main(cfg) -> None:
         batch_iterator_cls=get_batch_iterator_cls(cfg.trainer.reinforce.batch_iterator),
         logger=logger,
         ckpt_callback=add_custom_checkpoint_callback(trainer, actor),
-        run_timer=Timer(cfg.exp_manager.get("max_time_per_run")),
+        run_timer=run_timer,
     )
     state = retrieve_custom_trainer_state_dict(trainer)
     if state is not None:
@@ -160,6 +169,11 @@ def _main(cfg) -> None:
         jsonl = MetricsJsonl(Path(log_dir) / "metrics.jsonl", resume_step=grpo.step)
         logger.loggers = [*logger.loggers, jsonl]
     grpo.fit()
+    if run_timer.requested and grpo.step < grpo.max_steps:  # checkpointed: requeue to continue
+        if collectives.world_rank_and_size()[0] == 0:
+            mark_preempted(log_dir, grpo.step)
+        print(f"[train_grpo] preempted after step {grpo.step}: checkpoint saved in {log_dir}")
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
 
 def main() -> None:

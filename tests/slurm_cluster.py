@@ -1,0 +1,95 @@
+"""A real one-node Slurm for tests (tests/test_slurm.py, tests/nemo/test_nemo_slurm.py): start or
+reuse one, submit and wait for jobs, and tell a failed job's story.
+
+    with cluster() as conf: ...           # SLURM_CONF of a running cluster (or pytest.skip)
+    info = wait_until_ended(conf, job)    # scontrol's fields of the ended job
+    assert info["JobState"] == "COMPLETED", why(conf, submit_dir, info)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def cluster():
+    """SLURM_CONF of a running one-node cluster: the caller's (CI exports it), or one
+    scripts/slurm_up.sh starts and this stops again."""
+    conf = os.environ.get("SLURM_CONF")
+    if conf and shutil.which("sinfo"):
+        if subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
+            yield conf
+            return
+    if os.geteuid() != 0 and shutil.which("sbatch") is None:
+        pytest.skip("Slurm is not installed and installing it needs root")
+    up = subprocess.run(["bash", str(ROOT / "scripts/slurm_up.sh")], capture_output=True,
+                        text=True, timeout=300)  # fmt: skip
+    if up.returncode != 0:
+        pytest.skip(f"could not start a Slurm here: {up.stderr.strip()[-500:]}")
+    conf = up.stdout.strip().split("=", 1)[1]
+    try:
+        yield conf
+    finally:
+        if "already running" not in up.stderr:  # stop only what this started
+            subprocess.run(["bash", str(ROOT / "scripts/slurm_down.sh")], capture_output=True)
+
+
+def job_info(conf: str, job: int) -> dict:
+    """scontrol's fields of `job` (empty once Slurm has forgotten it)."""
+    p = subprocess.run(["scontrol", "-o", "show", "job", str(job)], capture_output=True,
+                       text=True, env=dict(os.environ, SLURM_CONF=conf))  # fmt: skip
+    return dict(re.findall(r"(\w+)=(\S*)", p.stdout))
+
+
+def wait(cond, what: str, timeout: float = 900.0, every: float = 1.0):
+    """cond()'s first true value, polled every `every` s; AssertionError after `timeout` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_until_ended(conf: str, job: int, timeout: float = 900.0) -> dict:
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+    return wait(lambda: (j := job_info(conf, job)).get("JobState") in ended and j,
+                f"job {job} to end", timeout)  # fmt: skip
+
+
+def daemon_log(conf: str, key: str) -> str:
+    """The log(s) a slurm.conf names under KEY (SlurmctldLogFile, SlurmdLogFile; %n = any node)."""
+    for line in Path(conf).read_text().splitlines():
+        if line.startswith(key + "="):
+            pattern = line.split("=", 1)[1].strip().replace("%n", "*")
+            return "\n".join(p.read_text() for p in sorted(Path("/").glob(pattern.lstrip("/"))))
+    return ""
+
+
+def batch_output(cwd: Path) -> str:
+    """What the jobs submitted from `cwd` printed (the batch scripts' slurm-*.out)."""
+    return "\n".join(p.read_text() for p in sorted(cwd.glob("slurm-*.out")))
+
+
+def why(conf: str, cwd: Path, info: dict, *more: Path) -> str:
+    """A failed job's story: its state and reason, the jobs' output, the tails of `more` log
+    files, and what slurmctld and slurmd logged about it (a job can fail before its script
+    prints a line)."""
+    job = info.get("JobId", "?")
+    ours = re.compile(rf"JobId={job}\b|job {job}\b|\[{job}\.|StepId={job}\.")
+    logs = daemon_log(conf, "SlurmctldLogFile") + "\n" + daemon_log(conf, "SlurmdLogFile")
+    daemons = "\n".join(line for line in logs.splitlines() if ours.search(line))
+    state = {k: info.get(k) for k in ("JobState", "Reason", "ExitCode", "Restarts")}
+    tails = "\n".join(f"-- {p}:\n{p.read_text()[-4000:]}" for p in more if p.is_file())
+    return f"{state}\n{batch_output(cwd)}\n{tails}\n-- slurmctld/slurmd on job {job}:\n{daemons}"
