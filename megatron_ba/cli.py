@@ -39,6 +39,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.compare",
         "train token / sequence / balanced on one recipe and write report.md with figures",
     ),
+    "study": (
+        "megatron_ba.commands.study",
+        "train a recipe over a grid of keys (here or as one Slurm job array) and report it",
+    ),
+    "report": (
+        "megatron_ba.commands.report",
+        "report.md of a study or of run folders: seeds' spread, rule pairs, length diagnostics",
+    ),
     "eval": (
         "megatron_ba.commands.eval",
         "Acc@k / Best@k of a Hugging Face model folder on the paper's six benchmarks (vLLM)",

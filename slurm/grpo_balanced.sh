@@ -22,16 +22,25 @@
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
+# Slurm's warning (USR1) can come before training starts: remembered, acted on at launch (mba_run).
+MBA_EARLY_USR1=0
+trap 'MBA_EARLY_USR1=1' USR1
 
-# Under sbatch this file is a spooled copy: find the checkout from the submitted script's path.
+# Under sbatch this file is a spooled copy: find the checkout from the submitted script's path
+# (the first record: an array's last task shares the array's id, which lists every task).
 if [[ -z ${MBA_HOME:-} && -n ${SLURM_JOB_ID:-} && ${DRY_RUN:-0} != 1 ]]; then
-    submitted=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p') || true
+    submitted=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null |
+        sed -n 's/^ *Command=\([^ ]*\).*/\1/p' | head -n 1) || true
     [[ -f $submitted ]] && MBA_HOME=$(cd "$(dirname "$submitted")/.." && pwd)
 fi
 MBA_HOME=${MBA_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 # shellcheck source=slurm/lib.sh
 source "$MBA_HOME/slurm/lib.sh"
 
+if [[ -n ${MBA_STUDY:-} ]]; then # a task of a study's job array: its element's run
+    mba_study_element "$@"
+    set -- "${MBA_ARGS[@]}"
+fi
 mba_plan batch "$@"
 if [[ ${DRY_RUN:-0} == 1 ]]; then
     rm -f "$MBA_RESOLVED"

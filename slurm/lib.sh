@@ -112,6 +112,21 @@ mba_ib_env() {
     # Cluster-specific, left to the user: NCCL_IB_HCA (which HCAs), NCCL_IB_GID_INDEX (RoCE).
 }
 
+# An array task of a study (megatron-ba study --slurm: MBA_STUDY names the study folder): its run
+# folder (RUN_DIR) and arguments (MBA_ARGS: the recipe, the study's overrides, the element's) from
+# the study's study.json, read by the project's own code.
+mba_study_element() {
+    [[ -n ${SLURM_ARRAY_TASK_ID:-} ]] || mba_die "MBA_STUDY=$MBA_STUDY but no SLURM_ARRAY_TASK_ID: a study's elements are the tasks of its job array (megatron-ba study --slurm)"
+    mba_find_python "$(mba_home)"
+    local words
+    words=$(PYTHONPATH="$(mba_home)${PYTHONPATH:+:$PYTHONPATH}" "${MBA_PYTHON[@]}" \
+        -m megatron_ba.train.study element "$MBA_STUDY" "$SLURM_ARRAY_TASK_ID") ||
+        mba_die "MBA_STUDY=$MBA_STUDY: element $SLURM_ARRAY_TASK_ID could not be read (above)"
+    eval "MBA_ARGS=($words)" # shell words printed by shlex.join
+    RUN_DIR=${MBA_ARGS[0]}
+    MBA_ARGS=("$1" "${MBA_ARGS[@]:1}")
+}
+
 # mba_plan MODE RECIPE [overrides...]   MODE: batch (srun on every node) | interactive (this node)
 # Sets MBA_CMD (the command to run), MBA_RUN_DIR, MBA_LOG_DIR, MBA_JOB_NAME, MBA_RESUME and the
 # RECIPE_* values, after checking that the allocation holds the recipe's layout.
@@ -326,6 +341,10 @@ mba_run() {
     rm -f "$MBA_RUN_DIR/PREEMPT" "$MBA_RUN_DIR/preempted.json"
     MBA_SIGNALS=0
     trap 'MBA_SIGNALS=$((MBA_SIGNALS + 1)); mba_say "SIGUSR1: asking training to checkpoint at the next step and stop"; touch "$MBA_RUN_DIR/PREEMPT"' USR1
+    if ((${MBA_EARLY_USR1:-0})); then # asked before the launch (grpo_balanced.sh's first trap)
+        mba_say "SIGUSR1 before the launch: asking training to checkpoint after its first step"
+        touch "$MBA_RUN_DIR/PREEMPT"
+    fi
     mba_say "launching: $(printf '%q ' "${MBA_CMD[@]}")"
     "${MBA_CMD[@]}" &
     local pid=$! seen

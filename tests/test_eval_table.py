@@ -1,8 +1,8 @@
-"""The paper's peak -> last table of a run (summary.json) and its spread over seeds (compare)."""
+"""The paper's peak -> last table of a run (summary.json; tests/test_study_report.py has its spread
+over seeds)."""
 
 from __future__ import annotations
 
-from megatron_ba.train.compare import seed_spread_lines
 from megatron_ba.train.run_log import eval_table, summarize
 
 
@@ -53,14 +53,3 @@ def test_peak_is_the_best_mean_and_each_benchmark_is_read_there():
     tied = [*RUN[:3], _eval(6, 0.5, 0.75, 0.25, 0.5)]
     assert eval_table(tied)["peak_step"] == 2
     assert eval_table([{"step": 1, "pg_loss": 0.0}]) == {}
-
-
-def test_seed_spread_shows_every_seed_and_mean_plus_minus_std():
-    other = [_eval(0, 0.25, 0.5, 0.0, 0.0), _eval(2, 0.75, 1.0, 0.25, 0.5)]
-    lines = seed_spread_lines({"balanced": [RUN, other]}, 4)
-    row = next(x for x in lines if x.startswith("| math500 | balanced"))
-    # acc_peak: 0.5 (seed 0, at step 2) and 0.75 (seed 1, at step 2): mean 0.625, std 0.125.
-    assert row.split(" | ")[2] == "0.5000 / 0.7500 (mean 0.6250 ± 0.1250)"
-    one = seed_spread_lines({"token": [RUN]}, 4)
-    assert next(x for x in one if x.startswith("| math500 | token")).split(" | ")[2] == "0.5000"
-    assert seed_spread_lines({"token": [[{"step": 1}]]}, 4) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -459,3 +460,43 @@ def test_nemo_aligner_run_timer_stops_on_the_launchers_request(tmp_path):
     assert timer.is_finished() and not timer.requested
     nemo.mark_preempted(tmp_path, 3)
     assert json.loads((tmp_path / "preempted.json").read_text()) == {"step": 3}
+
+
+# -- a study as one job array (megatron-ba study --slurm) ---------------------------------------
+@pytest.mark.slow
+def test_a_study_runs_as_a_job_array_and_a_preempted_element_resumes(slurm, cache_dir, tmp_path):
+    """2 x 2 elements as array tasks, two at a time. The grid sweeps logging.plots, which does not
+    touch training, so (token, plots=false) is the uninterrupted twin of (token, plots=true),
+    which is preempted after its first step, requeued and resumed."""
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / ".cache").symlink_to(cache_dir)  # the module's warm start
+    steps = ["grpo.steps=5", "checkpoint.every=0", "eval.every=0"]
+    cmd = [sys.executable, "-m", "megatron_ba.cli", "study", str(TINY), *SMALL, *steps,
+           "--grid", "loss.rule=token,balanced", "--grid", "logging.plots=true,false",
+           "--out", str(out), "--slurm", "--max-parallel", "2"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=tmp_path, env=_env(SLURM_CONF=slurm), capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    array = re.search(r"submitted job array (\d+) \(4 tasks\)", p.stdout).group(1)
+    tasks = [f"{array}_{i}" for i in range(4)]
+    pre, twin = out / "token-plotstrue", out / "token-plotsfalse"
+    _wait(lambda: len(_train_steps(pre)) >= 1, "the first step", every=0.2)
+    task0 = _job(slurm, tasks[0])["JobId"]  # Slurm's warning goes to the task's own job id
+    # scancel delivers the signal, then finds a running array task "in transitional state" and
+    # delivers it again and again until it gives up (exit status 228): stopped after 5 s. The
+    # launcher takes a signal that comes before its launch too (grpo_balanced.sh's first trap).
+    subprocess.run(["timeout", "5", "scancel", "--signal=USR1", "--batch", task0],
+                   env=_env(SLURM_CONF=slurm), capture_output=True)  # fmt: skip
+    _wait(lambda: _job(slurm, tasks[0]).get("Restarts") == "1", "the requeue")
+    for task in tasks:
+        info = slurm_cluster.wait_until_ended(slurm, task)
+        assert info["JobState"] == "COMPLETED", _why(slurm, out, info)
+    assert (pre / "logs" / f"job-{_job(slurm, tasks[0])['JobId']}-restart-1").is_dir()
+    assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated
+    assert _comparable(pre) == _comparable(twin)  # bit for bit on CPU, but for the timings
+    report = subprocess.run([sys.executable, "-m", "megatron_ba.cli", "report", str(out)],
+                            cwd=tmp_path, env=_env(), capture_output=True, text=True)  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    cells = json.loads((out / "report.json").read_text())["cells"]
+    assert len(cells) == 4 and all(len(c["runs"]) == 1 for c in cells)

@@ -3,8 +3,10 @@
     megatron-ba compare recipes/tiny-cpu.yaml                        # 3 rules x 1 seed, ~10 min
     megatron-ba compare recipes/tiny-cpu.yaml --seeds 2 --out runs/compare grpo.steps=60
 
-Each (rule, seed) trains in OUT/<rule>-seed<k>/; OUT/report.md holds the table (peak -> last) and
-the figures (PG loss drift, Acc@k, length variance and gap). Re-running continues where it stopped.
+The study (`megatron-ba study`) of one grid: loss.rule over the rules x seed over recipe seed,
+seed + 1, ... Each (rule, seed) trains in OUT/<rule>-seed<s>/; OUT/report.md (and report.json,
+figures/) is the study's report: the table (peak -> last, mean ± sd over seeds), rule against
+rule seed by seed, the diagnostics and the per-step curves. Re-running continues where it stopped.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from pathlib import Path
 
 from megatron_ba.recipe import RecipeError, load_recipe
 from megatron_ba.rules import RULES
-from megatron_ba.train.compare import run_all, write_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_ba.train.study import Axis, Study, run_locally
+    from megatron_ba.train.study_report import write_report
+
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
     bad = [r for r in rules if r not in RULES]
     if bad or not rules:
@@ -40,16 +44,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-    except RecipeError as e:
+        seeds = tuple(str(recipe.seed + k) for k in range(args.seeds))
+        axes = [Axis("loss.rule", tuple(rules)), Axis("seed", seeds)]
+        out = Path(args.out or f"runs/compare-{recipe.name}")
+        study = Study.open(out, args.recipe, args.overrides, axes)
+    except (RecipeError, ValueError) as e:
         print(f"compare: {e}", file=sys.stderr)
         return 2
-
-    out = Path(args.out or f"runs/compare-{recipe.name}")
-    out.mkdir(parents=True, exist_ok=True)
-    if args.report_only:
-        runs = {r: [out / f"{r}-seed{s}" for s in range(args.seeds)] for r in rules}
-    else:
-        runs = run_all(recipe, args.recipe, rules, args.seeds, out, args.overrides)
-    report = write_report(recipe, runs, out)
-    print(f"report: {report}")
+    if not args.report_only:
+        try:
+            run_locally(study)
+        except RuntimeError as e:
+            print(str(e), file=sys.stderr)
+            return 1
+    print(f"report: {write_report(out)}")
     return 0

@@ -105,7 +105,8 @@ def plot_comparison(
                 ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
         if key == "pg_loss":
             ax.axhline(0.0, color="black", lw=0.8)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a key no run logged: an empty figure, no legend
+            ax.legend()
         fig.tight_layout()
         fig.savefig(out_dir / name)
         plt.close(fig)

@@ -1,0 +1,93 @@
+"""`megatron-ba study RECIPE --grid KEY=V1,V2 [--grid ...] --out DIR`: a grid of runs, one report.
+
+    megatron-ba study recipes/tiny-cpu.yaml --grid loss.rule=token,balanced --grid seed=0,1 \
+        --out runs/study grpo.steps=20                         # here, one run after another
+    megatron-ba study recipes/qwen2.5-math-7b-dapo17k.yaml --grid loss.rule=token,balanced \
+        --grid seed=0,1,2 --out /shared/study --slurm --max-parallel 3 \
+        --sbatch-args "--nodes=4 --gpus-per-node=8 --time=24:00:00"     # one Slurm job array
+    megatron-ba study ... --dry-run                            # the elements and the submission
+
+One run folder per element of the cross product under DIR (train/study.py has the names), and
+DIR/study.json. Re-running the same command keeps finished elements and resumes interrupted ones;
+other arguments on the same DIR are refused. After local runs DIR/report.md is written
+(`megatron-ba report DIR`); a Slurm study's report is written by `megatron-ba report DIR` once
+its array has run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="YAML recipe (recipes/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides of every element")
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a swept recipe key and its values (repeat: the cross product)",
+    )
+    p.add_argument("--out", required=True, help="the study folder")
+    p.add_argument("--slurm", action="store_true", help="submit one sbatch job array")
+    p.add_argument("--sbatch-args", default="", help='sbatch options, e.g. "--time=04:00:00"')
+    p.add_argument("--max-parallel", type=int, default=None, help="--slurm: array tasks at once")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the elements (and the submission), run and write nothing",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ba.train.study import Study, parse_grid, run_locally
+    from megatron_ba.train.study_slurm import array_submission, parse_sbatch_args
+
+    try:
+        axes = parse_grid(args.grid)
+        study = Study.open(Path(args.out), args.recipe, args.overrides, axes, write=False)
+        sbatch_args = parse_sbatch_args(args.sbatch_args)
+        submission = array_submission(
+            study, sbatch_args=sbatch_args, max_parallel=args.max_parallel
+        )
+    except ValueError as e:
+        print(f"study: {e}", file=sys.stderr)
+        return 2
+    if (args.sbatch_args or args.max_parallel) and not args.slurm:
+        print("study: --sbatch-args and --max-parallel are for --slurm", file=sys.stderr)
+        return 2
+    elements = study.elements
+    print(f"study: {len(elements)} elements in {study.folder}")
+    for e in elements:
+        print(f"  {e.index:>3}  {e.name:<40} {' '.join(e.overrides)}")
+    if args.dry_run:
+        if args.slurm:
+            import shlex
+
+            print("submission: " + shlex.join(submission))
+        return 0
+    Study.open(study.folder, args.recipe, args.overrides, axes)  # writes study.json
+    if args.slurm:
+        proc = subprocess.run(submission, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"study: sbatch failed: {proc.stderr.strip()}", file=sys.stderr)
+            return 1
+        job = proc.stdout.strip().split(";")[0]
+        print(
+            f"study: submitted job array {job} ({len(elements)} tasks); when it has run: "
+            f"megatron-ba report {study.folder}"
+        )
+        return 0
+    try:
+        run_locally(study)
+    except RuntimeError as e:
+        print(str(e), file=sys.stderr)
+        return 1
+    from megatron_ba.train.study_report import write_report
+
+    print(f"report: {write_report(study.folder)}")
+    return 0

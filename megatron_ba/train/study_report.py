@@ -1,0 +1,397 @@
+"""The report of a study (or of any run folders of one recipe): report.md, report.json, figures/.
+
+    report = write_report(Path("runs/s"))     # megatron-ba report runs/s
+
+The runs are the study's elements (study.json) or, in a folder without one, every subfolder
+holding recipe.yaml and metrics.jsonl (runs copied from anywhere). Their recipes may differ only
+in the swept keys (the study's axes; else `keys`, default loss.rule and seed): any other
+difference is refused, naming the keys. A cell is one value of every swept key but the seed; its
+runs are its seeds. The report holds, per cell, the mean and standard deviation over seeds
+(n - 1 in the denominator) of Acc@k / Best@k at the peak and the last evaluation, per benchmark
+and averaged (run_log.eval_table: the paper's layout); for every two rules, the difference per
+seed (same seed, same other values) with its mean and 95% interval (Student's t over seeds);
+against each swept numeric key, the paper's diagnostics averaged over steps and seeds: the
+PG-loss drift at rho = 1 (the mean PG loss, and its mean absolute value, at the first use of
+each batch), the sign-length coupling (mean negative length / mean positive length, and the
+positive subset's weight share under each rule), the response-length variance and the
+positive-negative length gap; and the per-step curves of each cell.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+from megatron_ba.rules import RULES
+from megatron_ba.train.plots import plot_comparison
+from megatron_ba.train.run_log import MetricsLog, eval_table
+from megatron_ba.train.study import MANIFEST, Study
+
+CURVES = [
+    ("pg_loss", "pg_loss.png", "PG loss per step (rho = 1 at the first use of each batch)"),
+    ("eval_accuracy", "eval_accuracy.png", "held-out Acc@k"),
+    ("length_var", "length_var.png", "response-length variance"),
+    ("length_gap_pos_minus_neg", "length_gap.png", "mean length: positive - negative"),
+    ("reward_mean", "reward.png", "training reward"),
+]
+COLUMNS = ("acc_peak", "acc_last", "best_peak", "best_last")
+# Student's t at 0.975 for 1..30 degrees of freedom (two-sided 95%); the normal value beyond.
+T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def find_runs(folder: Path) -> list[Path]:
+    """The study's element folders that have metrics, else every subfolder with a run in it."""
+    if (folder / MANIFEST).is_file():
+        study = Study.load(folder)
+        runs = [study.run_dir(e) for e in study.elements]
+    else:
+        runs = sorted(p for p in folder.iterdir() if (p / "recipe.yaml").is_file())
+    return [r for r in runs if (r / "metrics.jsonl").is_file() and (r / "recipe.yaml").is_file()]
+
+
+def swept_keys(folder: Path, keys: list[str] | None) -> list[str]:
+    if (folder / MANIFEST).is_file():
+        return [a.key for a in Study.load(folder).axes]
+    return keys or ["loss.rule", "seed"]
+
+
+def check_one_recipe(recipes: dict[Path, dict], swept: list[str]) -> None:
+    """ValueError naming every key other than the swept ones whose value differs between runs."""
+    keys = sorted(set().union(*recipes.values()) - set(swept))
+    differs = {k: sorted({repr(r.get(k)) for r in recipes.values()}) for k in keys}
+    differs = {k: v for k, v in differs.items() if len(v) > 1}
+    if differs:
+        shown = "; ".join(f"{k}: {', '.join(v)}" for k, v in differs.items())
+        raise ValueError(
+            f"the runs' recipes differ in keys that are not swept ({shown}); "
+            f"report runs of one recipe, swept only in {', '.join(swept)}"
+        )
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; NaN for one value)."""
+    m = sum(xs) / len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
+    return m, sd
+
+
+def paired_interval(diffs: list[float]) -> tuple[float, float, float]:
+    """Mean of paired differences and its two-sided 95% interval (Student's t, n - 1 df)."""
+    m, sd = mean_std(diffs)
+    if len(diffs) < 2:
+        return m, math.nan, math.nan
+    t = T975[len(diffs) - 2] if len(diffs) - 1 <= len(T975) else 1.960
+    half = t * sd / math.sqrt(len(diffs))
+    return m, m - half, m + half
+
+
+def _over_steps(records: list[dict], key: str) -> float:
+    xs = [r[key] for r in records if isinstance(r.get(key), int | float) and "pg_loss" in r]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def diagnostics(records: list[dict]) -> dict:
+    """One run's diagnostics, averaged over its training steps."""
+    neg, pos = _over_steps(records, "length_mean_neg"), _over_steps(records, "length_mean_pos")
+    return {
+        "pg_loss_mean": _over_steps(records, "pg_loss"),
+        "pg_loss_mean_abs": sum(abs(r["pg_loss"]) for r in records if "pg_loss" in r)
+        / max(1, sum("pg_loss" in r for r in records)),
+        "neg_over_pos_length": neg / pos if pos else math.nan,
+        **{
+            f"{rule}/weight_share_pos": _over_steps(records, f"{rule}/weight_share_pos")
+            for rule in RULES
+        },
+        "length_var": _over_steps(records, "length_var"),
+        "length_gap_pos_minus_neg": _over_steps(records, "length_gap_pos_minus_neg"),
+    }
+
+
+def _mean_of(values: list[float]) -> float:
+    xs = [v for v in values if not math.isnan(v)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _fmt(x: float, spec: str = ".4f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _mean_curve(runs: list[list[dict]], key: str) -> list[dict]:
+    """Per-step mean over seeds of `key` (steps where every seed has a value)."""
+    by_step: dict[int, list[float]] = {}
+    for records in runs:
+        for r in records:
+            if isinstance(r.get(key), int | float):
+                by_step.setdefault(r["step"], []).append(float(r[key]))
+    return [
+        {"step": s, key: sum(v) / len(v)} for s, v in sorted(by_step.items()) if len(v) == len(runs)
+    ]
+
+
+class _Runs:
+    """The runs of a report, grouped into cells (one value of each swept key but the seed)."""
+
+    def __init__(self, folder: Path, keys: list[str] | None) -> None:
+        self.paths = find_runs(folder)
+        if not self.paths:
+            raise ValueError(f"{folder}: no run folders (recipe.yaml and metrics.jsonl) to report")
+        self.swept = swept_keys(folder, keys)
+        self.recipes = {
+            r: _flat(yaml.safe_load((r / "recipe.yaml").read_text())) for r in self.paths
+        }
+        check_one_recipe(self.recipes, self.swept)
+        self.records = {r: MetricsLog(r / "metrics.jsonl").read() for r in self.paths}
+        self.tables = {r: eval_table(self.records[r]) for r in self.paths}
+        self.cell_keys = [k for k in self.swept if k != "seed"]
+        self.cells: dict[tuple, list[Path]] = {}
+        for r in self.paths:
+            self.cells.setdefault(self.values(r), []).append(r)
+
+    def values(self, run: Path) -> tuple:
+        return tuple(self.recipes[run].get(k) for k in self.cell_keys)
+
+    def label(self, cell: tuple) -> str:
+        return ", ".join(f"{k}={v}" for k, v in zip(self.cell_keys, cell, strict=True)) or "all"
+
+    def column(self, runs: list[Path], col: str, bench: str | None = None) -> list[float]:
+        tables = [self.tables[r] for r in runs if self.tables[r]]
+        return [t["average"][col] if bench is None else t["benchmarks"][bench][col] for t in tables]
+
+
+def _cell_rows(runs: _Runs, bench: str | None) -> list[str]:
+    out = []
+    for cell, paths in runs.cells.items():
+        stats = [
+            mean_std(runs.column(paths, c, bench))
+            if runs.column(paths, c, bench)
+            else (math.nan, math.nan)
+            for c in COLUMNS
+        ]
+        cells = " | ".join(f"{_fmt(m)} ± {_fmt(sd)}" for m, sd in stats)
+        out.append(f"| {bench or 'average'} | {runs.label(cell)} | {len(paths)} | {cells} |")
+    return out
+
+
+def paired_differences(runs: _Runs) -> list[dict]:
+    """For every two rules at the same other values: per-seed differences (a - b) of each
+    column (the average over benchmarks), their mean and 95% interval."""
+    if "loss.rule" not in runs.cell_keys:
+        return []
+    at = runs.cell_keys.index("loss.rule")
+    groups: dict[tuple, dict[str, list[Path]]] = {}
+    for cell, paths in runs.cells.items():
+        rest = cell[:at] + cell[at + 1 :]
+        groups.setdefault(rest, {})[cell[at]] = paths
+    out = []
+    for rest, by_rule in groups.items():
+        for a, b in itertools.combinations(sorted(by_rule), 2):
+            seed_a = {runs.recipes[r]["seed"]: r for r in by_rule[a]}
+            seed_b = {runs.recipes[r]["seed"]: r for r in by_rule[b]}
+            seeds = sorted(set(seed_a) & set(seed_b))
+            row = {"rules": [a, b], "others": list(rest), "seeds": seeds, "columns": {}}
+            for col in COLUMNS:
+                diffs = [
+                    runs.column([seed_a[s]], col)[0] - runs.column([seed_b[s]], col)[0]
+                    for s in seeds
+                    if runs.tables[seed_a[s]] and runs.tables[seed_b[s]]
+                ]
+                if diffs:
+                    m, lo, hi = paired_interval(diffs)
+                    row["columns"][col] = {"diffs": diffs, "mean": m, "low": lo, "high": hi}
+            out.append(row)
+    return out
+
+
+def _numeric_keys(runs: _Runs) -> list[str]:
+    return [
+        k
+        for k in runs.cell_keys
+        if k != "loss.rule"
+        and all(
+            isinstance(runs.recipes[r].get(k), int | float)
+            and not isinstance(runs.recipes[r].get(k), bool)
+            for r in runs.paths
+        )
+    ]
+
+
+def _diagnostic_table(runs: _Runs) -> tuple[list[str], dict[str, dict]]:
+    """The diagnostics per cell (means over seeds), the columns no run logged left out."""
+    per_cell = {}
+    for cell, paths in runs.cells.items():
+        each = [diagnostics(runs.records[r]) for r in paths]
+        per_cell[runs.label(cell)] = {n: _mean_of([d[n] for d in each]) for n in each[0]}
+    names = [n for n in next(iter(per_cell.values()))
+             if not all(math.isnan(c[n]) for c in per_cell.values())]  # fmt: skip
+    lines = ["| cell | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label, means in per_cell.items():
+        lines.append(f"| {label} | " + " | ".join(_fmt(means[n], ".4g") for n in names) + " |")
+    return lines, per_cell
+
+
+def _against_key_figures(runs: _Runs, key: str, out_dir: Path) -> list[Path]:
+    """Each diagnostic against `key`, one line per rule (mean over seeds and the other keys)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    at = runs.cell_keys.index(key)
+    rule_at = runs.cell_keys.index("loss.rule") if "loss.rule" in runs.cell_keys else None
+    written = []
+    for name in ("pg_loss_mean", "neg_over_pos_length", "length_var", "length_gap_pos_minus_neg"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        lines: dict[str, dict[float, list[float]]] = {}
+        for cell, paths in runs.cells.items():
+            rule = cell[rule_at] if rule_at is not None else "runs"
+            for r in paths:
+                lines.setdefault(rule, {}).setdefault(cell[at], []).append(
+                    diagnostics(runs.records[r])[name]
+                )
+        for rule, points in sorted(lines.items()):
+            xs = sorted(points)
+            ax.plot(xs, [_mean_of(points[x]) for x in xs], marker="o", label=rule)
+        ax.set_xlabel(key)
+        ax.set_title(f"{name} against {key}")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{name.replace('/', '_')}_vs_{key.rsplit('.', 1)[-1]}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(folder: Path, keys: list[str] | None = None) -> Path:
+    """folder/report.md, report.json and figures/ from the runs in `folder` (see the module)."""
+    folder = Path(folder)
+    runs = _Runs(folder, keys)
+    figures = folder / "figures"
+    figures.mkdir(parents=True, exist_ok=True)
+    k = next(iter(runs.recipes.values())).get("eval.samples")
+    benches = sorted({n for t in runs.tables.values() if t for n in t["benchmarks"]})
+    lines = [
+        f"# Study report: {folder.name}",
+        "",
+        f"{len(runs.paths)} runs in {len(runs.cells)} cells; swept: {', '.join(runs.swept)}. "
+        f"Acc@{k} / Best@{k} at the peak evaluation and the last one: mean ± standard deviation "
+        "over seeds (n - 1). Written by `megatron-ba report`.",
+        "",
+        "| benchmark | cell | seeds | Acc peak | Acc last | Best peak | Best last |",
+        "|---|---|---|---|---|---|---|",
+        *[row for b in [*benches, None] for row in _cell_rows(runs, b)],
+    ]
+    pairs = paired_differences(runs)
+    if pairs:
+        lines += [
+            "",
+            "## Rule against rule, seed by seed (a - b: mean [95% interval])",
+            "",
+            "| a | b | other values | seeds | " + " | ".join(COLUMNS) + " |",
+            "|---|---|---|---|" + "---|" * len(COLUMNS),
+        ]
+        for p in pairs:
+            cells = [p["columns"].get(c) for c in COLUMNS]
+            shown = [
+                f"{_fmt(c['mean'])} [{_fmt(c['low'])}, {_fmt(c['high'])}]" if c else "n/a"
+                for c in cells
+            ]
+            lines.append(
+                f"| {p['rules'][0]} | {p['rules'][1]} | {p['others']} | "
+                f"{len(p['seeds'])} | " + " | ".join(shown) + " |"
+            )
+    table, per_cell = _diagnostic_table(runs)
+    lines += ["", "## Diagnostics (means over training steps and seeds)", "", *table]
+    for key in _numeric_keys(runs):
+        lines += ["", f"### Against {key}", ""]
+        for path in _against_key_figures(runs, key, figures):
+            lines += [f"![{path.stem}](figures/{path.name})", ""]
+    series = {}
+    for cell, paths in runs.cells.items():
+        steps: dict[int, dict] = {}
+        for key, _, _ in CURVES:
+            for point in _mean_curve([runs.records[r] for r in paths], key):
+                steps.setdefault(point["step"], {"step": point["step"]}).update(point)
+        series[runs.label(cell)] = [v for _, v in sorted(steps.items())]
+    lines += ["", "## Per-step curves (mean over seeds)", ""]
+    for (key, _, title), path in zip(CURVES, plot_comparison(series, figures, CURVES), strict=True):
+        lines += [f"### {title}", "", f"![{key}](figures/{path.name})", ""]
+    lines += [
+        "## Runs",
+        "",
+        *[
+            f"- `{r.name}`: {runs.label(runs.values(r))}, seed {runs.recipes[r].get('seed')}"
+            for r in runs.paths
+        ],
+        "",
+    ]
+    report = {
+        "swept": runs.swept,
+        "cells": [
+            {
+                "values": dict(zip(runs.cell_keys, cell, strict=True)),
+                "runs": [r.name for r in paths],
+                "seeds": [runs.recipes[r].get("seed") for r in paths],
+                "average": {
+                    c: dict(
+                        zip(("mean", "std"), mean_std(runs.column(paths, c)), strict=True),
+                        values=runs.column(paths, c),
+                    )
+                    for c in COLUMNS
+                    if runs.column(paths, c)
+                },
+                "diagnostics": per_cell[runs.label(cell)],
+            }
+            for cell, paths in runs.cells.items()
+        ],
+        "pairs": pairs,
+    }
+    (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (folder / "report.md").write_text("\n".join(lines))
+    return folder / "report.md"

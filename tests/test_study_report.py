@@ -1,0 +1,131 @@
+"""`megatron-ba report` (train/study_report.py) on run folders written here with hand-chosen
+metrics: cell means and standard deviations, the paired rule differences with their 95% intervals,
+the diagnostics against a swept length, and the refusal of runs of different recipes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ba.recipe import load_recipe
+from megatron_ba.train.study import Study, parse_grid
+from megatron_ba.train.study_report import paired_interval, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes/tiny-cpu.yaml"
+KEYS = ["loss.rule", "grpo.max_new_tokens", "seed"]
+
+
+def _acc_last(rule: str, seed: int) -> float:
+    return 0.5 + 0.1 * seed if rule == "token" else 0.6 + 0.2 * seed  # balanced - token: .1 .2 .3
+
+
+def _run(folder: Path, rule: str, length: int, seed: int, *extra: str) -> Path:
+    run = folder / f"{rule}-{length}-{seed}{'-x' if extra else ''}"
+    run.mkdir(parents=True)
+    overrides = [f"loss.rule={rule}", f"grpo.max_new_tokens={length}", f"seed={seed}", *extra]
+    load_recipe(TINY, overrides).dump(run / "recipe.yaml")
+    last = _acc_last(rule, seed)
+    evals = [(0, 0.1), (2, last + 0.05), (4, last)]  # the peak at step 2
+    rows = []
+    for step in range(5):
+        if step:
+            rows.append({
+                "step": step, "pg_loss": 0.01 * length if rule == "token" else 0.0,
+                "length_mean_pos": length / 2, "length_mean_neg": float(length),
+                "length_var": float(length), "length_gap_pos_minus_neg": -length / 2,
+                "token/weight_share_pos": 1 / 3, "balanced/weight_share_pos": 0.5,
+            })  # fmt: skip
+        for s, acc in evals:
+            if s == step:
+                rows.append({"step": step, "eval_accuracy": acc, "eval_best_at_k": acc + 0.2,
+                             "eval/heldout/acc": acc, "eval/heldout/best": acc + 0.2})  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run
+
+
+@pytest.fixture
+def runs(tmp_path) -> Path:
+    for rule in ("token", "balanced"):
+        for length in (32, 64):
+            for seed in (0, 1, 2):
+                _run(tmp_path / "runs", rule, length, seed)
+    return tmp_path / "runs"
+
+
+def test_cells_pairs_and_diagnostics_are_the_hand_computed_values(runs):
+    report = write_report(runs, KEYS)
+    got = json.loads((runs / "report.json").read_text())
+    assert got["swept"] == KEYS and len(got["cells"]) == 4
+    cell = {"loss.rule": "token", "grpo.max_new_tokens": 32}
+    token32 = next(c for c in got["cells"] if c["values"] == cell)
+    assert token32["seeds"] == [0, 1, 2]
+    last = token32["average"]["acc_last"]
+    assert last["values"] == pytest.approx([0.5, 0.6, 0.7])
+    assert (last["mean"], last["std"]) == pytest.approx((0.6, 0.1))  # sd with n - 1
+    assert token32["average"]["acc_peak"]["mean"] == pytest.approx(0.65)
+    assert token32["average"]["best_last"]["mean"] == pytest.approx(0.8)
+    d = token32["diagnostics"]
+    assert d["pg_loss_mean"] == pytest.approx(0.32) and d["pg_loss_mean_abs"] == pytest.approx(0.32)
+    assert d["neg_over_pos_length"] == pytest.approx(2.0)
+    assert d["token/weight_share_pos"] == pytest.approx(1 / 3)
+    assert d["balanced/weight_share_pos"] == pytest.approx(0.5)
+    assert (d["length_var"], d["length_gap_pos_minus_neg"]) == pytest.approx((32.0, -16.0))
+    (pair32,) = [p for p in got["pairs"] if p["others"] == [32]]
+    assert pair32["rules"] == ["balanced", "token"] and pair32["seeds"] == [0, 1, 2]
+    c = pair32["columns"]["acc_last"]
+    half = 4.303 * 0.1 / math.sqrt(3)  # t(0.975, 2 df) x sd / sqrt(n)
+    assert c["diffs"] == pytest.approx([0.1, 0.2, 0.3])
+    assert (c["mean"], c["low"], c["high"]) == pytest.approx((0.2, 0.2 - half, 0.2 + half))
+    text = report.read_text()
+    row = "| average | loss.rule=token, grpo.max_new_tokens=32 | 3 | 0.6500 ± 0.1000 | 0.6000 ± "
+    assert row + "0.1000 | 0.8500 ± 0.1000 | 0.8000 ± 0.1000 |" in text
+    assert "dr_grpo/weight_share_pos" not in text  # no run logs it: no column
+    assert "### Against grpo.max_new_tokens" in text
+    for name in ("pg_loss_mean", "neg_over_pos_length", "length_var", "length_gap_pos_minus_neg"):
+        assert (runs / "figures" / f"{name}_vs_max_new_tokens.png").stat().st_size > 0
+
+
+def test_the_interval_of_one_pair_and_of_many():
+    m, lo, hi = paired_interval([1.0])
+    assert m == 1.0 and math.isnan(lo) and math.isnan(hi)  # one seed: no interval
+    xs = [0.1 * i for i in range(40)]  # 39 df: beyond the table, the normal 1.96
+    sd = math.sqrt(sum((x - 1.95) ** 2 for x in xs) / 39)
+    assert paired_interval(xs) == pytest.approx((1.95, 1.95 - 1.96 * sd / math.sqrt(40),
+                                                 1.95 + 1.96 * sd / math.sqrt(40)))  # fmt: skip
+
+
+def test_runs_of_another_recipe_are_refused_by_key(runs):
+    _run(runs, "token", 32, 0, "optimizer.lr=0.001")  # differs from its twin in the lr only
+    with pytest.raises(ValueError, match=r"differ in keys that are not swept \(optimizer\.lr: "
+                                         r"0\.0002, 0\.001\)"):  # fmt: skip
+        write_report(runs, KEYS)
+    p = subprocess.run([sys.executable, "-m", "megatron_ba.cli", "report", str(runs), "--keys",
+                        ",".join(KEYS)], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 2 and "report: the runs' recipes differ" in p.stderr
+
+
+def test_without_keys_a_swept_length_is_a_difference(runs):
+    with pytest.raises(ValueError, match=r"grpo\.max_new_tokens: 32, 64"):
+        write_report(runs)  # default: loss.rule and seed only
+
+
+def test_a_study_folder_reports_its_elements_with_its_axes(tmp_path):
+    axes = parse_grid(["loss.rule=token,balanced", "seed=0,1,2"])
+    study = Study.open(tmp_path / "s", str(TINY), ["grpo.max_new_tokens=32"], axes)
+    for e in study.elements:
+        rule, seed = e.overrides[0].split("=")[1], int(e.overrides[1].split("=")[1])
+        made = _run(tmp_path / "made", rule, 32, seed)
+        made.rename(study.run_dir(e))
+    write_report(study.folder)
+    got = json.loads((study.folder / "report.json").read_text())
+    assert got["swept"] == ["loss.rule", "seed"]
+    assert [c["values"] for c in got["cells"]] == [
+        {"loss.rule": "token"},
+        {"loss.rule": "balanced"},
+    ]
