@@ -226,9 +226,20 @@ class EvalSection:
 
 
 @dataclass
+class WandbSection:
+    """Weights & Biases (the `wandb` package): offline runs sync later with `wandb sync`."""
+
+    mode: str = "disabled"  # disabled | offline | online
+    project: str | None = None  # required unless disabled
+    entity: str | None = None
+
+
+@dataclass
 class LoggingSection:
     progress: bool = True
     plots: bool = True
+    tensorboard: bool = False  # event files in RUN_DIR/tb (a study's element: STUDY/tb/<name>)
+    wandb: WandbSection = field(default_factory=WandbSection)
 
 
 @dataclass
@@ -482,6 +493,14 @@ def _check_eval_and_the_rest(recipe: Recipe) -> None:
     _need(recipe.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _need(recipe.grpo.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "must be >= 1")
     _need(recipe.eval.samples >= 1, "eval.samples", "must be >= 1")
+    wandb = recipe.logging.wandb
+    modes = ("disabled", "offline", "online")
+    _need(wandb.mode in modes, "logging.wandb.mode", f"must be one of {', '.join(modes)}")
+    _need(
+        wandb.mode == "disabled" or bool(wandb.project),
+        "logging.wandb.project",
+        f"required with logging.wandb.mode={wandb.mode}",
+    )
     _need(
         0.0 <= recipe.warmstart.correct_fraction <= 1.0,
         "warmstart.correct_fraction",

@@ -64,20 +64,18 @@ def test_missing_file():
         load_recipe(ROOT / "recipes/nope.yaml")
 
 
-def _undocumented(text: str) -> list[str]:
+def _undocumented(text: str, cls=Recipe, prefix: str = "") -> list[str]:
+    """The recipe's keys (a section's nested sections key by key) that `text` does not name."""
     import dataclasses
 
     missing = []
-    for f in dataclasses.fields(Recipe):
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
         section = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if section is not None and dataclasses.is_dataclass(section):
-            missing += [
-                f"{f.name}.{g.name}"
-                for g in dataclasses.fields(section)
-                if f"`{f.name}.{g.name}`" not in text
-            ]
-        elif f"`{f.name}`" not in text:
-            missing.append(f.name)
+            missing += _undocumented(text, section, f"{key}.")
+        elif f"`{key}`" not in text:
+            missing.append(key)
     return missing
 
 
@@ -86,6 +84,7 @@ def test_docs_name_every_key():
     assert _undocumented(text) == []
     # negative control: a page without the loss.rule row is caught
     assert _undocumented(text.replace("`loss.rule`", "")) == ["loss.rule"]
+    assert _undocumented(text.replace("`logging.wandb.mode`", "")) == ["logging.wandb.mode"]
 
 
 def test_every_key_is_read_by_the_code():

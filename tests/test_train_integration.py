@@ -65,12 +65,18 @@ def _train_cmd(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
         "train",
         str(RECIPE),
         "grpo.steps=6",
+        *extra,
         "--run-dir",
         str(run_dir),
         "--cache-dir",
         str(cache_dir),
-        *extra,
     ]
+
+
+# TensorBoard and W&B (offline) on the killed-and-resumed run (the resume reads them from its
+# recipe.yaml): test_trackers_hold_what_metrics_jsonl_holds.
+TRACKING = ("logging.tensorboard=true", "logging.wandb.mode=offline",
+            "logging.wandb.project=megatron-ba-tests")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,7 @@ def resumed_run(cache_dir, tmp_path_factory):
     """A 6-step run SIGKILLed after its checkpoint of step >= 2, then resumed to the end."""
     run_dir = tmp_path_factory.mktemp("killed") / "run"
     proc = subprocess.Popen(
-        _train_cmd(run_dir, cache_dir),
+        _train_cmd(run_dir, cache_dir, *TRACKING),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -115,6 +121,38 @@ def test_killed_run_resumes_with_the_saved_state(resumed_run):
     assert r["summary"] and "eval_accuracy.png" in r["plots"]
     # Hugging Face weights only at the end of the run (RUN_DIR/hf), none per checkpoint.
     assert r["run_hf"] and not r["checkpoint_hf"]
+
+
+def test_trackers_hold_what_metrics_jsonl_holds(resumed_run):
+    """Every number of metrics.jsonl is in TensorBoard once, at its step (the steps the killed
+    run logged after its checkpoint were purged when the resume redid them), and in the W&B
+    history: the resumed run's file holds the steps after the checkpoint, the killed run's file
+    agrees with metrics.jsonl on whatever it had written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from wandb_log import history
+
+    from megatron_ba.train.tracking import numbers
+
+    run_dir, step, _ = resumed_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tb = EventAccumulator(str(run_dir / "tb"))
+    tb.Reload()
+    for key in ("reward_mean", "pg_loss", "grad_norm", "eval_accuracy"):
+        want = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float)]
+        got = [(e.step, e.value) for e in tb.Scalars(key)]
+        assert [s for s, _ in got] == [s for s, _ in want], key
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6, abs=1e-7)
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {}).update(numbers(r))
+    killed, resumed = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    after = {row["_step"]: row for row in history(resumed)}
+    assert sorted(after) == [s for s in sorted(by_step) if s > step]
+    for s, row in [
+        *after.items(),
+        *((r["_step"], r) for r in history(killed) if r["_step"] <= step),
+    ]:
+        assert {k: row[k] for k in by_step[s]} == by_step[s], s
 
 
 def test_resumed_run_follows_the_uninterrupted_trajectory(resumed_run, cache_dir, tmp_path):
@@ -161,12 +199,12 @@ def test_compare_writes_the_report(cache_dir, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = (out / "report.md").read_text()
-    rows = [line for line in report.splitlines() if line.startswith(("| token", "| balanced"))]
-    assert len(rows) == 2
+    rows = [line for line in report.splitlines() if line.startswith("| average | loss.rule=")]
+    assert [r.split(" | ")[1] for r in rows] == ["loss.rule=token", "loss.rule=balanced"]
     for name in ("pg_loss.png", "eval_accuracy.png", "length_var.png", "length_gap.png"):
         assert (out / "figures" / name).stat().st_size > 1000
-    summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"token", "balanced"}
+    cells = json.loads((out / "report.json").read_text())["cells"]
+    assert [c["runs"] for c in cells] == [["token-seed0"], ["balanced-seed0"]]
     # a second call keeps the finished runs instead of training again
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and again.stdout.count("finished earlier, kept") == 2
+    assert again.returncode == 0 and "2/2 elements finished earlier; 0 to run" in again.stdout

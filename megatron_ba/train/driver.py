@@ -94,6 +94,8 @@ class Trainer:
             if ctx.is_main:
                 self.folder.truncate_after(self.start_step)
                 self.log(f"[resume] from {ckpt} (step {self.start_step})")
+        if ctx.is_main:  # after the resume: its step is where the trackers' history ends
+            self.folder.start_tracking(recipe, resume_step=self.start_step)
         self.rollouts = Rollouts.start(
             recipe, ctx, self.hf_dir, self.run_dir, self.tokenizer, self.policy
         )
@@ -216,7 +218,7 @@ class Trainer:
         if self.start_step == 0:
             last_eval = self.evaluate(0)
             if ctx.is_main:
-                self.folder.metrics.append({"step": 0, **last_eval})
+                self.folder.record({"step": 0, **last_eval})
                 acc = last_eval["eval_accuracy"]
                 self.log(f"[eval] step 0 (warm start): Acc@{recipe.eval.samples} {acc:.3f}")
         progress = None
@@ -233,7 +235,7 @@ class Trainer:
                 last_eval = self.evaluate(done)
                 record.update(last_eval)
             if ctx.is_main:
-                self.folder.metrics.append(record)
+                self.folder.record(record)
                 if progress is not None:
                     post = {"reward": f"{record['reward_mean']:.3f}"}
                     if "eval_accuracy" in last_eval:
@@ -275,6 +277,8 @@ class Trainer:
             checkpoint.prune(self.run_dir, self.recipe.checkpoint.keep)
 
     def close(self) -> None:
+        if self.ctx.is_main:
+            self.folder.tracking.close()  # also on a preemption or an error: what was logged stays
         if self.scorer is not None:
             self.scorer.close()
         if self.rollouts is not None:

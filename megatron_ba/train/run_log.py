@@ -18,6 +18,8 @@ import math
 import os
 from pathlib import Path
 
+from megatron_ba.train.tracking import Tracking
+
 
 def _clean(v):
     if isinstance(v, float) and not math.isfinite(v):
@@ -56,6 +58,16 @@ class RunFolder:
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir)
         self.metrics = MetricsLog(self.path / "metrics.jsonl")
+        self.tracking = Tracking()  # none until start_tracking
+
+    def start_tracking(self, recipe, *, resume_step: int = 0) -> None:
+        """TensorBoard / W&B as the recipe's logging section asks (train/tracking.py)."""
+        self.tracking = Tracking.start(recipe, self.path, resume_step=resume_step)
+
+    def record(self, record: dict) -> None:
+        """One line of metrics.jsonl, and the same numbers to the trackers."""
+        self.metrics.append(record)
+        self.tracking.log(record)
 
     def prepare(self, recipe, *, resume: bool) -> None:
         """Create the folder and write the resolved recipe (rank 0)."""
@@ -99,6 +111,7 @@ class RunFolder:
 
     def finish(self) -> dict:
         """summary.json from metrics.jsonl; returns the summary (train/plots.py draws the rest)."""
+        self.tracking.close()
         summary = summarize(self.metrics.read())
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
