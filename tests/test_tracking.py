@@ -5,6 +5,7 @@ are grouped. tests/test_train_integration.py checks the same on a real run kille
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,7 @@ def test_tensorboard_holds_the_scalars_and_a_resume_drops_the_redone_steps(tmp_p
 
 def test_wandb_offline_holds_the_scalars_the_recipe_and_the_study(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
     monkeypatch.setenv("MBA_STUDY", str(tmp_path / "my-study"))
     recipe = load_recipe(TINY, ["logging.wandb.mode=offline", "logging.wandb.project=mba",
                                 "logging.tensorboard=true"])  # fmt: skip
@@ -66,6 +68,8 @@ def test_wandb_offline_holds_the_scalars_the_recipe_and_the_study(tmp_path, monk
     for record in (EVAL, _step(1, 0.5), _step(2, 0.625)):
         t.log(record)
     t.close()
+    # close() stopped the service: no later process of this one's joins it (WANDB_SERVICE)
+    assert "WANDB_SERVICE" not in os.environ
     (path,) = run.glob("wandb/offline-run-*/run-*.wandb")
     wait_for_exit_record(path)
     got = [{k: v for k, v in row.items() if not k.startswith("_")} for row in history(path)]

@@ -93,7 +93,14 @@ class Tracking:
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish()
+            # Stops this process's wandb-core service and takes its address (WANDB_SERVICE) out
+            # of the environment: a process started later (a resumed run, a study's next
+            # element) would otherwise join this service, which still counts a run of this id
+            # as in use if its process was killed ("run ID ... is in use").
+            wandb.teardown()
         self.tensorboard = self.wandb_run = None
 
 
