@@ -3,7 +3,7 @@
 # The shared logic of slurm/grpo_balanced.sh (sbatch) and slurm/interactive.sh (an allocated node).
 # Sourced, not run. Every setting comes from the environment (slurm/README.md lists them):
 #   RUN_DIR CACHE_DIR CONTAINER MOUNTS GPUS_PER_NODE MASTER_ADDR MASTER_PORT SRUN_ARGS TORCHRUN
-#   PYTHON DRY_RUN MBA_IB_ENV NEMO_ALIGNER_CHECK MBA_HOME (and VIRTUAL_ENV, see mba_find_python)
+#   PYTHON DRY_RUN MBA_IB_ENV NEMO_ALIGNER_CHECK MBA_HOME MBA_STUDY (and VIRTUAL_ENV, see mba_find_python)
 # The recipe is read by the project's own loader (python -m megatron_ba.planning.launch fit), so the
 # launcher and `megatron-ba train` agree on TP/PP/CP, the run name and every override.
 
