@@ -36,7 +36,7 @@ STEPS = 4
 SMALL = [
     "trainer.accelerator=cpu", "trainer.precision=32", "model.megatron_amp_O2=False",
     "model.optim.name=adamw", "~model.optim.bucket_cap_mb", "~model.optim.overlap_grad_sync",
-    "~model.optim.contiguous_grad_buffer", "model.optim.lr=5e-4", "model.encoder_seq_length=256",
+    "~model.optim.contiguous_grad_buffer", "model.optim.lr=5e-4",
     "model.micro_batch_size=8", "model.global_batch_size=16",
     "model.reinforce.num_rollout_samples=4", "model.reinforce.rollout_micro_batch_size=1",
     "model.reinforce.forward_micro_batch_size=4", "model.reinforce.offload_adam_states=False",
