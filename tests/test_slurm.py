@@ -351,8 +351,7 @@ def _comparable(run_dir: Path) -> list[dict]:
 def test_sbatch_runs_the_tiny_recipe(slurm, cache_dir, tmp_path):
     run = tmp_path / "run"
     job = _sbatch(slurm, tmp_path, run, cache_dir, "grpo.steps=2")
-    info = _wait(lambda: (j := _job(slurm, job)).get("JobState") in ("COMPLETED", "FAILED") and j,
-                 "the job to end")  # fmt: skip
+    info = slurm_cluster.wait_until_ended(slurm, job)
     assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info)
     assert info["JobName"] == "run"  # renamed after the run folder: singleton keys on it
     assert _train_steps(run) == [1, 2]
@@ -384,8 +383,7 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     # revocation of those credentials (whole seconds) and the job can fail as "job credential
     # revoked" before its script runs.
     for j in (job, ref_job):
-        info = _wait(lambda j=j: (i := _job(slurm, j)).get("JobState") in ("COMPLETED", "FAILED")
-                     and i, f"job {j} to end")  # fmt: skip
+        info = slurm_cluster.wait_until_ended(slurm, j)
         assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info)
     assert (pre / "logs" / f"job-{job}-restart-1" / "launch.sh").read_text().count("--resume")
     assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated

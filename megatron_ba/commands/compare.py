@@ -31,8 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.train.study import Axis, Study, run_locally
-    from megatron_ba.train.study_report import write_report
+    from megatron_ba.commands.study import train_and_report
+    from megatron_ba.train.study import Axis, Study
 
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
     bad = [r for r in rules if r not in RULES]
@@ -51,11 +51,4 @@ def run(args: argparse.Namespace) -> int:
     except (RecipeError, ValueError) as e:
         print(f"compare: {e}", file=sys.stderr)
         return 2
-    if not args.report_only:
-        try:
-            run_locally(study)
-        except RuntimeError as e:
-            print(str(e), file=sys.stderr)
-            return 1
-    print(f"report: {write_report(out)}")
-    return 0
+    return train_and_report(study, train=not args.report_only)

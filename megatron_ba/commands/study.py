@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.train.study import Study, parse_grid, run_locally
+    from megatron_ba.train.study import Study, parse_grid
     from megatron_ba.train.study_slurm import array_submission, parse_sbatch_args
 
     try:
@@ -82,12 +82,20 @@ def run(args: argparse.Namespace) -> int:
             f"megatron-ba report {study.folder}"
         )
         return 0
-    try:
-        run_locally(study)
-    except RuntimeError as e:
-        print(str(e), file=sys.stderr)
-        return 1
+    return train_and_report(study)
+
+
+def train_and_report(study, *, train: bool = True) -> int:
+    """Run the study's unfinished elements here (unless `train` is false), then write its
+    report; the exit status (1: an element failed). `megatron-ba compare` ends here too."""
+    from megatron_ba.train.study import run_locally
     from megatron_ba.train.study_report import write_report
 
+    if train:
+        try:
+            run_locally(study)
+        except RuntimeError as e:
+            print(str(e), file=sys.stderr)
+            return 1
     print(f"report: {write_report(study.folder)}")
     return 0

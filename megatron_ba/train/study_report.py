@@ -187,6 +187,7 @@ class _Runs:
         check_one_recipe(self.recipes, self.swept)
         self.records = {r: MetricsLog(r / "metrics.jsonl").read() for r in self.paths}
         self.tables = {r: eval_table(self.records[r]) for r in self.paths}
+        self.diagnostics = {r: diagnostics(self.records[r]) for r in self.paths}
         self.cell_keys = [k for k in self.swept if k != "seed"]
         self.cells: dict[tuple, list[Path]] = {}
         for r in self.paths:
@@ -264,7 +265,7 @@ def _diagnostic_table(runs: _Runs) -> tuple[list[str], dict[str, dict]]:
     """The diagnostics per cell (means over seeds), the columns no run logged left out."""
     per_cell = {}
     for cell, paths in runs.cells.items():
-        each = [diagnostics(runs.records[r]) for r in paths]
+        each = [runs.diagnostics[r] for r in paths]
         per_cell[runs.label(cell)] = {n: _mean_of([d[n] for d in each]) for n in each[0]}
     names = [n for n in next(iter(per_cell.values()))
              if not all(math.isnan(c[n]) for c in per_cell.values())]  # fmt: skip
@@ -291,7 +292,7 @@ def _against_key_figures(runs: _Runs, key: str, out_dir: Path) -> list[Path]:
             rule = cell[rule_at] if rule_at is not None else "runs"
             for r in paths:
                 lines.setdefault(rule, {}).setdefault(cell[at], []).append(
-                    diagnostics(runs.records[r])[name]
+                    runs.diagnostics[r][name]
                 )
         for rule, points in sorted(lines.items()):
             xs = sorted(points)
