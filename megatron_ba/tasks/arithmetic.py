@@ -18,8 +18,14 @@ so no evaluation prompt is ever trained on.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import random
 from dataclasses import dataclass
+from functools import cached_property
+
+# Above this many expressions the held-out split (about eval_fraction of them) is far larger than
+# any evaluation asks for, so it is not enumerated.
+_ENUMERATED_EXPRESSIONS = 200_000
 
 
 def _evaluate(terms: list[int], ops: list[str]) -> list[int]:
@@ -87,6 +93,25 @@ class ArithmeticTask:
         h = hashlib.sha256(f"{self.seed}:{prompt}".encode()).digest()
         return int.from_bytes(h[:4], "big") / 2**32 < self.eval_fraction
 
+    def _expressions(self, terms: int):
+        """Every prompt of `terms` terms whose running values stay digits (10 * 11**(terms-1))."""
+        for first in range(10):
+            for moves in itertools.product(range(11), repeat=terms - 1):
+                acc, parts = first, [str(first)]
+                for m in moves:  # from acc there are 10 - acc additions and acc + 1 subtractions
+                    op, t = ("+", m) if m < 10 - acc else ("-", m - (10 - acc))
+                    acc = acc + t if op == "+" else acc - t
+                    parts += [op, str(t)]
+                yield "".join(parts) + "="
+
+    @cached_property
+    def eval_split_size(self) -> int | None:
+        """How many distinct held-out prompts exist; None when too many to count (ample)."""
+        sizes = range(self.min_terms, self.max_terms + 1)
+        if sum(10 * 11 ** (n - 1) for n in sizes) > _ENUMERATED_EXPRESSIONS:
+            return None
+        return sum(self._is_eval(p) for n in sizes for p in self._expressions(n))
+
     def _random_prompt(self, rng: random.Random) -> str:
         n = rng.randint(self.min_terms, self.max_terms)
         acc = rng.randint(0, 9)
@@ -106,6 +131,15 @@ class ArithmeticTask:
         """
         if split not in ("train", "eval"):
             raise ValueError(f"split: must be 'train' or 'eval', got {split!r}")
+        available = self.eval_split_size if split == "eval" else None
+        if available is not None and count > available:
+            # Distinct prompts are drawn until `count` are found: asking for more than exist
+            # would never end.
+            raise ValueError(
+                f"data.eval_prompts: {count} held-out prompts asked for, but expressions of "
+                f"{self.min_terms}..{self.max_terms} terms have only {available}; ask for at most "
+                f"{available} or raise data.max_terms"
+            )
         rng = random.Random(f"{self.seed}:{split}")
         out: list[str] = []
         seen: set[str] = set()
