@@ -27,6 +27,7 @@ full-scale objective, as each of verl's token-mean mini-batches does).
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -118,6 +119,15 @@ def balanced_policy_loss(
     """
     if config is None:
         raise ValueError("config: the actor config is required (clip ratios, global_batch_info)")
+    if loss_agg_mode != "token-mean":
+        # Seen on every micro-batch, also under the plain verl entry point (no check_config).
+        warnings.warn(
+            f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode} is ignored by the balanced "
+            f"policy loss for its policy-gradient term (the plan weights responses and tokens); "
+            f"verl still applies it to the KL and entropy terms",
+            UserWarning,
+            stacklevel=2,
+        )
     if rollout_is_weights is not None:
         raise ValueError(
             "rollout_is_weights: rollout importance-sampling correction is not supported by the "
