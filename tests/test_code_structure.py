@@ -392,6 +392,7 @@ def test_layer_check_sees_a_planted_upward_import(tmp_path):
 # Modules users run themselves, outside this repository's code and scripts.
 ENTRY_POINTS: dict[str, str] = {
     "megatron_ba.integrations.nemo_rl.run_grpo_balanced": "run inside a NeMo-RL checkout",
+    "megatron_ba.integrations.verl.main_ppo": "verl's main_ppo with the config checked first",
 }
 LAUNCH_SCRIPTS = ("slurm", "scripts")
 

@@ -271,3 +271,73 @@ def test_docs_snippet_runs():
     loss, data = namespace["loss"], namespace["data"]
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert data["ba_weights"].shape == (4,)
+
+
+@pytest.mark.parametrize(
+    ("key", "step"),
+    [
+        ("token_mask", "attach_plan"),
+        ("sample_mask", "attach_plan"),
+        ("advantages", "attach_plan"),
+        ("prev_logprobs", "loss"),
+        ("reference_policy_logprobs", "loss"),  # CFG has a KL term
+        ("advantages", "loss"),
+    ],
+)
+def test_missing_data_keys_are_named(key, step):
+    data, _ = _data()
+    loss_fn = BalancedPGLossFn(CFG, group_size=G)
+    if step == "loss":
+        loss_fn.attach_plan(data)
+    del data[key]
+    with pytest.raises(ValueError, match=rf"data: missing \['{key}'\]"):
+        if step == "attach_plan":
+            loss_fn.attach_plan(data)
+        else:
+            loss_fn(data["prev_logprobs" if key != "prev_logprobs" else "advantages"][:, 1:], data)
+
+
+def test_reference_logprobs_are_not_needed_without_kl():
+    data, _ = _data()
+    loss_fn = BalancedPGLossFn(CFG | {"reference_policy_kl_penalty": 0.0}, group_size=G)
+    loss_fn.attach_plan(data)
+    del data["reference_policy_logprobs"]
+    loss, _ = loss_fn(data["prev_logprobs"][:, 1:], data)
+    assert torch.isfinite(loss)
+
+
+def test_plan_of_another_batch_is_refused():
+    """Weights attached to the global batch but not sliced with it (one per global row)."""
+    data, _ = _data()
+    loss_fn = BalancedPGLossFn(CFG, group_size=G)
+    loss_fn.attach_plan(data)
+    micro = {k: (v if k in ("ba_weights", "ba_reg_weights") else v[:4]) for k, v in data.items()}
+    with pytest.raises(ValueError, match=r"data\['ba_weights'\]: must hold one weight per row"):
+        loss_fn(micro["prev_logprobs"][:, 1:], micro)
+
+
+# ClippedPGLossFn settings that BalancedPGLossFn would otherwise ignore (CFG has a KL term).
+IGNORED_CONFIG = {
+    "token_level_loss": False,
+    "force_on_policy_ratio": True,
+    "disable_ppo_ratio": True,
+    "use_cispo": True,
+    "sequence_level_importance_ratios": True,
+    "use_importance_sampling_correction": True,
+    "reference_policy_kl_type": "k1",
+    "use_on_policy_kl_approximation": True,
+    "kl_input_clamp_value": 20.0,
+    "kl_output_clamp_value": 10.0,
+}
+
+
+@pytest.mark.parametrize("key", sorted(IGNORED_CONFIG))
+def test_config_keys_the_loss_would_ignore_are_refused(key):
+    with pytest.raises(ValueError, match=rf"^loss_fn\.{key}: BalancedPGLossFn supports only"):
+        BalancedPGLossFn(CFG | {key: IGNORED_CONFIG[key]}, group_size=G)
+
+
+def test_kl_only_keys_are_free_without_kl():
+    no_kl = CFG | {"reference_policy_kl_penalty": 0.0, "use_on_policy_kl_approximation": True}
+    BalancedPGLossFn(no_kl | {"kl_input_clamp_value": 20.0}, group_size=G)
+    BalancedPGLossFn(CFG | {"token_level_loss": True, "kl_input_clamp_value": None}, group_size=G)

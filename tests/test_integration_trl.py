@@ -311,3 +311,38 @@ def test_plan_across_two_processes_equals_single_process(tmp_path):
                 assert all(p[f"{rule}/num_sequences"] == ROWS for p in parts)
             else:
                 assert float((got - want).abs().max()) > 1e-3 * float(want.abs().max())
+
+
+# GRPOConfig settings whose effect BalancedGRPOTrainer's loss would drop: each must be refused,
+# naming the setting (argument overrides, fragment of the error).
+IGNORED_SETTINGS = {
+    **{f"loss_type_{t}": ({"loss_type": t}, "args.loss_type") for t in
+       ("grpo", "bnpo", "dr_grpo", "sapo", "cispo", "vespo")},
+    "router_aux_loss": ({"router_aux_loss_coef": 0.01}, "args.router_aux_loss_coef"),
+    "sequence_ratios": ({"importance_sampling_level": "sequence"},
+                        "args.importance_sampling_level"),
+    "entropy_mask": ({"top_entropy_quantile": 0.5}, "args.top_entropy_quantile"),
+    "off_policy_mask": ({"off_policy_mask_threshold": 0.5}, "args.off_policy_mask_threshold"),
+    "two_sided_clip": ({"delta": 2.0}, "args.delta"),
+    "trl_entropy_bonus": ({"entropy_coef": 0.01}, "args.entropy_coef"),
+    "kl_bias_correction": ({"beta": 0.04, "use_bias_correction_kl": True},
+                           "args.use_bias_correction_kl"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(IGNORED_SETTINGS))
+def test_settings_the_loss_would_ignore_are_refused(model_dir, tmp_path, monkeypatch, case):
+    overrides, fragment = IGNORED_SETTINGS[case]
+    if "router_aux_loss_coef" in overrides:
+        # TRL enables the router loss for a model whose config has `output_router_logits` (a
+        # Mixture-of-Experts model); the tiny Qwen2 gets the attribute, which is all TRL reads.
+        from transformers import Qwen2Config
+
+        monkeypatch.setattr(Qwen2Config, "output_router_logits", False, raising=False)
+    with pytest.raises(ValueError, match=rf"^{fragment.replace('.', '[.]')}: ") as err:
+        _trainer(BalancedGRPOTrainer, model_dir, tmp_path, dtype=torch.float32, **overrides)
+    assert "BalancedGRPOTrainer" in str(err.value)
+
+
+def test_default_loss_type_and_settings_are_accepted(ours):
+    assert ours.args.loss_type == "dapo" and not ours.aux_loss_enabled

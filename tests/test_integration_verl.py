@@ -214,3 +214,31 @@ def test_docs_snippet_runs():
     exec(compile(_doc_snippet("verl"), "docs/integrations.md", "exec"), namespace)
     assert namespace["loss"].dim() == 0 and torch.isfinite(namespace["loss"])
     assert "actor/ba_weight_pos_share" in namespace["metrics"]
+
+
+def test_balanced_policy_loss_warns_about_an_ignored_loss_agg_mode():
+    rewards, mask, uid, old, new = _batch(2)
+    adv, _ = core_algos.get_adv_estimator_fn("balanced")(rewards, mask, index=uid, config=None)
+    loss_fn = core_algos.get_policy_loss_fn("balanced")
+    with pytest.warns(UserWarning, match=r"loss_agg_mode=seq-mean-token-sum is ignored"):
+        loss_fn(old, new, adv, mask, "seq-mean-token-sum", _actor_config())
+
+
+def test_half_pairings_train_on_other_objectives():
+    """Why check_config refuses them: on one batch, each half alone gives another loss than BA."""
+    rewards, mask, uid, old, _ = _batch(3)
+    config = _actor_config()
+    config.global_batch_info.update(dp_size=1, batch_num_tokens=mask.sum(), global_batch_size=16)
+    ba_adv, _ = core_algos.get_adv_estimator_fn("balanced")(rewards, mask, index=uid, config=None)
+    grpo_adv, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, uid)
+    balanced = core_algos.get_policy_loss_fn("balanced")
+    vanilla = core_algos.get_policy_loss_fn("vanilla")
+    ba = balanced(old, old, ba_adv, mask, "token-mean", config)[0]
+    loss_half = balanced(old, old, grpo_adv, mask, "token-mean", config)[0]
+    estimator_half = vanilla(old, old, ba_adv, mask, "token-mean", config)[0]
+    # at ratio 1 the balanced loss of grpo advantages is the token sum -sum_i T_i A_i
+    token_sum = -(grpo_adv * mask).sum()
+    torch.testing.assert_close(loss_half, token_sum.to(loss_half.dtype), rtol=1e-6, atol=1e-8)
+    assert abs(float(loss_half - ba)) > 10 * abs(float(ba))
+    # verl's token-mean divides the folded advantages by the batch's token count once more
+    torch.testing.assert_close(estimator_half, ba / mask.sum(), rtol=1e-6, atol=1e-12)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.integrations.nemo_aligner.config import grpo_settings
+from megatron_ba.integrations.nemo_aligner.config import check_config
 from megatron_ba.integrations.nemo_aligner.metrics_log import MetricsJsonl
 from megatron_ba.integrations.nemo_aligner.preemption import (
     PREEMPTED_EXIT_CODE,
@@ -103,7 +103,7 @@ def _main(cfg) -> None:
     cfg.model = load_and_override_model_config(
         cfg.pretrained_checkpoint.restore_from_path, cfg.model
     )
-    grpo_settings(cfg.model)  # fail on a bad model.grpo before building anything
+    check_config(cfg)  # fail on a bad model.grpo / trainer.reinforce before building anything
     trainer = resolve_and_create_trainer(cfg, "reinforce")
     log_dir = exp_manager(trainer, cfg.exp_manager)
     logger = CustomLoggerWrapper(trainer.loggers)

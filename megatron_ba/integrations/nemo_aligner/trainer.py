@@ -36,6 +36,7 @@ from nemo_aligner.algorithms.reinforce import (
 )
 from nemo_aligner.utils import parallel_state
 
+from megatron_ba.integrations.nemo_aligner.config import check_reinforce_keys
 from megatron_ba.integrations.nemo_aligner.rollouts import (
     global_group_ids,
     grpo_training_data,
@@ -56,6 +57,7 @@ class GRPOTrainer(ReinforceTrainer):
 
     def __init__(self, *args, reward_fn=math_rewards, **kwargs):
         super().__init__(*args, **kwargs)
+        check_reinforce_keys(self.cfg)  # the REINFORCE keys model.grpo replaces
         self.reward_fn = reward_fn
         self.grpo = self.model.grpo  # the actor's model.grpo settings
 

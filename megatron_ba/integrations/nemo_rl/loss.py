@@ -42,6 +42,32 @@ except ImportError:  # not installable here: same names and values (checked by t
 
 
 PLAN_KEYS = ("ba_weights", "ba_reg_weights")
+# The data-dict keys each step reads, and where NeMo-RL's GRPO puts them (for the error message).
+DATA_KEYS = {
+    "token_mask": "GRPO's train_data",
+    "sample_mask": "GRPO's train_data",
+    "advantages": "GRPO's train_data (computed from rewards before policy.train)",
+    "prev_logprobs": "GRPO's train_data (policy.get_logprobs before policy.train)",
+}
+REF_KEY = "reference_policy_logprobs"
+
+# ClippedPGLossFn settings whose effect this loss would drop: value allowed, and why.
+_IGNORED = {
+    "disable_ppo_ratio": (False, "the core's term is the clipped PPO ratio"),
+    "use_cispo": (False, "CISPO is not the core's PPO term"),
+    "force_on_policy_ratio": (False, "the ratio is taken against prev_logprobs"),
+    "sequence_level_importance_ratios": (False, "GSPO's sequence ratios are not a token plan"),
+    "use_importance_sampling_correction": (False, "the core has no per-token IS factor"),
+    "token_level_loss": (True, "ba_rule decides the normalisation; ba_rule=sequence is the "
+                         "sequence-level mean"),
+}  # fmt: skip
+# ... and those that only matter when the KL term is on (the core's KL is plain k3).
+_IGNORED_WITH_KL = {
+    "reference_policy_kl_type": ("k3", "the core's KL term is k3"),
+    "use_on_policy_kl_approximation": (False, "the core's KL has no importance weights"),
+    "kl_input_clamp_value": (None, "the core's KL is not clamped"),
+    "kl_output_clamp_value": (None, "the core's KL is not clamped"),
+}
 # AggregationSettings field -> its key in NeMo-RL's loss_fn config
 CONFIG_KEYS = {f: f"ba_{f}" for f in ("rule", "scope", "max_length", "neutral_eps")}
 
@@ -54,6 +80,11 @@ class BalancedPGLossFn:
             ratio_clip_max, ratio_clip_c, reference_policy_kl_penalty and, as extra keys (the
             pydantic model allows them), ba_rule, ba_scope, ba_neutral_eps.
         group_size: responses per prompt (grpo.num_generations_per_prompt).
+
+    A `loss_fn` setting of ClippedPGLossFn whose effect this loss would drop (`_IGNORED`, and
+    `_IGNORED_WITH_KL` when the KL term is on) raises ValueError naming it, as does a data dict
+    without a key the step reads (`DATA_KEYS`, the plan's keys, `reference_policy_logprobs` with
+    the KL term) or with plan rows that are not this micro-batch's.
     """
 
     # TOKEN_LEVEL so that NeMo-RL checks `token_mask` is present; the plan, not this flag,
@@ -74,20 +105,21 @@ class BalancedPGLossFn:
             raise ValueError(e.renamed(CONFIG_KEYS, prefix="loss_fn.")) from None
         if not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size: must be an integer >= 1, got {group_size!r}")
-        for key, allowed in (("disable_ppo_ratio", False), ("use_cispo", False)):
+        for key, (allowed, why) in _IGNORED.items():
             if get(key, allowed) != allowed:
-                raise ValueError(f"loss_fn.{key}: BalancedPGLossFn supports only {allowed!r}")
-        if get("sequence_level_importance_ratios", False):
-            raise ValueError("loss_fn.sequence_level_importance_ratios: not a token plan (GSPO)")
-        if get("use_importance_sampling_correction", False):
-            raise ValueError("loss_fn.use_importance_sampling_correction: not supported")
+                raise ValueError(
+                    f"loss_fn.{key}: BalancedPGLossFn supports only {allowed!r} ({why}), got "
+                    f"{get(key)!r}; set loss_fn.{key}={allowed!r} or use NeMo-RL's ClippedPGLossFn"
+                )
         # As in ClippedPGLossFn: with use_kl_in_reward the KL is in the reward, not the loss.
         kl_coef = 0.0 if get("use_kl_in_reward", False) else get("reference_policy_kl_penalty", 0.0)
-        if kl_coef and get("reference_policy_kl_type", "k3") != "k3":
-            raise ValueError(
-                f"loss_fn.reference_policy_kl_type: the core's KL term is k3, got "
-                f"{get('reference_policy_kl_type')!r}"
-            )
+        if kl_coef:
+            for key, (allowed, why) in _IGNORED_WITH_KL.items():
+                if get(key, allowed) != allowed:
+                    raise ValueError(
+                        f"loss_fn.{key}: BalancedPGLossFn supports only {allowed!r} when "
+                        f"reference_policy_kl_penalty != 0 ({why}), got {get(key)!r}"
+                    )
         self.group_size = group_size
         self.config = GRPOLossConfig(
             clip_low=get("ratio_clip_min", 0.2),
@@ -101,8 +133,17 @@ class BalancedPGLossFn:
         # NeMo-RL's layout: token t's log-prob is predicted at t-1, hence the [:, 1:] shift.
         return data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
 
+    @staticmethod
+    def _require(data, keys, where: str) -> None:
+        """ValueError naming each key of `keys` missing from `data` (not a KeyError deep inside)."""
+        missing = [k for k in keys if k not in data]
+        if missing:
+            sources = "; ".join(f"{k}: {DATA_KEYS.get(k, where)}" for k in missing)
+            raise ValueError(f"data: missing {missing} ({sources})")
+
     def attach_plan(self, data) -> None:
         """Add the plan's weights to the global batch `data` (in place), before policy.train."""
+        self._require(data, ("token_mask", "sample_mask", "advantages"), "")
         mask = self._mask(data)
         lengths = mask.to(torch.float64).sum(dim=1)
         advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
@@ -130,10 +171,20 @@ class BalancedPGLossFn:
                 f"data: missing {missing}; call attach_plan(train_data) on the global batch "
                 "before policy.train (the entry script run_grpo_balanced does this)"
             )
+        needed = [*DATA_KEYS, REF_KEY] if self.config.kl_coef > 0 else list(DATA_KEYS)
+        self._require(data, needed, "policy.get_reference_policy_logprobs (KL term on)")
         mask = self._mask(data).bool()
+        rows = mask.shape[0]
+        for key in PLAN_KEYS:
+            if tuple(data[key].shape) != (rows,):
+                raise ValueError(
+                    f"data[{key!r}]: must hold one weight per row of this micro-batch ({rows}), "
+                    f"got shape {tuple(data[key].shape)}; attach_plan must run on the global batch "
+                    f"before NeMo-RL slices it"
+                )
         advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
         plan = LossPlan(data["ba_weights"], data["ba_reg_weights"], advantages)
-        ref = data["reference_policy_logprobs"][:, 1:] if self.config.kl_coef > 0 else None
+        ref = data[REF_KEY][:, 1:] if self.config.kl_coef > 0 else None
         loss, metrics = grpo_loss(
             next_token_logprobs,
             data["prev_logprobs"][:, 1:],

@@ -46,6 +46,8 @@ _UNSUPPORTED = {
     "entropy_coef": (0.0, "pass entropy_coef= to BalancedGRPOTrainer instead"),
     "use_adaptive_entropy": (False, "adaptive entropy control is TRL's own"),
 }
+# GRPOConfig's default loss_type: the only value that does not ask for another loss.
+_TRL_DEFAULT_LOSS = "dapo"
 
 
 class BalancedGRPOTrainer(GRPOTrainer):
@@ -59,7 +61,10 @@ class BalancedGRPOTrainer(GRPOTrainer):
         reg_rule, reg_scope: the plan of the KL (args.beta) and entropy terms (token mean
             over the generation batch by default, as in megatron_ba.loss).
 
-    TRL's `loss_type` is not used: `aggregation` replaces it. Clipping comes from args.epsilon /
+    TRL's `loss_type` is replaced by `aggregation` and must stay at its default ("dapo"): any
+    other value, and every other setting whose effect this loss would drop (`_UNSUPPORTED`, the
+    KL bias correction, vLLM importance sampling, a MoE router loss), raises ValueError naming
+    it. Clipping comes from args.epsilon /
     args.epsilon_high, the KL coefficient from args.beta, the dr_grpo budget from
     args.max_completion_length.
     """
@@ -85,24 +90,9 @@ class BalancedGRPOTrainer(GRPOTrainer):
             )
         except SettingError as e:
             raise ValueError(e.renamed({"rule": "aggregation"})) from None
+        self.ba_rule = aggregation
         super().__init__(*args, **kwargs)
-        for name, (allowed, why) in _UNSUPPORTED.items():
-            value = getattr(self.args, name, allowed)
-            if value != allowed:
-                raise ValueError(
-                    f"args.{name}: BalancedGRPOTrainer supports only {allowed!r} ({why}), got "
-                    f"{value!r}"
-                )
-        if self.beta != 0.0 and getattr(self.args, "use_bias_correction_kl", False):
-            raise ValueError(
-                "args.use_bias_correction_kl: must be False when args.beta != 0 (the core's KL "
-                "term is the plain k3 estimator, without TRL's importance-ratio correction)"
-            )
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            raise ValueError(
-                "args.vllm_importance_sampling_correction: not supported by BalancedGRPOTrainer "
-                "(the core loss has no per-token importance-sampling factor); set it to False"
-            )
+        self._refuse_ignored_settings()
         # The plan's settings, with dr_grpo's budget: TRL's max_completion_length.
         self.ba_aggregation = dataclasses.replace(
             aggregation_settings, max_length=self.max_completion_length
@@ -115,6 +105,45 @@ class BalancedGRPOTrainer(GRPOTrainer):
         )
         group = collectives.world_group() if self.accelerator.num_processes > 1 else None
         self.ba_reducer = StatisticsReducer(group=group)
+
+    def _refuse_ignored_settings(self) -> None:
+        """Raise ValueError naming each TRL setting whose effect `_compute_loss` would drop."""
+        for name, (allowed, why) in _UNSUPPORTED.items():
+            value = getattr(self.args, name, allowed)
+            if value != allowed:
+                raise ValueError(
+                    f"args.{name}: BalancedGRPOTrainer supports only {allowed!r} ({why}), got "
+                    f"{value!r}"
+                )
+        if self.args.loss_type != _TRL_DEFAULT_LOSS:
+            # TRL's loss types are aggregation rules (or other per-token objectives); this
+            # trainer's loss replaces them all, so any other value would be silently ignored.
+            raise ValueError(
+                f"args.loss_type: is {self.args.loss_type!r}, which BalancedGRPOTrainer does not "
+                f"use (its loss is the plan of aggregation={self.ba_rule!r}). Leave loss_type at "
+                f"its default {_TRL_DEFAULT_LOSS!r} and choose the aggregation with aggregation= "
+                f"(TRL's 'grpo' / 'dapo' / 'dr_grpo' are aggregation='sequence' / 'token' / "
+                f"'dr_grpo', scope='batch'), or use trl.GRPOTrainer for loss_type="
+                f"{self.args.loss_type!r}"
+            )
+        if self.beta != 0.0 and getattr(self.args, "use_bias_correction_kl", False):
+            raise ValueError(
+                "args.use_bias_correction_kl: BalancedGRPOTrainer needs False when args.beta != 0 "
+                "(the core's KL term is the plain k3 estimator, without TRL's importance-ratio "
+                "correction); set use_bias_correction_kl=False"
+            )
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "args.vllm_importance_sampling_correction: not supported by BalancedGRPOTrainer "
+                "(the core loss has no per-token importance-sampling factor); set it to False"
+            )
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"args.router_aux_loss_coef: is {self.router_aux_loss_coef} (the model's default "
+                f"when None) for this Mixture-of-Experts model, but BalancedGRPOTrainer's loss "
+                f"does not add the router's auxiliary loss; set router_aux_loss_coef=0.0 or use "
+                f"trl.GRPOTrainer"
+            )
 
     # -- planning: once per generation batch ---------------------------------------------------
 

@@ -27,6 +27,7 @@ full-scale objective, as each of verl's token-mean mini-batches does).
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -76,6 +77,21 @@ def group_ids_from_uid(index) -> torch.Tensor:
     return torch.as_tensor(inverse.reshape(-1), dtype=torch.long)
 
 
+def folded_advantages(
+    rule: str, scores: torch.Tensor, lengths: torch.Tensor, group_ids: torch.Tensor, config=None
+) -> torch.Tensor:
+    """[N] float64 w_i * A_i (times MEGATRON_BA_STEPS_PER_BATCH) of N group members, from their
+    outcome scores, loss-token counts and group ids; `config` is verl's algorithm config."""
+    check_choice("rule", rule, PLAN_RULES)
+    s, steps = _settings(rule)
+    normalize = True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True))
+    report = group_advantages(scores, group_ids, normalize_std=normalize, std="sample", eps=1e-6)
+    w = sequence_weights(
+        s.rule, lengths, report.advantages, group_ids, scope=s.scope, neutral_eps=s.neutral_eps
+    )
+    return w * report.advantages * steps
+
+
 def balanced_advantages(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -86,17 +102,11 @@ def balanced_advantages(
     **unused,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both w_i * A_i on response tokens: the plan folded into A."""
-    check_choice("rule", rule, PLAN_RULES)
-    s, steps = _settings(rule)
     group_ids = group_ids_from_uid(index)
     lengths = sequence_lengths(response_mask, name="response_mask")
     scores = token_level_rewards.to(torch.float64).sum(dim=-1)
-    normalize = True if config is None else bool(config.get("norm_adv_by_std_in_grpo", True))
-    report = group_advantages(scores, group_ids, normalize_std=normalize, std="sample", eps=1e-6)
-    w = sequence_weights(
-        s.rule, lengths, report.advantages, group_ids, scope=s.scope, neutral_eps=s.neutral_eps
-    )
-    folded = (w * report.advantages * steps).to(token_level_rewards.dtype)
+    folded = folded_advantages(rule, scores, lengths, group_ids, config)
+    folded = folded.to(token_level_rewards.dtype)
     out = folded[:, None] * response_mask.to(folded.dtype)
     return out, out
 
@@ -118,6 +128,15 @@ def balanced_policy_loss(
     """
     if config is None:
         raise ValueError("config: the actor config is required (clip ratios, global_batch_info)")
+    if loss_agg_mode != "token-mean":
+        # Seen on every micro-batch, also under the plain verl entry point (no check_config).
+        warnings.warn(
+            f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode} is ignored by the balanced "
+            f"policy loss for its policy-gradient term (the plan weights responses and tokens); "
+            f"verl still applies it to the KL and entropy terms",
+            UserWarning,
+            stacklevel=2,
+        )
     if rollout_is_weights is not None:
         raise ValueError(
             "rollout_is_weights: rollout importance-sampling correction is not supported by the "
