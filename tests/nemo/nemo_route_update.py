@@ -47,6 +47,7 @@ def build_actor(hf_dir: Path, batch: dict):
     with open_dict(cfg):
         cfg.micro_batch_size, cfg.global_batch_size = n // m, n
         cfg.reinforce = H.actor_config(hf_dir, mbs=n // m, gbs=n).reinforce
+        cfg.reinforce.num_rollout_samples = int(batch["num_groups"])  # this batch's prompts
         cfg.grpo = {**grpo, "num_groups": int(batch["num_groups"])}
     actor = H.build(MegatronGPTGRPOActorModel, cfg)
     load_hf_weights(actor, hf_dir, spec)
