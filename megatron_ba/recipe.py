@@ -110,6 +110,7 @@ class DataSection:
     eval_prompts: int = 128
     min_terms: int = 2
     max_terms: int = 4
+    sloppy_restates: int = 1  # arithmetic: how much longer the warm start's wrong style is
     seed: int = 1234
 
 
@@ -130,6 +131,9 @@ class WarmstartSection:
     batch_size: int = 64
     lr: float = 3e-3
     correct_fraction: float = 0.35
+    # null: the run's seed. A fixed value gives every seed of a study one starting policy, as
+    # runs from one pretrained checkpoint share theirs; the seeds then differ only in GRPO.
+    seed: int | None = None
 
 
 @dataclass

@@ -6,7 +6,12 @@ import random
 
 import pytest
 
-from megatron_ba.tasks.arithmetic import ArithmeticTask
+from megatron_ba.tasks.arithmetic import (
+    ArithmeticTask,
+    answer_of,
+    correct_solution,
+    sloppy_solution,
+)
 
 
 @pytest.mark.parametrize("terms", [2, 3])
@@ -37,3 +42,39 @@ def test_large_spaces_are_not_enumerated():
     task = ArithmeticTask(min_terms=2, max_terms=6)
     assert task.eval_split_size is None
     assert len(set(task.prompts("eval", 500))) == 500
+
+
+def test_sloppy_restates_sets_how_much_longer_the_wrong_style_is():
+    prompt = "3+5-2+3="
+    right = correct_solution(prompt)
+    assert right == "3+5=8, 8-2=6, 6+3=9. Answer: 9"
+    sloppy = {r: sloppy_solution(prompt, random.Random(7), r) for r in (0, 1, 2)}
+    # One slip in the right style: as long as the right answer (single digits), and wrong.
+    assert len(sloppy[0]) == len(right) and sloppy[0] != right
+    assert sloppy[0].count(", ") == 2 and "so" not in sloppy[0]
+    # The same slip, each running value restated once more per level.
+    assert sloppy[1] == "3+5=8, so 8. 8-2=5, so 5. 5+3=8, so 8. Answer: 8"
+    assert sloppy[2] == "3+5=8, so 8, so 8. 8-2=5, so 5, so 5. 5+3=8, so 8, so 8. Answer: 8"
+    assert answer_of(prompt) == 9
+
+
+def test_the_warm_start_mixture_follows_the_task_settings():
+    task = ArithmeticTask(min_terms=4, max_terms=4, restates=2)
+    examples = task.warmstart_examples(2000, correct_fraction=0.25)
+    right = [r for p, r in examples if r == correct_solution(p)]
+    assert abs(len(right) / len(examples) - 0.25) < 0.03
+    assert all(r.count(", so ") == 6 for p, r in examples if r != correct_solution(p))
+    with pytest.raises(ValueError, match=r"data\.sloppy_restates: .* got 5"):
+        ArithmeticTask(restates=5)
+
+
+def test_warmstart_seed_gives_the_seeds_of_a_study_one_starting_policy():
+    from megatron_ba.recipe import load_recipe
+    from megatron_ba.train.warmstart import cache_key
+
+    recipe = "recipes/testbed-gap-cpu.yaml"
+    fixed = {s: load_recipe(recipe, [f"seed={s}", "warmstart.seed=0"]) for s in (0, 3)}
+    assert cache_key(fixed[0]) == cache_key(fixed[3])
+    own = {s: load_recipe(recipe, [f"seed={s}", "warmstart.seed=null"]) for s in (0, 3)}
+    assert cache_key(own[0]) != cache_key(own[3])  # each run seed its own warm start
+    assert cache_key(own[0]) == cache_key(fixed[0])  # seed 0 either way: one policy

@@ -70,6 +70,8 @@ def test_cells_pairs_and_diagnostics_are_the_hand_computed_values(runs):
     assert (last["mean"], last["std"]) == pytest.approx((0.6, 0.1))  # sd with n - 1
     assert token32["average"]["acc_peak"]["mean"] == pytest.approx(0.65)
     assert token32["average"]["best_last"]["mean"] == pytest.approx(0.8)
+    drop = token32["average"]["acc_last_minus_peak"]  # each seed ends 0.05 below its peak
+    assert drop["values"] == pytest.approx([-0.05] * 3) and drop["std"] == pytest.approx(0.0)
     d = token32["diagnostics"]
     assert d["pg_loss_mean"] == pytest.approx(0.32) and d["pg_loss_mean_abs"] == pytest.approx(0.32)
     assert d["neg_over_pos_length"] == pytest.approx(2.0)
@@ -84,7 +86,7 @@ def test_cells_pairs_and_diagnostics_are_the_hand_computed_values(runs):
     assert (c["mean"], c["low"], c["high"]) == pytest.approx((0.2, 0.2 - half, 0.2 + half))
     text = report.read_text()
     row = "| average | loss.rule=token, grpo.max_new_tokens=32 | 3 | 0.6500 ± 0.1000 | 0.6000 ± "
-    assert row + "0.1000 | 0.8500 ± 0.1000 | 0.8000 ± 0.1000 |" in text
+    assert row + "0.1000 | 0.8500 ± 0.1000 | 0.8000 ± 0.1000 | -0.0500 ± 0.0000 |" in text
     assert "dr_grpo/weight_share_pos" not in text  # no run logs it: no column
     assert "### Against grpo.max_new_tokens" in text
     for name in ("pg_loss_mean", "neg_over_pos_length", "length_var", "length_gap_pos_minus_neg"):

@@ -18,7 +18,12 @@ from megatron_ba.tasks.math_dataset import MathTask
 def build_task(recipe, tokenizer=None):
     d = recipe.data
     if d.task == "arithmetic":
-        return ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, seed=d.seed)
+        return ArithmeticTask(
+            min_terms=d.min_terms,
+            max_terms=d.max_terms,
+            seed=d.seed,
+            restates=d.sloppy_restates,
+        )
     if d.task == "math":
         if tokenizer is None:
             raise ValueError("tokenizer: the math task renders prompts with the model's tokenizer")

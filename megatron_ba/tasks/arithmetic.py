@@ -27,6 +27,8 @@ from functools import cached_property
 # any evaluation asks for, so it is not enumerated.
 _ENUMERATED_EXPRESSIONS = 200_000
 
+MAX_RESTATES = 4  # a sloppy solution of 9 terms then still fits the tiny model's context
+
 
 def _evaluate(terms: list[int], ops: list[str]) -> list[int]:
     """Running values after each operation."""
@@ -61,8 +63,12 @@ def correct_solution(prompt: str) -> str:
     return f"{', '.join(steps)}. Answer: {values[-1]}"
 
 
-def sloppy_solution(prompt: str, rng: random.Random) -> str:
-    """Restates every intermediate value and slips by one at a random step (always wrong)."""
+def sloppy_solution(prompt: str, rng: random.Random, restates: int = 1) -> str:
+    """Slips by one at a random step (always wrong), restating each running value `restates` times.
+
+    restates=0 writes the correct solution's format, so a wrong answer is exactly as long as a
+    right one; each restatement adds ", so v" to every step, which makes wrong answers longer.
+    """
     terms, ops = _parse(prompt)
     slip_at = rng.randrange(len(ops))
     steps, prev = [], terms[0]
@@ -70,9 +76,11 @@ def sloppy_solution(prompt: str, rng: random.Random) -> str:
         v = prev + t if op == "+" else prev - t
         if k == slip_at:  # off by one, staying a digit
             v = v + 1 if v == 0 or (v < 9 and rng.random() < 0.5) else v - 1
-        steps.append(f"{prev}{op}{t}={v}, so {v}.")
+        steps.append(f"{prev}{op}{t}={v}" + f", so {v}" * restates)
         prev = v
-    return f"{' '.join(steps)} Answer: {prev}"
+    if restates == 0:
+        return f"{', '.join(steps)}. Answer: {prev}"
+    return f"{'. '.join(steps)}. Answer: {prev}"
 
 
 @dataclass(frozen=True)
@@ -81,12 +89,18 @@ class ArithmeticTask:
     max_terms: int = 5
     seed: int = 1234
     eval_fraction: float = 0.1  # share of the expression space held out for evaluation
+    restates: int = 1  # the sloppy style's restatements per step: the wrong-right length gap
 
     def __post_init__(self) -> None:
         if not 2 <= self.min_terms <= self.max_terms <= 9:
             raise ValueError(
                 f"min_terms, max_terms: need 2 <= min_terms <= max_terms <= 9, got "
                 f"{self.min_terms}, {self.max_terms}"
+            )
+        if not 0 <= self.restates <= MAX_RESTATES:
+            raise ValueError(
+                f"data.sloppy_restates: need 0 <= sloppy_restates <= {MAX_RESTATES}, "
+                f"got {self.restates}"
             )
 
     def _is_eval(self, prompt: str) -> bool:
@@ -167,7 +181,12 @@ class ArithmeticTask:
         rng = random.Random(f"{self.seed}:warmstart")
         prompts = self.prompts("train", count)
         return [
-            (p, correct_solution(p) if rng.random() < correct_fraction else sloppy_solution(p, rng))
+            (
+                p,
+                correct_solution(p)
+                if rng.random() < correct_fraction
+                else sloppy_solution(p, rng, self.restates),
+            )
             for p in prompts
         ]
 
@@ -176,5 +195,5 @@ class ArithmeticTask:
         rng = random.Random(f"{self.seed}:corpus")
         texts = []
         for p in self.prompts("train", count):
-            texts += [p + correct_solution(p), p + sloppy_solution(p, rng)]
+            texts += [p + correct_solution(p), p + sloppy_solution(p, rng, self.restates)]
         return texts

@@ -8,7 +8,8 @@ in the swept keys (the study's axes; else `keys`, default loss.rule and seed): a
 difference is refused, naming the keys. A cell is one value of every swept key but the seed; its
 runs are its seeds. The report holds, per cell, the mean and standard deviation over seeds
 (n - 1 in the denominator) of Acc@k / Best@k at the peak and the last evaluation, per benchmark
-and averaged (run_log.eval_table: the paper's layout); for every two rules, the difference per
+and averaged (run_log.eval_table: the paper's layout), and how far the last is below the
+peak; for every two rules, the difference per
 seed (same seed, same other values) with its mean and 95% interval (Student's t over seeds);
 against each swept numeric key, the paper's diagnostics averaged over steps and seeds: the
 PG-loss drift at rho = 1 (the mean PG loss, and its mean absolute value, at the first use of
@@ -38,7 +39,8 @@ CURVES = [
     ("length_gap_pos_minus_neg", "length_gap.png", "mean length: positive - negative"),
     ("reward_mean", "reward.png", "training reward"),
 ]
-COLUMNS = ("acc_peak", "acc_last", "best_peak", "best_last")
+# The last column is late-training behaviour: how far each run ends below its own peak.
+COLUMNS = ("acc_peak", "acc_last", "best_peak", "best_last", "acc_last_minus_peak")
 # Student's t at 0.975 for 1..30 degrees of freedom (two-sided 95%); the normal value beyond.
 T975 = (
     12.706,
@@ -201,7 +203,10 @@ class _Runs:
 
     def column(self, runs: list[Path], col: str, bench: str | None = None) -> list[float]:
         tables = [self.tables[r] for r in runs if self.tables[r]]
-        return [t["average"][col] if bench is None else t["benchmarks"][bench][col] for t in tables]
+        rows = [t["average"] if bench is None else t["benchmarks"][bench] for t in tables]
+        if col == "acc_last_minus_peak":
+            return [row["acc_last"] - row["acc_peak"] for row in rows]
+        return [row[col] for row in rows]
 
 
 def _cell_rows(runs: _Runs, bench: str | None) -> list[str]:
@@ -324,8 +329,9 @@ def write_report(folder: Path, keys: list[str] | None = None) -> Path:
         f"Acc@{k} / Best@{k} at the peak evaluation and the last one: mean ± standard deviation "
         "over seeds (n - 1). Written by `megatron-ba report`.",
         "",
-        "| benchmark | cell | seeds | Acc peak | Acc last | Best peak | Best last |",
-        "|---|---|---|---|---|---|---|",
+        "| benchmark | cell | seeds | Acc peak | Acc last | Best peak | Best last "
+        "| Acc last - peak |",
+        "|---|---|---|---|---|---|---|---|",
         *[row for b in [*benches, None] for row in _cell_rows(runs, b)],
     ]
     pairs = paired_differences(runs)

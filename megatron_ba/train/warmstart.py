@@ -40,14 +40,19 @@ def task_of(recipe: Recipe) -> ArithmeticTask:
     return build_task(recipe)
 
 
+def warmstart_seed(recipe: Recipe) -> int:
+    """The warm start's seed: warmstart.seed, else the run's."""
+    return recipe.seed if recipe.warmstart.seed is None else recipe.warmstart.seed
+
+
 def cache_key(recipe: Recipe) -> str:
     parts = {
         "version": WARMSTART_VERSION,
-        "seed": recipe.seed,
+        "seed": warmstart_seed(recipe),
         "model": recipe.model.__dict__,
         "tokenizer": recipe.tokenizer.__dict__,
         "data": {k: v for k, v in recipe.data.__dict__.items() if k != "eval_prompts"},
-        "warmstart": recipe.warmstart.__dict__,
+        "warmstart": {k: v for k, v in recipe.warmstart.__dict__.items() if k != "seed"},
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -105,13 +110,13 @@ def run_warmstart(recipe: Recipe, cache_dir: str | Path, log=print) -> Path:
     tmp.mkdir(parents=True)
     tokenizer = train_tokenizer(task.corpus(), recipe.tokenizer.vocab_size, tmp)
     tokenizer = load_tokenizer(tmp)
-    torch.manual_seed(recipe.seed)
+    torch.manual_seed(warmstart_seed(recipe))
     model = _hf_model(recipe, len(tokenizer), tokenizer.eos_token_id)
     ws = recipe.warmstart
     examples = task.warmstart_examples(
         max(ws.steps * ws.batch_size // 4, 1024), ws.correct_fraction
     )
-    rng = torch.Generator().manual_seed(recipe.seed)
+    rng = torch.Generator().manual_seed(warmstart_seed(recipe))
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, ws.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
