@@ -4,7 +4,8 @@ Each recipe trains one GRPO step (its warm start, then 32 prompts x 8 samples fr
 policy) and the step's logged statistics are checked: the negative/positive mean-length ratio and
 the length variance fall in the regime's range and in no other regime's, and the positive side's
 share of the objective weight is its token share under token aggregation and its count share
-under BA, computed here by hand from the logged counts and mean lengths.
+under BA, computed here by hand from the logged counts and mean lengths (the batch scope, which
+pools the batch as those statistics do).
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def first_steps(tmp_path_factory) -> dict[str, dict]:
             sys.executable, "-m", "megatron_ba.cli", "train",
             str(ROOT / f"recipes/testbed-{regime}-cpu.yaml"),
             "grpo.steps=1", "grpo.prompts_per_step=32", "eval.every=0", "data.eval_prompts=16",
+            # The logged weight shares then pool the batch, as the logged counts and mean lengths
+            # do; step 1's samples are the warm-started policy's whatever the scope.
+            "loss.scope=batch",
             "logging.progress=false", "logging.plots=false",
             "--run-dir", str(run), "--cache-dir", str(work / "cache"),
         ]  # fmt: skip
@@ -83,8 +87,8 @@ def test_token_weights_follow_lengths_and_balanced_weights_follow_counts(first_s
     token_share = pos_tokens / (pos_tokens + neg_tokens)
     count_share = r["num_pos"] / (r["num_pos"] + r["num_neg"])
     assert r["token/weight_share_pos"] == pytest.approx(token_share, rel=1e-9)
-    # Binary rewards: every group that carries a signal has both signs, k positives of G, and BA
-    # gives its positive subset k/G of the group's weight, so the pooled share is the count share.
+    # Pooled BA gives the positive subset |S+| / M of the weight whatever its lengths: the count
+    # share. Token gives every token the same weight: the token share.
     assert r["balanced/weight_share_pos"] == pytest.approx(count_share, rel=1e-9)
     if regime == "gap":  # longer wrong answers: token aggregation gives the negatives more
         assert r["token/weight_share_pos"] < count_share - 0.03
