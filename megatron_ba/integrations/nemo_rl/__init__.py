@@ -7,8 +7,9 @@
     policy.train(train_data, loss_fn)
 
 `python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ...` does the swap inside
-NeMo-RL's own GRPO script. NeMo-RL is not installed here: the protocol and call sites relied on
-are checked against its source (v0.7.0) by tests/nemo_rl_contract.py.
+NeMo-RL's own GRPO script. This package imports without NeMo-RL (and without megatron-core);
+BalancedPGLossFn needs NeMo-RL when it is made. Tested against NeMo-RL v0.7.0's own code in
+tests/nemo_rl/ (scripts/run_nemorl_tests.sh).
 """
 
 from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn

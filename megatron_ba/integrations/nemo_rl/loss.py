@@ -1,25 +1,33 @@
-"""`BalancedPGLossFn`: a NeMo-RL `LossFunction` whose policy-gradient term is a megatron-ba plan.
+"""`BalancedPGLossFn`: NeMo-RL's clipped policy-gradient loss, its policy-gradient term aggregated
+by a megatron-ba plan.
 
-NeMo-RL (read at v0.7.0, commit 81aa43dd; the contract is checked in tests) calls a loss function on
-each micro-batch as `loss_fn(next_token_logprobs=..., data=mb, global_valid_seqs=...,
-global_valid_toks=...)`, sums the returned losses over micro-batches and cancels the
-data-parallel gradient mean (`loss = result * dp_size * cp_size` in its DTensor/automodel path,
-`* num_microbatches / cp_size` against Megatron's averaging): each call must return its
-micro-batch's additive share of the global loss. Its own `ClippedPGLossFn` gets that share by
-dividing by the global token or sequence count; no hook receives a prompt-group id.
+NeMo-RL (v0.7.0) calls a loss function on each micro-batch as `loss_fn(next_token_logprobs=...,
+data=mb, global_valid_seqs=..., global_valid_toks=...)`, sums the returned losses over
+micro-batches and cancels the data-parallel gradient mean (`loss * dp_size * cp_size` in its
+automodel path, `* num_microbatches / cp_size` against Megatron's averaging): each call returns its
+micro-batch's additive share of the global loss. No hook receives a prompt-group id.
 
-Here the plan is built on the driver, where `policy.train(train_data, loss_fn)` still holds the
-whole global batch (`attach_plan`): whole-response lengths from token_mask * sample_mask, one
-advantage per response, group ids from GRPO's layout (prompts repeated `num_generations_per_prompt`
-times, consecutively). The per-group statistics are reduced there, by the core, to per-sequence
-weights, which are carried in the data dict as rows (`ba_weights`, `ba_reg_weights`), the only form
-that survives NeMo-RL's slicing of the dict into DP shards and micro-batches. The loss applies them
-with the core's `grpo_loss`; `global_valid_seqs/toks` are not needed (the weights are global).
+The plan is built on the driver, where `policy.train(train_data, loss_fn)` still holds the whole
+global batch (`attach_plan`): whole-response lengths from token_mask * sample_mask, one advantage
+per response, group ids from GRPO's layout (prompts repeated `num_generations_per_prompt` times,
+consecutively). The core reduces the per-group statistics to per-sequence weights, carried in the
+data dict as rows (`ba_weights`), the only form that survives NeMo-RL's slicing of the dict into DP
+shards, length-sorted dynamic batches and packed sequences.
+
+Per micro-batch, the loss is the sum of two parts, each from the code that defines it:
+- the policy-gradient term: the core's clipped PPO term with the plan's weights
+  (`megatron_ba.loss.grpo_loss`);
+- everything else: NeMo-RL's own `ClippedPGLossFn` on the same micro-batch with the advantages set
+  to 0, which makes its policy-gradient term exactly 0 in value and gradient. What remains of it
+  is its KL term (every `reference_policy_kl_type`, the clamps, `use_on_policy_kl_approximation`
+  and the score-function factor exp(lp - stopgrad(lp)) it applies otherwise, normalised by the
+  global token count) and every diagnostic `grpo_train` logs (`token_mult_prob_error`,
+  `gen_kl_error`, `probs_ratio*`, ...), computed by NeMo-RL from the same inputs (the advantages
+  enter none of them).
 """
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
@@ -29,104 +37,103 @@ from megatron_ba.integrations._common import sequence_advantages
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.rules import AggregationSettings
 
-try:  # NeMo-RL compares these by identity with its own enums
-    from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
-except ImportError:  # not installable here: same names and values (checked by the contract test)
-
-    class LossType(enum.Enum):
-        TOKEN_LEVEL = "token_level"
-        SEQUENCE_LEVEL = "sequence_level"
-
-    class LossInputType(enum.Enum):
-        LOGPROB = "logprob"
-
-
-PLAN_KEYS = ("ba_weights", "ba_reg_weights")
+PLAN_KEY = "ba_weights"
 # The data-dict keys each step reads, and where NeMo-RL's GRPO puts them (for the error message).
 DATA_KEYS = {
     "token_mask": "GRPO's train_data",
     "sample_mask": "GRPO's train_data",
     "advantages": "GRPO's train_data (computed from rewards before policy.train)",
     "prev_logprobs": "GRPO's train_data (policy.get_logprobs before policy.train)",
+    "generation_logprobs": "GRPO's train_data (the rollout engine's log-probs)",
+    "reference_policy_logprobs": "GRPO's train_data (policy.get_reference_policy_logprobs; "
+    "read with reference_policy_kl_penalty != 0)",
 }
-REF_KEY = "reference_policy_logprobs"
+# AggregationSettings field -> its key in NeMo-RL's loss_fn config
+CONFIG_KEYS = {f: f"ba_{f}" for f in ("rule", "scope", "max_length", "neutral_eps")}
 
-# ClippedPGLossFn settings whose effect this loss would drop: value allowed, and why.
-_IGNORED = {
+# ClippedPGLossFn settings whose effect on the policy-gradient term this loss would drop: the
+# value it accepts, and why.
+REFUSED = {
     "disable_ppo_ratio": (False, "the core's term is the clipped PPO ratio"),
     "use_cispo": (False, "CISPO is not the core's PPO term"),
     "force_on_policy_ratio": (False, "the ratio is taken against prev_logprobs"),
     "sequence_level_importance_ratios": (False, "GSPO's sequence ratios are not a token plan"),
-    "use_importance_sampling_correction": (False, "the core has no per-token IS factor"),
-    "token_level_loss": (True, "ba_rule decides the normalisation; ba_rule=sequence is the "
-                         "sequence-level mean"),
+    "use_importance_sampling_correction": (False, "the core's term has no per-token IS factor"),
+    "token_level_loss": (True, "ba_rule decides the normalisation of the policy-gradient term; "
+                         "ba_rule=sequence is the sequence-level mean"),
+    "positive_example_nll_weight": (0.0, "VAPO's NLL reads data['rewards'], which GRPO's "
+                                    "train_data does not hold in NeMo-RL v0.7.0 (ClippedPGLossFn "
+                                    "skips it silently there), and is normalised per micro-batch"),
 }  # fmt: skip
-# ... and those that only matter when the KL term is on (the core's KL is plain k3).
-_IGNORED_WITH_KL = {
-    "reference_policy_kl_type": ("k3", "the core's KL term is k3"),
-    "use_on_policy_kl_approximation": (False, "the core's KL has no importance weights"),
-    "kl_input_clamp_value": (None, "the core's KL is not clamped"),
-    "kl_output_clamp_value": (None, "the core's KL is not clamped"),
-}
-# AggregationSettings field -> its key in NeMo-RL's loss_fn config
-CONFIG_KEYS = {f: f"ba_{f}" for f in ("rule", "scope", "max_length", "neutral_eps")}
+
+
+def _nemo_rl_loss():
+    """NeMo-RL's loss module (imported on use: this package imports without NeMo-RL)."""
+    try:
+        from nemo_rl.algorithms import loss
+        from nemo_rl.algorithms.loss import interfaces
+    except ImportError as e:
+        raise ImportError(
+            f"BalancedPGLossFn runs inside NeMo-RL, which is not importable here ({e}); install "
+            "megatron-ba into NeMo-RL's environment (docs/integrations.md#nemo-rl)"
+        ) from e
+    return loss, interfaces
 
 
 class BalancedPGLossFn:
     """NeMo-RL LossFunction: the clipped PG loss with per-sequence weights from `attach_plan`.
 
     Args:
-        cfg: NeMo-RL's `loss_fn` config (ClippedPGLossConfig or a dict): reads ratio_clip_min,
-            ratio_clip_max, ratio_clip_c, reference_policy_kl_penalty and, as extra keys (the
-            pydantic model allows them), ba_rule, ba_scope, ba_neutral_eps.
+        cfg: NeMo-RL's `loss_fn` config, a `ClippedPGLossConfig` (what `MasterConfig.loss_fn`
+            holds) or a dict of its fields (validated by it, with its defaults). Besides its
+            fields, the extra keys ba_rule, ba_scope, ba_neutral_eps, ba_max_length choose the
+            plan (megatron_ba.rules.AggregationSettings).
         group_size: responses per prompt (grpo.num_generations_per_prompt).
 
-    A `loss_fn` setting of ClippedPGLossFn whose effect this loss would drop (`_IGNORED`, and
-    `_IGNORED_WITH_KL` when the KL term is on) raises ValueError naming it, as does a data dict
-    without a key the step reads (`DATA_KEYS`, the plan's keys, `reference_policy_logprobs` with
-    the KL term) or with plan rows that are not this micro-batch's.
+    A setting of `REFUSED` at another value, or an unknown `ba_*` key, raises ValueError naming
+    it, as does a data dict without a key the step reads (`DATA_KEYS`, the plan's keys) or with
+    plan rows that are not this micro-batch's.
     """
 
-    # TOKEN_LEVEL so that NeMo-RL checks `token_mask` is present; the plan, not this flag,
-    # decides the normalisation.
-    loss_type = LossType.TOKEN_LEVEL
-    input_type = LossInputType.LOGPROB
-
     def __init__(self, cfg: Any, *, group_size: int):
-        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        nemo_loss, interfaces = _nemo_rl_loss()
+        if not isinstance(cfg, nemo_loss.ClippedPGLossConfig):
+            cfg = nemo_loss.ClippedPGLossConfig(**dict(cfg))
+        extra = dict(cfg.model_extra or {})
+        unknown = sorted(k for k in extra if k.startswith("ba_") and k not in CONFIG_KEYS.values())
+        if unknown:
+            raise ValueError(
+                f"loss_fn.{unknown[0]}: unknown key; BalancedPGLossFn reads "
+                f"{', '.join(CONFIG_KEYS.values())}"
+            )
+        defaults = AggregationSettings()
         try:
             self.aggregation = AggregationSettings(
-                rule=get("ba_rule", "balanced"),
-                scope=get("ba_scope", "group"),
-                max_length=get("ba_max_length", None),
-                neutral_eps=float(get("ba_neutral_eps", 0.0)),
+                **{f: extra.get(key, getattr(defaults, f)) for f, key in CONFIG_KEYS.items()}
             )
         except SettingError as e:
             raise ValueError(e.renamed(CONFIG_KEYS, prefix="loss_fn.")) from None
-        if not (isinstance(group_size, int) and group_size >= 1):
+        if isinstance(group_size, bool) or not (isinstance(group_size, int) and group_size >= 1):
             raise ValueError(f"group_size: must be an integer >= 1, got {group_size!r}")
-        for key, (allowed, why) in _IGNORED.items():
-            if get(key, allowed) != allowed:
+        for key, (allowed, why) in REFUSED.items():
+            if getattr(cfg, key) != allowed:
                 raise ValueError(
                     f"loss_fn.{key}: BalancedPGLossFn supports only {allowed!r} ({why}), got "
-                    f"{get(key)!r}; set loss_fn.{key}={allowed!r} or use NeMo-RL's ClippedPGLossFn"
+                    f"{getattr(cfg, key)!r}; set loss_fn.{key}={allowed!r} or use NeMo-RL's "
+                    f"ClippedPGLossFn"
                 )
-        # As in ClippedPGLossFn: with use_kl_in_reward the KL is in the reward, not the loss.
-        kl_coef = 0.0 if get("use_kl_in_reward", False) else get("reference_policy_kl_penalty", 0.0)
-        if kl_coef:
-            for key, (allowed, why) in _IGNORED_WITH_KL.items():
-                if get(key, allowed) != allowed:
-                    raise ValueError(
-                        f"loss_fn.{key}: BalancedPGLossFn supports only {allowed!r} when "
-                        f"reference_policy_kl_penalty != 0 ({why}), got {get(key)!r}"
-                    )
         self.group_size = group_size
+        # NeMo-RL's own loss, for its KL term and diagnostics (module docstring).
+        self.clipped = nemo_loss.ClippedPGLossFn(cfg)
         self.config = GRPOLossConfig(
-            clip_low=get("ratio_clip_min", 0.2),
-            clip_high=get("ratio_clip_max", 0.2),
-            dual_clip=get("ratio_clip_c", None),
-            kl_coef=kl_coef or 0.0,
+            clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max, dual_clip=cfg.ratio_clip_c
         )
+        # What NeMo-RL reads off a loss function: its enums (compared by identity), and the KL
+        # coefficient (prepare_loss_input computes the unfiltered log-probs the KL needs under
+        # top-k/top-p sampling only when it finds it non-zero).
+        self.loss_type = interfaces.LossType.TOKEN_LEVEL
+        self.input_type = interfaces.LossInputType.LOGPROB
+        self.reference_policy_kl_penalty = self.clipped.reference_policy_kl_penalty
 
     @staticmethod
     def _mask(data) -> torch.Tensor:
@@ -134,16 +141,16 @@ class BalancedPGLossFn:
         return data["token_mask"][:, 1:] * data["sample_mask"].unsqueeze(-1)
 
     @staticmethod
-    def _require(data, keys, where: str) -> None:
+    def _require(data, keys) -> None:
         """ValueError naming each key of `keys` missing from `data` (not a KeyError deep inside)."""
         missing = [k for k in keys if k not in data]
         if missing:
-            sources = "; ".join(f"{k}: {DATA_KEYS.get(k, where)}" for k in missing)
+            sources = "; ".join(f"{k}: {DATA_KEYS[k]}" for k in missing)
             raise ValueError(f"data: missing {missing} ({sources})")
 
     def attach_plan(self, data) -> None:
         """Add the plan's weights to the global batch `data` (in place), before policy.train."""
-        self._require(data, ("token_mask", "sample_mask", "advantages"), "")
+        self._require(data, ("token_mask", "sample_mask", "advantages"))
         mask = self._mask(data)
         lengths = mask.to(torch.float64).sum(dim=1)
         advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
@@ -154,8 +161,7 @@ class BalancedPGLossFn:
             )
         group_ids = torch.arange(n) // self.group_size
         plan = LossPlan.build(self.aggregation, lengths, advantages.to(torch.float64), group_ids)
-        data["ba_weights"] = plan.pg_weights
-        data["ba_reg_weights"] = plan.reg_weights
+        data[PLAN_KEY] = plan.pg_weights
 
     def __call__(
         self,
@@ -165,42 +171,41 @@ class BalancedPGLossFn:
         global_valid_toks: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        missing = [k for k in PLAN_KEYS if k not in data]
-        if missing:
+        self._check_micro_batch(data)
+        mask = self._mask(data).bool()
+        advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
+        # The regularisers are NeMo-RL's (below): the core's plan carries no weights for them.
+        weights = data[PLAN_KEY]
+        plan = LossPlan(weights, torch.zeros_like(weights), advantages)
+        pg_loss, pg_metrics = grpo_loss(
+            next_token_logprobs, data["prev_logprobs"][:, 1:], mask, plan, self.config
+        )
+        no_pg = {**data, "advantages": torch.zeros_like(data["advantages"])}
+        rest, metrics = self.clipped(
+            next_token_logprobs, no_pg, global_valid_seqs, global_valid_toks, **kwargs
+        )
+        loss = pg_loss + rest
+        # NeMo-RL sums metrics over micro-batches: each is an additive share, as its own are.
+        metrics["loss"] = float(loss.detach())
+        metrics["ba_pg_loss"] = float(pg_metrics["pg_loss"])
+        metrics["ba_weight_pos_sum"] = float(pg_metrics["weight_pos_sum"])
+        metrics["ba_weight_neg_sum"] = float(pg_metrics["weight_neg_sum"])
+        return loss, metrics
+
+    def _check_micro_batch(self, data) -> None:
+        if PLAN_KEY not in data:
             raise ValueError(
-                f"data: missing {missing}; call attach_plan(train_data) on the global batch "
+                f"data: missing ['{PLAN_KEY}']; call attach_plan(train_data) on the global batch "
                 "before policy.train (the entry script run_grpo_balanced does this)"
             )
-        needed = [*DATA_KEYS, REF_KEY] if self.config.kl_coef > 0 else list(DATA_KEYS)
-        self._require(data, needed, "policy.get_reference_policy_logprobs (KL term on)")
-        mask = self._mask(data).bool()
-        rows = mask.shape[0]
-        for key in PLAN_KEYS:
-            if tuple(data[key].shape) != (rows,):
-                raise ValueError(
-                    f"data[{key!r}]: must hold one weight per row of this micro-batch ({rows}), "
-                    f"got shape {tuple(data[key].shape)}; attach_plan must run on the global batch "
-                    f"before NeMo-RL slices it"
-                )
-        advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
-        plan = LossPlan(data["ba_weights"], data["ba_reg_weights"], advantages)
-        ref = data[REF_KEY][:, 1:] if self.config.kl_coef > 0 else None
-        loss, metrics = grpo_loss(
-            next_token_logprobs,
-            data["prev_logprobs"][:, 1:],
-            mask,
-            plan,
-            self.config,
-            ref_logprobs=ref,
-        )
-        # NeMo-RL sums metrics over micro-batches: report additive shares only.
-        out = {
-            "loss": float(loss.detach()),
-            "pg_loss": float(metrics["pg_loss"]),
-            "ba_weight_pos_sum": float(metrics["weight_pos_sum"]),
-            "ba_weight_neg_sum": float(metrics["weight_neg_sum"]),
-            "num_valid_samples": float(data["sample_mask"].sum()),
-        }
-        if "kl" in metrics:
-            out["kl_penalty"] = float(metrics["kl"])
-        return loss, out
+        needed = [k for k in DATA_KEYS if k != "reference_policy_logprobs"]
+        if self.reference_policy_kl_penalty != 0:
+            needed.append("reference_policy_logprobs")
+        self._require(data, needed)
+        rows = data["token_mask"].shape[0]
+        if tuple(data[PLAN_KEY].shape) != (rows,):
+            raise ValueError(
+                f"data[{PLAN_KEY!r}]: must hold one weight per row of this micro-batch ({rows}), "
+                f"got shape {tuple(data[PLAN_KEY].shape)}; attach_plan must run on the global "
+                f"batch before NeMo-RL slices it"
+            )

@@ -1,15 +1,19 @@
 """NeMo-RL's GRPO (examples/run_grpo.py) with `BalancedPGLossFn` swapped in.
 
-    cd <NeMo-RL checkout> && uv run python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced \\
-        --config examples/configs/grpo_math_1B.yaml ++loss_fn.ba_rule=balanced
+    python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced \\
+        --config examples/configs/grpo_math_1B.yaml ++loss_fn.ba_rule=balanced [--check]
 
-Arguments are NeMo-RL's own (they go to its examples/run_grpo.py, found from NEMO_RL_ROOT or next
-to the installed `nemo_rl` package). Before running it, this wraps `nemo_rl.algorithms.grpo.setup`:
-its result's loss function is replaced by BalancedPGLossFn(master_config["loss_fn"], group_size=
-grpo.num_generations_per_prompt), and the returned policy's `train(data, loss_fn, ...)` first
-calls `loss_fn.attach_plan(data)` on the global batch. Positions in setup's result and the call
-`policy.train(train_data, loss_fn, ...)` are NeMo-RL v0.7.0's, checked by the contract test
-(tests/test_integration_nemo_rl.py). NeMo-RL needs Ray and GPUs; what has run: docs/status.md.
+Run it in NeMo-RL's environment (from a NeMo-RL checkout: `uv run python -m ...`). Arguments are
+NeMo-RL's own: they go to its examples/run_grpo.py, found from NEMO_RL_ROOT or next to the installed
+`nemo_rl` package. First the config is built as run_grpo.py builds it and checked
+(`check_master_config`, and the loss settings BalancedPGLossFn refuses): a refusal stops the run
+before Ray or any model starts; `--check` stops after the check. Then NeMo-RL's
+`nemo_rl.algorithms.grpo.setup` is wrapped (`balanced_setup`): the loss function in its result is
+replaced by BalancedPGLossFn(master_config.loss_fn, group_size=grpo.num_generations_per_prompt),
+and the returned policy's `train(data, loss_fn, ...)` first calls `loss_fn.attach_plan(data)` on
+the global batch. Positions in setup's result and the call `policy.train(train_data, loss_fn,
+...)` are NeMo-RL v0.7.0's; tests/nemo_rl/ runs them against its code. What has run:
+docs/status.md.
 """
 
 from __future__ import annotations
@@ -21,21 +25,38 @@ import sys
 
 from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn
 
-# Indices in the tuple grpo.setup returns (v0.7.0; the contract test checks them).
+# Indices in the tuple grpo.setup returns (NeMo-RL v0.7.0: policy, policy_generation, nemo_gym,
+# clusters, dataloader, val_dataloader, loss_fn, logger, checkpointer, grpo_save_state,
+# master_config, teacher_worker_groups, alias_to_group_alias).
 SETUP_POLICY, SETUP_LOSS_FN, SETUP_MASTER_CONFIG = 0, 6, 10
 
 
-def _one_global_batch(master_config) -> int:
-    grpo, policy = master_config["grpo"], master_config["policy"]
+def check_master_config(master_config) -> int:
+    """The group size, after refusing a NeMo-RL `MasterConfig` the plan cannot serve.
+
+    One optimizer step per rollout batch: policy.train shards a larger batch over DP ranks before
+    splitting it into steps, and the plan is built per rollout batch. Async GRPO trains on batches
+    assembled from trajectories of several policy versions, which need not be whole groups; the
+    data-plane trainer never holds the batch on the driver, where the plan is built.
+    """
+    grpo, policy = master_config.grpo, master_config.policy
     group_size = int(grpo["num_generations_per_prompt"])
     per_step = int(grpo["num_prompts_per_step"]) * group_size
     if int(policy["train_global_batch_size"]) != per_step:
-        # policy.train splits a larger batch into several optimizer steps after sharding it
-        # over DP ranks; the plan is built for one global batch, the whole rollout.
         raise ValueError(
             f"policy.train_global_batch_size: must equal grpo.num_prompts_per_step * "
             f"num_generations_per_prompt = {per_step} for BalancedPGLossFn (one optimizer step "
             f"per rollout batch), got {policy['train_global_batch_size']}"
+        )
+    if (grpo.get("async_grpo") or {}).get("enabled", False):
+        raise ValueError(
+            "grpo.async_grpo.enabled: must be false for BalancedPGLossFn (async GRPO's training "
+            "batches mix trajectories of several steps and need not hold whole prompt groups)"
+        )
+    if (master_config.data_plane or {}).get("enabled", False):
+        raise ValueError(
+            "data_plane.enabled: must be false for BalancedPGLossFn (the TransferQueue trainer "
+            "hands the workers batch metadata, never the whole batch to plan on the driver)"
         )
     return group_size
 
@@ -44,11 +65,14 @@ def balanced_setup(setup):
     """Wrap grpo.setup: swap the loss function, make policy.train attach the plan first."""
 
     @functools.wraps(setup)
-    def wrapped(*args, **kwargs):
-        result = list(setup(*args, **kwargs))
+    def wrapped(master_config, *args, **kwargs):
+        # Refused settings stop the run here, before setup starts Ray and loads any model.
+        group_size = check_master_config(master_config)
+        BalancedPGLossFn(master_config.loss_fn, group_size=group_size)
+        result = list(setup(master_config, *args, **kwargs))
         master_config = result[SETUP_MASTER_CONFIG]
-        group_size = _one_global_batch(master_config)
-        loss_fn = BalancedPGLossFn(master_config["loss_fn"], group_size=group_size)
+        group_size = check_master_config(master_config)
+        loss_fn = BalancedPGLossFn(master_config.loss_fn, group_size=group_size)
         policy = result[SETUP_POLICY]
         train = policy.train
 
@@ -78,12 +102,48 @@ def _run_grpo_path() -> str:
     return path
 
 
+def load_master_config(argv: list[str], run_grpo: str):
+    """The MasterConfig examples/run_grpo.py builds from these arguments, built the same way
+    (NeMo-RL's load_config, parse_hydra_overrides, resolvers; its default config file)."""
+    import argparse
+
+    from nemo_rl.algorithms.grpo import MasterConfig
+    from nemo_rl.utils.config import load_config, parse_hydra_overrides
+    from nemo_rl.utils.config import register_omegaconf_resolvers as register
+    from omegaconf import OmegaConf
+
+    register()
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config", default=None)
+    args, overrides = parser.parse_known_args(argv)
+    path = args.config or os.path.join(os.path.dirname(run_grpo), "configs", "grpo_math_1B.yaml")
+    config = load_config(path)
+    if overrides:
+        config = parse_hydra_overrides(config, overrides)
+    return MasterConfig(**OmegaConf.to_container(config, resolve=True))
+
+
 def main() -> None:
+    """Check the config as run_grpo.py will build it, then run run_grpo.py with the swap.
+    `--check` (not passed on) stops after the check."""
     from nemo_rl.algorithms import grpo
 
-    grpo.setup = balanced_setup(grpo.setup)
+    argv = [a for a in sys.argv[1:] if a != "--check"]
     path = _run_grpo_path()
-    sys.argv = [path, *sys.argv[1:]]
+    master_config = load_master_config(argv, path)
+    group_size = check_master_config(master_config)
+    loss_fn = BalancedPGLossFn(master_config.loss_fn, group_size=group_size)
+    s = loss_fn.aggregation
+    kl = loss_fn.reference_policy_kl_penalty
+    print(
+        f"[megatron-ba] checked: BalancedPGLossFn rule={s.rule} scope={s.scope}, group size "
+        f"{group_size}, KL coefficient {kl}",
+        flush=True,
+    )
+    if "--check" in sys.argv[1:]:
+        return
+    grpo.setup = balanced_setup(grpo.setup)
+    sys.argv = [path, *argv]
     runpy.run_path(path, run_name="__main__")
 
 

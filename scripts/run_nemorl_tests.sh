@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The NeMo-RL integration against NeMo-RL v0.7.0's own code, in .venv-nemorl:
+#
+#   bash scripts/run_nemorl_tests.sh [pytest args]       # NEMO_RL_SRC=DIR: your own checkout
+#
+# Sets up .venv-nemorl (scripts/setup_nemorl_env.sh, idempotent), then runs
+#   1. NeMo-RL's own tests/unit/algorithms/test_loss_functions.py twice, without and with the
+#      integration imported (`-p megatron_ba.integrations.nemo_rl.run_grpo_balanced`): the same
+#      counts of passed / skipped / failed tests both times (on CPU NeMo-RL skips its GPU tests);
+#   2. tests/nemo_rl/ (pytest args go here): BalancedPGLossFn against ClippedPGLossFn and float64
+#      references, through NeMo-RL's training step on 2 DP ranks (plain, dynamic batching,
+#      packing), one real grpo_train step, the MasterConfig of the stock yaml, the documented
+#      command.
+# CI runs it after the main suite. In .venv the tests in tests/nemo_rl/ skip.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+setup_log=$(mktemp)
+bash scripts/setup_nemorl_env.sh | tee "$setup_log"
+src=$(tail -n 1 "$setup_log")
+rm -f "$setup_log"
+VENV=${MEGATRON_BA_NEMORL_VENV:-.venv-nemorl}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# The summary counts of one run of NeMo-RL's loss tests, e.g. "22 passed, 44 skipped".
+own_tests() {
+  local out
+  out=$(cd "$src" && "$VENV/bin/python" -m pytest tests/unit/algorithms/test_loss_functions.py \
+    -p no:cacheprovider -q "$@" 2>&1) || { echo "$out" | tail -n 30 >&2; return 1; }
+  echo "$out" | tail -n 1 | grep -oE '[0-9]+ (passed|skipped|failed|xfailed|xpassed|error)s?' \
+    | paste -sd' ' -
+}
+echo "[nemorl-tests] NeMo-RL's own loss tests, without the integration"
+without=$(own_tests)
+echo "[nemorl-tests] ... and with megatron_ba.integrations.nemo_rl imported"
+with=$(own_tests -p megatron_ba.integrations.nemo_rl.run_grpo_balanced)
+echo "[nemorl-tests] without: $without; with: $with"
+if [ "$without" != "$with" ] || [ -z "$with" ]; then
+  echo "[nemorl-tests] importing the integration changed NeMo-RL's own test results" >&2
+  exit 1
+fi
+"$VENV/bin/python" -m pytest tests/nemo_rl -p no:cacheprovider "$@"
