@@ -98,6 +98,9 @@ def left_out(site: Path, hide: list[str]) -> tuple[set[str], list[str]]:
         if is_ours or provides:
             skip |= tops
             dists.append(info.removesuffix(".dist-info"))
+    # By name too: an editable install being rewritten (another checkout's set-up) may have its
+    # .pth and finder in place while its dist-info (and so its RECORD) is not.
+    skip |= {e.name for e in site.iterdir() if "megatron_ba" in e.name}
     return skip, dists
 
 
