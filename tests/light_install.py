@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         "and `cli` (the console script's --help)"
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if not (args.venv / "bin" / "python").exists():
+        parser.error(f"--venv: {args.venv} has no bin/python (not a virtual environment?)")
+    if args.wheel and not args.wheel.is_file():
+        parser.error(f"--wheel: {args.wheel} is not a file")
     probe_checks = [c for c in args.checks if c != "cli"]
     with tempfile.TemporaryDirectory(prefix="megatron-ba-light-") as tmp:
         wheel = args.wheel or build_wheel(Path(tmp) / "wheel")
