@@ -4,14 +4,17 @@
 #   bash scripts/run_nemorl_tests.sh [pytest args]       # NEMO_RL_SRC=DIR: your own checkout
 #
 # Sets up .venv-nemorl (scripts/setup_nemorl_env.sh, idempotent), then runs
-#   1. NeMo-RL's own tests/unit/algorithms/test_loss_functions.py twice, without and with the
-#      integration imported (`-p megatron_ba.integrations.nemo_rl.run_grpo_balanced`): the same
-#      counts of passed / skipped / failed tests both times (on CPU NeMo-RL skips its GPU tests);
-#   2. tests/nemo_rl/ (pytest args go here): BalancedPGLossFn against ClippedPGLossFn and float64
+#   1. NeMo-RL's own loss tests (test_loss_functions.py of its unit tests) twice, without and
+#      with the integration imported (`-p megatron_ba.integrations.nemo_rl.run_grpo_balanced`):
+#      the same counts of passed / skipped / failed tests both times (on CPU NeMo-RL skips its GPU
+#      tests);
+#   2. tests/nemorl/ (pytest args go here): BalancedPGLossFn against ClippedPGLossFn and float64
 #      references, through NeMo-RL's training step on 2 DP ranks (plain, dynamic batching,
 #      packing), one real grpo_train step, the MasterConfig of the stock yaml, the documented
-#      command.
-# CI runs it after the main suite. In .venv the tests in tests/nemo_rl/ skip.
+#      command;
+#   3. meanwhile, the light install in .venv-nemorl (tests/light_install.py: this checkout's wheel
+#      alone, the nemo_rl probe of tests/light_probe.py).
+# CI runs it after the main suite. In .venv the tests in tests/nemorl/ skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 setup_log=$(mktemp)
@@ -22,10 +25,19 @@ VENV=${MEGATRON_BA_NEMORL_VENV:-.venv-nemorl}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+# The light install in NeMo-RL's environment (the wheel alone, no megatron-core there), in the
+# background: mostly NeMo-RL's imports.
+main_venv=${MEGATRON_BA_VENV:-.venv}
+[ -x "$main_venv/bin/python" ] || bash scripts/setup_env.sh
+light_log=$(mktemp)
+"$main_venv/bin/python" tests/light_install.py --venv "$VENV" --hide megatron vllm -- nemo_rl \
+  >"$light_log" 2>&1 &
+light_pid=$!
+
 # The summary counts of one run of NeMo-RL's loss tests, e.g. "22 passed, 44 skipped".
 own_tests() {
   local out
-  out=$(cd "$src" && "$VENV/bin/python" -m pytest tests/unit/algorithms/test_loss_functions.py \
+  out=$(cd "$src/tests/unit/algorithms" && "$VENV/bin/python" -m pytest test_loss_functions.py \
     -p no:cacheprovider -q "$@" 2>&1) || { echo "$out" | tail -n 30 >&2; return 1; }
   echo "$out" | tail -n 1 | grep -oE '[0-9]+ (passed|skipped|failed|xfailed|xpassed|error)s?' \
     | paste -sd' ' -
@@ -39,4 +51,11 @@ if [ "$without" != "$with" ] || [ -z "$with" ]; then
   echo "[nemorl-tests] importing the integration changed NeMo-RL's own test results" >&2
   exit 1
 fi
-"$VENV/bin/python" -m pytest tests/nemo_rl -p no:cacheprovider "$@"
+status=0
+"$VENV/bin/python" -m pytest tests/nemorl -p no:cacheprovider "$@" || status=$?
+if ! wait "$light_pid"; then
+  echo "[nemorl-tests] the light install in $VENV failed:" >&2
+  status=1
+fi
+cat "$light_log" && rm -f "$light_log"
+exit $status

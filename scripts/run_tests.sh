@@ -11,12 +11,14 @@
 #      the light install: this repository's wheel alone in copies of .venv-verl and .venv without
 #      megatron-core and vLLM (scripts/run_light_install_tests.sh),
 #   3. the NeMo-Aligner integration in its own .venv-nemo (NeMo 2.1 / megatron-core 0.10),
-#   4. the current stack in .venv-current (Python 3.12, megatron-core 0.19: every test that needs
+#   4. the NeMo-RL integration against NeMo-RL v0.7.0's own code in .venv-nemorl (Python 3.12;
+#      scripts/run_nemorl_tests.sh),
+#   5. the current stack in .venv-current (Python 3.12, megatron-core 0.19: every test that needs
 #      no vLLM; scripts/run_current_tests.sh).
-# The environments of 2-4 are built in the background while the main suite runs (their set-up is
+# The environments of 2-5 are built in the background while the main suite runs (their set-up is
 # mostly downloads and disk); each is cached outside the checkout (scripts/env_lib.sh), so a second
 # run on the same machine skips every set-up. pytest args go to the main suite only.
-# MEGATRON_BA_SKIP_EXTRA_ENVS=1 skips 2-4.
+# MEGATRON_BA_SKIP_EXTRA_ENVS=1 skips 2-5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -28,9 +30,10 @@ extra=0
 [ "${MEGATRON_BA_SKIP_EXTRA_ENVS:-0}" = 1 ] || extra=1
 setup_log=$(mktemp -t megatron-ba-setup.XXXXXX)
 if [ $extra = 1 ]; then
-  echo "[tests] building .venv-verl, .venv-nemo and .venv-current in the background ($setup_log)"
+  echo "[tests] building .venv-verl, .venv-nemo, .venv-current and .venv-nemorl in the background" \
+    "($setup_log)"
   (bash scripts/setup_verl_env.sh && bash scripts/setup_nemo_env.sh \
-    && bash scripts/setup_current_env.sh) >"$setup_log" 2>&1 &
+    && bash scripts/setup_current_env.sh && bash scripts/setup_nemorl_env.sh) >"$setup_log" 2>&1 &
   setup_pid=$!
 fi
 
@@ -63,5 +66,6 @@ if [ $extra = 1 ]; then
   bash scripts/run_verl_tests.sh
   bash scripts/run_light_install_tests.sh
   bash scripts/run_nemo_tests.sh
+  bash scripts/run_nemorl_tests.sh
   bash scripts/run_current_tests.sh
 fi

@@ -15,8 +15,9 @@ Exit status 0, or a traceback naming what failed.
   --help` composes verl's config (exit 0, verl's config printed).
 - trl: a `BalancedGRPOTrainer` is built on a tiny Qwen2 (built here, offline) and its planning
   (`attach_plan`) gives the core's balanced weights.
-- nemo_rl: `BalancedPGLossFn` and the entry script's module import; the loss function plans a
-  small global batch (`attach_plan`) and is called on it, with the core's weights.
+- nemo_rl: `BalancedPGLossFn` and the entry script's module import. Without NeMo-RL, making the
+  loss function is an ImportError saying it runs inside NeMo-RL; with it, the loss function plans
+  a small global batch (`attach_plan`, the core's weights) and is called on it.
 - import:MODULE: `import MODULE`, nothing more.
 """
 
@@ -149,6 +150,14 @@ def check_nemo_rl() -> None:
         run_grpo_balanced,  # noqa: F401
     )
 
+    cfg = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28}
+    if importlib.util.find_spec("nemo_rl") is None:  # the loss function is NeMo-RL's to run
+        try:
+            BalancedPGLossFn(cfg, group_size=G)
+        except ImportError as e:
+            assert "BalancedPGLossFn runs inside NeMo-RL" in str(e), e
+            return
+        raise AssertionError("BalancedPGLossFn was made without NeMo-RL")
     lengths, scores, group_ids, mask = _batch()
     advantages = scores - scores.view(-1, G).mean(1).repeat_interleave(G)
     n, t = mask.shape
@@ -158,14 +167,18 @@ def check_nemo_rl() -> None:
         "token_mask": token_mask,
         "sample_mask": torch.ones(n),
         "advantages": advantages.float()[:, None] * token_mask,
-        "prev_logprobs": -torch.rand(n, t + 1, generator=g),
+        **{k: -torch.rand(n, t + 1, generator=g) for k in LOGPROB_KEYS},
     }
-    loss_fn = BalancedPGLossFn({"ratio_clip_min": 0.2, "ratio_clip_max": 0.28}, group_size=G)
+    loss_fn = BalancedPGLossFn(cfg, group_size=G)
     loss_fn.attach_plan(data)
     expected = _core_weights(lengths, advantages, group_ids)
     torch.testing.assert_close(data["ba_weights"], expected.to(data["ba_weights"].dtype))
-    loss, _ = loss_fn(data["prev_logprobs"][:, 1:] + 0.1, data)
-    assert torch.isfinite(loss), loss
+    loss, metrics = loss_fn(data["prev_logprobs"][:, 1:] + 0.1, data, None, None)
+    assert torch.isfinite(loss) and "token_mult_prob_error" in metrics, (loss, metrics)
+
+
+# What GRPO's train_data holds besides the masks and advantages (NeMo-RL's KL is on by default).
+LOGPROB_KEYS = ("prev_logprobs", "generation_logprobs", "reference_policy_logprobs")
 
 
 CHECKS = {

@@ -9,7 +9,7 @@
 `python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ...` does the swap inside
 NeMo-RL's own GRPO script. This package imports without NeMo-RL (and without megatron-core);
 BalancedPGLossFn needs NeMo-RL when it is made. Tested against NeMo-RL v0.7.0's own code in
-tests/nemo_rl/ (scripts/run_nemorl_tests.sh).
+tests/nemorl/ (scripts/run_nemorl_tests.sh).
 """
 
 from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn

@@ -12,7 +12,7 @@ before Ray or any model starts; `--check` stops after the check. Then NeMo-RL's
 replaced by BalancedPGLossFn(master_config.loss_fn, group_size=grpo.num_generations_per_prompt),
 and the returned policy's `train(data, loss_fn, ...)` first calls `loss_fn.attach_plan(data)` on
 the global batch. Positions in setup's result and the call `policy.train(train_data, loss_fn,
-...)` are NeMo-RL v0.7.0's; tests/nemo_rl/ runs them against its code. What has run:
+...)` are NeMo-RL v0.7.0's; tests/nemorl/ runs them against its code. What has run:
 docs/status.md.
 """
 

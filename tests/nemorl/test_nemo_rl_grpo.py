@@ -21,7 +21,9 @@ from unittest.mock import MagicMock
 
 import pytest
 
-pytest.importorskip("nemo_rl", reason="NeMo-RL is not installed: bash scripts/run_nemorl_tests.sh")
+pytest.importorskip(
+    "nemo_rl.algorithms.loss", reason="NeMo-RL is not installed: bash scripts/run_nemorl_tests.sh"
+)
 
 import torch
 from conftest import nemo_rl_root

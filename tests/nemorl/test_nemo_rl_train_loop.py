@@ -16,7 +16,9 @@ import socket
 
 import pytest
 
-pytest.importorskip("nemo_rl", reason="NeMo-RL is not installed: bash scripts/run_nemorl_tests.sh")
+pytest.importorskip(
+    "nemo_rl.algorithms.loss", reason="NeMo-RL is not installed: bash scripts/run_nemorl_tests.sh"
+)
 
 import torch
 import torch.multiprocessing as mp

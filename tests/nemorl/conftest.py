@@ -1,4 +1,4 @@
-"""tests/nemo_rl/: BalancedPGLossFn and run_grpo_balanced against NeMo-RL v0.7.0's own code.
+"""tests/nemorl/: BalancedPGLossFn and run_grpo_balanced against NeMo-RL v0.7.0's own code.
 
     bash scripts/run_nemorl_tests.sh     # sets up .venv-nemorl, then runs these tests there
 
@@ -26,7 +26,14 @@ def nemo_rl_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(nemo_rl.__file__)))
 
 
-if importlib.util.find_spec("nemo_rl") is not None:
+def _nemo_rl_installed() -> bool:
+    try:
+        return importlib.util.find_spec("nemo_rl.algorithms") is not None
+    except ImportError:
+        return False
+
+
+if _nemo_rl_installed():
     sys.path.insert(0, nemo_rl_root())
 
 
