@@ -5,12 +5,14 @@ Per token (rho = pi_theta / pi_old, asymmetric "clip-higher" bounds of DAPO):
     phi_{i,t} = min(rho A_i, clip(rho, 1 - clip_low, 1 + clip_high) A_i)
     dual clip (Ye et al. 2020, A_i < 0 only):  phi_{i,t} = max(phi_{i,t}, dual_clip * A_i)
 
-    loss = - sum_i w_i sum_t phi_{i,t}                      (policy gradient, the plan's rule)
+    loss = - sum_i w_i sum_t c_{i,t} phi_{i,t}              (policy gradient, the plan's rule)
            + kl_coef      * sum_i v_i sum_t k3_{i,t}        (KL to a reference policy)
            - entropy_coef * sum_i v_i sum_t H_{i,t}         (entropy bonus)
 
-with w the policy-gradient plan (balanced by default) and v the regulariser plan (token mean by
-default); k3 = exp(ref - logp) - (ref - logp) - 1 is Schulman's unbiased, positive KL estimator.
+with w the policy-gradient plan (balanced by default), c an optional per-token importance weight
+(`is_weights`: a correction for the rollout engine sampling from another distribution than the
+trainer's, detached, 1 by default) and v the regulariser plan (token mean by default);
+k3 = exp(ref - logp) - (ref - logp) - 1 is Schulman's unbiased, positive KL estimator.
 Both plans come from `LossPlan.build` (one statistics reduction for both), so the loss of any
 micro-batch or shard is its exact share of the global loss: summing over parts gives the whole.
 
@@ -176,9 +178,12 @@ def grpo_loss(
     *,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This part of the batch's share of the global GRPO loss, and its metrics.
 
+    `is_weights`: c_{i,t} of the module docstring, one per token in logprobs' layout (a
+    sequence-level weight repeated on its tokens), >= 0 (not checked here); used detached.
     Returns (loss, metrics). `loss` is differentiable in logprobs (and entropy). Metrics ending in
     `_sum` are additive over micro-batches and ranks (sum them); the rest describe this part only.
     """
@@ -202,6 +207,8 @@ def grpo_loss(
     psi = torch.minimum(ratio * folded, clipped * folded)  # w_i phi_{i,t}
     if config.dual_clip is not None:
         psi = torch.where(folded < 0, torch.maximum(psi, config.dual_clip * folded), psi)
+    if is_weights is not None:
+        psi = psi * _importance_weights(is_weights, valid, logprobs)
     # Packed padding has s = 0 and rho = 1: a term of exactly 0. A padded row broadcasts its s_i
     # over its padding too, so there the mask is applied.
     pg_loss = -(psi.sum() if index is not None else torch.where(valid, psi, zero).sum())
@@ -213,6 +220,19 @@ def grpo_loss(
     with torch.no_grad():
         metrics.update(_token_metrics(plan, config, valid, index, ratio, folded))
     return loss, metrics
+
+
+def _importance_weights(is_weights: torch.Tensor, valid: torch.Tensor, like: torch.Tensor):
+    """c_{i,t} detached, 0 off the mask (where psi may be nonzero on a padded row's padding)."""
+    if is_weights.shape != like.shape:
+        raise ValueError(
+            f"is_weights: must have the shape of logprobs {tuple(like.shape)} (one weight per "
+            f"token), got {tuple(is_weights.shape)}"
+        )
+    # Not checked for c >= 0 here (a host read per micro-batch): megatron_ba.rollout_correction
+    # makes them, once per global batch, and checks them there.
+    c = is_weights.detach().to(like.dtype)
+    return torch.where(valid, c, torch.zeros((), dtype=like.dtype, device=like.device))
 
 
 def _add_regularisers(loss, metrics, logprobs, valid, index, reg_weights, config, ref, entropy):

@@ -116,6 +116,37 @@ def test_loss_gradient_matches_float64_reference_formula():
     torch.testing.assert_close(grad, expected, rtol=1e-13, atol=1e-15)
 
 
+def test_importance_weights_multiply_each_tokens_term_value_and_gradient():
+    """c_{i,t} on the closed form of the test above: value -sum w c phi, gradient -w c A rho 1[.];
+    padded and packed alike. Control: the same loss without the weights differs."""
+    g = torch.Generator().manual_seed(3)
+    n, T = 5, 6
+    lengths = torch.randint(1, T + 1, (n,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    logp = (-torch.rand(n, T, generator=g, dtype=torch.float64)).requires_grad_()
+    old = logp.detach() + 0.15 * torch.randn(n, T, generator=g, dtype=torch.float64)
+    c = torch.rand(n, T, generator=g, dtype=torch.float64) * 2  # some above 1, some near 0
+    c[~mask] = float("nan")  # off the mask a weight is never read
+    adv = t64([1.2, -0.4, 0.7, -1.5, 0.3])
+    plan = LossPlan.build(AggregationSettings("balanced"), lengths, adv, torch.tensor([0] * 5))
+    loss, _ = grpo_loss(logp, old, mask, plan, is_weights=c)
+    (grad,) = torch.autograd.grad(loss, logp)
+    rho = (logp.detach() - old).exp()
+    a, w = adv[:, None], plan.pg_weights[:, None]
+    phi = torch.minimum(rho * a, rho.clamp(0.8, 1.28) * a)
+    unclipped = torch.where(a > 0, rho <= 1.28, rho >= 0.8)
+    cm = torch.where(mask, c, 0.0)
+    torch.testing.assert_close(loss.detach(), -(w * cm * phi * mask).sum(), rtol=1e-13, atol=0)
+    torch.testing.assert_close(grad, -w * cm * a * rho * unclipped * mask, rtol=1e-13, atol=1e-15)
+    seq_index = torch.arange(n).repeat_interleave(lengths)
+    packed, _ = grpo_loss(logp.detach()[mask], old[mask], seq_index, plan, is_weights=c[mask])
+    torch.testing.assert_close(packed, loss.detach(), rtol=1e-13, atol=0)
+    unweighted, _ = grpo_loss(logp.detach(), old, mask, plan)
+    assert abs(float(unweighted - loss)) > 1e-3
+    with pytest.raises(ValueError, match=r"is_weights: must have the shape of logprobs"):
+        grpo_loss(logp.detach(), old, mask, plan, is_weights=c[:, :2])
+
+
 def test_packed_equals_padded_loss():
     g = torch.Generator().manual_seed(2)
     lengths = torch.tensor([2, 5, 3])
