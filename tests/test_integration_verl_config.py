@@ -53,7 +53,7 @@ def _no_ba_environment(monkeypatch):
 
 @pytest.mark.parametrize("config_name", CONFIGS)
 def test_correct_pairing_passes_silently(config_name):
-    for rule in ("balanced", "balanced_mass"):
+    for rule in ("balanced", "balanced_mass", "group_token_mean"):
         cfg = _compose(
             config_name,
             _with(
@@ -82,6 +82,15 @@ WRONG = {
     "mass_estimator_balanced_loss": (
         ["algorithm.adv_estimator=balanced_mass"],
         ["algorithm.adv_estimator=balanced_mass", "loss_mode=balanced", "same rule"],
+    ),
+    "group_token_mean_estimator_balanced_loss": (
+        ["algorithm.adv_estimator=group_token_mean"],
+        ["algorithm.adv_estimator=group_token_mean", "loss_mode=balanced", "same rule"],
+    ),
+    "group_token_mean_loss_without_estimator": (
+        ["algorithm.adv_estimator=grpo",
+         "actor_rollout_ref.actor.policy_loss.loss_mode=group_token_mean"],
+        ["loss_mode=group_token_mean needs", "Set algorithm.adv_estimator=group_token_mean"],
     ),
     "single_response_groups": (
         ["actor_rollout_ref.rollout.n=1"],

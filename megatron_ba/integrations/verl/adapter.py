@@ -40,7 +40,9 @@ from megatron_ba.integrations._common import sequence_advantages, sequence_lengt
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.rules import AggregationSettings
 
-PLAN_RULES = ("balanced", "balanced_mass")
+# The rules registered as estimator + policy loss pairs: the plan rules verl cannot express
+# (per group and sign), and the per-group token mean (verl's token-mean pools the mini-batch).
+PLAN_RULES = ("balanced", "balanced_mass", "group_token_mean")
 
 
 # AggregationSettings field -> the environment variable that sets it
@@ -122,7 +124,7 @@ def balanced_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of -sum_i w_i sum_t phi, times dp_size (verl's DP-mean convention).
 
-    `advantages` must come from the `balanced` / `balanced_mass` estimator (the plan is in them);
+    `advantages` must come from one of the PLAN_RULES estimators (the plan is in them);
     `loss_agg_mode` is not used for the policy-gradient term (verl still applies it to its KL and
     entropy terms).
     """

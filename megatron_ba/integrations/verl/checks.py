@@ -58,7 +58,7 @@ def check_config(cfg) -> None:
     """Raise ValueError if `cfg` (verl's composed trainer config) half-configures BA.
 
     Checked when either `algorithm.adv_estimator` or `actor_rollout_ref.actor.policy_loss.loss_mode`
-    names a balanced rule: both name the same rule; `actor_rollout_ref.rollout.n` >= 2; no
+    names a rule of PLAN_RULES: both name the same rule; `actor_rollout_ref.rollout.n` >= 2; no
     rollout correction (`bypass_mode` replaces the policy loss, `rollout_is` weights are not
     modelled); MEGATRON_BA_SCOPE / _NEUTRAL_EPS valid and MEGATRON_BA_STEPS_PER_BATCH equal to
     `data.train_batch_size / ppo_mini_batch_size * ppo_epochs`. A `loss_agg_mode` other than
