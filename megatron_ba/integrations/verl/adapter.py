@@ -23,8 +23,8 @@ MEGATRON_BA_SCOPE ("group" | "batch", default group), MEGATRON_BA_NEUTRAL_EPS (d
 MEGATRON_BA_STEPS_PER_BATCH (default 1: the number of optimizer steps one rollout batch is split
 into, train_batch_size / ppo_mini_batch_size times ppo_epochs; each step then carries a
 full-scale objective, as each of verl's token-mean mini-batches does). main_ppo.py derives the
-steps from verl's config and hands all three to verl's Ray processes; by hand only under verl's
-own entry point.
+steps from verl's config and hands the variables set to verl's Ray processes; the steps are set
+by hand only under verl's own entry point.
 """
 
 from __future__ import annotations
