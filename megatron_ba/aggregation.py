@@ -23,6 +23,8 @@ responses of g with A > eps / A < -eps, N_g^s = their total length; see docs/mat
     balanced       batch: (|S^s| / M) / N^s            group: (|S_g^s| / G_g) / (Gamma N_g^s)
     balanced_mass  like balanced with counts and lengths weighted by |A|:
                    group: (sum_{S_g^s} |A_j| / G_g) / (Gamma sum_{S_g^s} |A_j| T_j)
+    group_token_mean  1 / (Gamma N_g) whatever the scope: token at scope "group" (SkyRL's
+                   prompt_mean), a name for it where a framework's default scope is the batch
 
 "balanced" is eq. 19 of Zeng et al., "Balanced Aggregation: Understanding and Fixing Aggregation
 Bias in GRPO" (arXiv 2605.04077). Neutral responses (|A_i| <= neutral_eps) get weight 0 under the
@@ -173,6 +175,10 @@ def weights_from_statistics(
     """Per-sequence weights (float64) of `rule` from already-reduced statistics."""
     check_choice("rule", rule, RULES)
     check_choice("scope", scope, SCOPES)
+    if rule == "group_token_mean":
+        # Per prompt group by definition, as dr_grpo is a constant by definition: the rule is
+        # token at the group scope, so that it can be named where the scope is fixed to "batch".
+        rule, scope = "token", "group"
     table, row = stats.table, stats.row
     if scope == "batch":
         # The batch scope is the group scope with the whole batch as one group.
@@ -229,11 +235,13 @@ def sequence_weights(
     """One weight per sequence for `rule`; J = sum_i w_i sum_t phi_{i,t}.
 
     Args:
-        rule: "token", "sequence", "dr_grpo", "balanced" or "balanced_mass" (module docstring).
+        rule: "token", "sequence", "dr_grpo", "balanced", "balanced_mass" or
+            "group_token_mean" (module docstring).
         lengths: [N] whole-sequence response lengths T_i (never a context-parallel shard's).
         advantages: [N] per-sequence advantages A_i.
         group_ids: [N] integer prompt-group ids (global ids when `reduce` is given).
-        scope: "group" (mean over groups of per-group objectives) or "batch" (pooled).
+        scope: "group" (mean over groups of per-group objectives) or "batch" (pooled); neither
+            changes "dr_grpo" or "group_token_mean".
         max_length: the generation budget; required by "dr_grpo".
         neutral_eps: responses with |A_i| <= neutral_eps belong to neither sign (weight 0 under
             the balanced rules): a guard against noisy sign splits in tiny-variance groups.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 from megatron_ba.errors import SettingError
 
-RULES = ("token", "sequence", "dr_grpo", "balanced", "balanced_mass")
+RULES = ("token", "sequence", "dr_grpo", "balanced", "balanced_mass", "group_token_mean")
 SCOPES = ("group", "batch")
 
 

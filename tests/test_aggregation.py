@@ -31,6 +31,9 @@ HAND = {
     ("balanced_mass", "group"): [F(1, 24), F(1, 56), F(1, 24), F(1, 56), F(1, 12), F(1, 12)],
     # mass+ = mass- = 5/2, sum|A|T: + 15/2, - 31/2 -> (5/12)/(15/2) = 1/18, (5/12)/(31/2) = 5/186
     ("balanced_mass", "batch"): [F(1, 18), F(5, 186), F(1, 18), F(5, 186), F(1, 18), F(5, 186)],
+    # per group whatever the scope: N_0 = 20, N_1 = 6 -> 1/(2*20), 1/(2*6)
+    ("group_token_mean", "group"): [F(1, 40)] * 4 + [F(1, 12)] * 2,
+    ("group_token_mean", "batch"): [F(1, 40)] * 4 + [F(1, 12)] * 2,
 }
 
 
@@ -56,6 +59,17 @@ def test_hand_weights_negative_control():
     assert not torch.allclose(w, expected, rtol=1e-15, atol=0)
     w = sequence_weights("token", t64(LENGTHS), t64(ADV), torch.tensor(GROUPS))
     assert not torch.allclose(w, expected, rtol=1e-15, atol=0)
+
+
+def test_group_token_mean_is_token_at_the_group_scope_whatever_the_scope():
+    """Equal to token@group at both scopes; token@batch (the pooled mean) differs: the control."""
+    L, A, g = t64(LENGTHS), t64(ADV), torch.tensor(GROUPS)
+    token_group = sequence_weights("token", L, A, g, scope="group")
+    for scope in ("group", "batch"):
+        w = sequence_weights("group_token_mean", L, A, g, scope=scope)
+        torch.testing.assert_close(w, token_group, rtol=0, atol=0)
+    token_batch = sequence_weights("token", L, A, g, scope="batch")
+    assert not torch.allclose(sequence_weights("group_token_mean", L, A, g), token_batch)
 
 
 def test_output_dtype_follows_inputs():

@@ -9,6 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rule_reference import (
+    clipped_terms,
+    group_token_mean_objective,
+    group_token_mean_weights,
+)
 
 from megatron_ba import group_advantages, sequence_weights
 from megatron_ba.aggregation import RULES, SCOPES, apply_weights, plan_statistics
@@ -47,17 +52,38 @@ def _token_tensors(lengths, seed, T=None):
 def test_any_split_reproduces_full_loss_and_gradient(batch, rule, scope, data):
     """Micro-batches / DP ranks: stats summed over parts, per-part losses summed == full loss."""
     lengths, adv, ids, seed = batch
-    n = lengths.numel()
-    num_groups = int(ids.max()) + 1
     logp, old, mask = _token_tensors(lengths, seed)
     settings = AggregationSettings(rule, scope=scope, max_length=12)
-    full_plan = LossPlan.build(settings, lengths, adv, ids, num_groups=num_groups)
+    full_plan = LossPlan.build(settings, lengths, adv, ids, num_groups=int(ids.max()) + 1)
     full, _ = grpo_loss(logp, old, mask, full_plan)
     (g_full,) = torch.autograd.grad(full, logp)
+    parts = data.draw(st.lists(st.integers(0, 2), min_size=ids.numel(), max_size=ids.numel()))
+    total, g_parts = _loss_over_parts(settings, batch, torch.tensor(parts), logp, old, mask)
+    torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(g_parts, g_full, rtol=1e-12, atol=1e-15)
 
-    # random assignment of sequences to parts (a sequence's group may span parts)
-    parts = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
-    parts = torch.tensor(parts)
+
+@settings(max_examples=40, deadline=None)
+@given(grpo_batches(), st.sampled_from(SCOPES), st.data())
+def test_group_token_mean_over_parts_equals_its_float64_reference(batch, scope, data):
+    """group_token_mean split over micro-batches / ranks (statistics reduced) is the definition:
+    minus the mean over groups of each group's token mean of the PPO term, at either scope."""
+    lengths, adv, ids, seed = batch
+    logp, old, mask = _token_tensors(lengths, seed)
+    parts = data.draw(st.lists(st.integers(0, 2), min_size=ids.numel(), max_size=ids.numel()))
+    settings = AggregationSettings("group_token_mean", scope=scope)
+    total, g_parts = _loss_over_parts(settings, batch, torch.tensor(parts), logp, old, mask)
+    ref = -group_token_mean_objective(clipped_terms(logp, old, adv, 0.2, 0.28), mask, ids)
+    (g_ref,) = torch.autograd.grad(ref, logp)
+    torch.testing.assert_close(total, ref, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(g_parts, g_ref, rtol=1e-12, atol=1e-15)
+
+
+def _loss_over_parts(settings, batch, parts, logp, old, mask):
+    """(sum of the parts' losses, its gradient in logp): each part plans with the global
+    statistics table (what the all-reduce returns), reduced exactly once."""
+    lengths, adv, ids, _ = batch
+    num_groups = int(ids.max()) + 1
     global_table = plan_statistics(lengths, adv, ids, num_groups=num_groups).table
     total = 0.0
     for p in range(3):
@@ -76,8 +102,7 @@ def test_any_split_reproduces_full_loss_and_gradient(batch, rule, scope, data):
         part_loss, _ = grpo_loss(logp[idx], old[idx], mask[idx], plan)
         total = total + part_loss
     (g_parts,) = torch.autograd.grad(total, logp)
-    torch.testing.assert_close(total, full, rtol=1e-12, atol=1e-15)
-    torch.testing.assert_close(g_parts, g_full, rtol=1e-12, atol=1e-15)
+    return total, g_parts
 
 
 @settings(max_examples=30, deadline=None)
@@ -138,11 +163,25 @@ def test_weights_finite_nonnegative_and_total_mass(batch, rule, scope):
     assert torch.isfinite(w).all() and (w >= 0).all()
     live = lengths > 0
     mass = float((w * lengths).sum())
-    if rule in ("token", "sequence") and live.any():
+    if rule in ("token", "sequence", "group_token_mean") and live.any():
         assert abs(mass - 1.0) < 1e-12  # every rule of this kind is a normalised mean
     if rule == "balanced" and scope == "batch":
         signed = live & (adv != 0)
         assert abs(mass - float(signed.sum()) / max(float(live.sum()), 1.0)) < 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(grpo_batches(), st.sampled_from(SCOPES))
+def test_group_token_mean_weights_equal_their_float64_reference(batch, scope):
+    """1 / (Gamma N_g) from the definition (exact fractions), zero-length padding included; where
+    two live groups differ in total length, the pooled batch token mean (one group) differs."""
+    lengths, adv, ids, _ = batch
+    w = sequence_weights("group_token_mean", lengths, adv.double(), ids, scope=scope)
+    torch.testing.assert_close(w, group_token_mean_weights(lengths, ids), rtol=1e-15, atol=0)
+    totals = torch.zeros(int(ids.max()) + 1, dtype=torch.long).index_add_(0, ids, lengths)
+    if len(set(totals.tolist()) - {0}) > 1:
+        pooled = group_token_mean_weights(lengths, torch.zeros_like(ids))
+        assert not torch.allclose(w, pooled, rtol=1e-12, atol=0)
 
 
 BAD_INPUTS = [

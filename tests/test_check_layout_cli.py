@@ -95,6 +95,16 @@ def test_passes_with_a_token_budget_on_uneven_dp_shards():
     assert grad_err <= 1e-5 and loss_err <= 1e-5
 
 
+def test_every_rule_is_a_choice_of_rule(capsys):
+    """--rule offers group_token_mean (parsed, then the impossible layout is refused before any
+    launch); an unknown rule is argparse's error instead (the control)."""
+    assert main(["check-layout", "--rule", "group_token_mean", "--tp", "3"]) == 2
+    assert "cannot build layout" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["check-layout", "--rule", "group_mean", "--tp", "3"])
+    assert "invalid choice: 'group_mean'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -42,10 +42,28 @@ def test_plan_command_prints_all_rules(capsys):
         main(["plan", "--lengths", "4,6,2,8", "--rewards", "1,0,1,0", "--groups", "0,0,0,0"]) == 0
     )
     out = capsys.readouterr().out
-    for rule in ("token", "sequence", "dr_grpo", "balanced", "balanced_mass"):
+    for rule in ("token", "sequence", "dr_grpo", "balanced", "balanced_mass", "group_token_mean"):
         assert rule in out
     assert "positive share of objective weight 0.3000" in out  # token: 6 / 20
     assert main(["nonexistent"]) == 2
+
+
+def _plan_columns(out: str) -> dict[str, list[float]]:
+    """The weight table of `megatron-ba plan`'s output, by column name."""
+    lines = out.splitlines()
+    head = lines[0].split()
+    rows = [line.split() for line in lines[1 : lines.index("")]]
+    return {name: [float(r[k]) for r in rows] for k, name in enumerate(head)}
+
+
+def test_plan_command_shows_group_token_mean_per_group_at_the_batch_scope(capsys):
+    """The worked example of docs/math.md at --scope batch: group_token_mean stays 1/(2*20) and
+    1/(2*6); token, pooled, is 1/26 (the control: the same column code, another rule)."""
+    args = ["--lengths", "4,6,2,8,3,3", "--rewards", "1,0,1,0,1,0", "--groups", "0,0,0,0,1,1"]
+    assert main(["plan", *args, "--scope", "batch"]) == 0
+    columns = _plan_columns(capsys.readouterr().out)
+    assert columns["group_token_mean"] == [round(1 / 40, 6)] * 4 + [round(1 / 12, 6)] * 2
+    assert columns["token"] == [round(1 / 26, 6)] * 6
 
 
 def test_console_entry_point_runs():

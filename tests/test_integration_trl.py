@@ -4,7 +4,9 @@
 - the gradient under gradient accumulation equals the one-step gradient, for the core's rules;
   negative control: TRL's `bnpo` (a per-micro-batch token mean) does not add up;
 - TRL's `dapo` / `grpo` / `dr_grpo` equal the core's token / sequence / dr_grpo rules where their
-  definitions agree (batch scope, equal group sizes), and `grpo` differs from `token` (control).
+  definitions agree (batch scope, equal group sizes), and `grpo` differs from `token` (control);
+- `aggregation="group_token_mean"` equals its float64 definition (tests/rule_reference.py), in
+  one step and over accumulation steps; the pooled batch token mean differs (control).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ import torch.multiprocessing as mp
 trl = pytest.importorskip("trl")
 
 from datasets import Dataset  # noqa: E402
+from rule_reference import (  # noqa: E402
+    clipped_terms,
+    group_token_mean_objective,
+    group_token_mean_weights,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: E402
@@ -206,6 +213,39 @@ def test_accumulated_gradient_equals_one_step(ours, rule):
     assert _max_rel_diff(g1, g4) < 1e-6
 
 
+def test_group_token_mean_equals_its_float64_reference(ours):
+    """aggregation="group_token_mean" (at scope="batch": the rule is per prompt whatever the scope)
+    attaches 1 / (Gamma N_g) and trains on minus the mean over prompts of each prompt's token mean
+    of the PPO term, in one step and over GA micro-batches. Control: the same definition with the
+    batch as one group (TRL's `dapo`, the batch token mean) is another loss on this batch."""
+    no_kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.0)
+    plan = dataclasses.replace(ours.ba_aggregation, rule="group_token_mean", scope="batch")
+    trainer = _use(ours, ba_aggregation=plan, ba_loss_config=no_kl)
+    batch = trainer.attach_plan(_with_old_logps(trainer, _generation_batch()))
+    mask = batch["completion_mask"].bool()
+    group_ids = torch.arange(G * NUM_PROMPTS) // G
+    expected = group_token_mean_weights(mask.sum(1), group_ids)
+    torch.testing.assert_close(batch["ba_weights"], expected, rtol=1e-12, atol=0)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, MAX_LEN)
+    phi = clipped_terms(
+        logps,
+        batch["old_per_token_logps"],
+        batch["advantages"],
+        ours.epsilon_low,
+        ours.epsilon_high,
+    )
+    ref = -float(group_token_mean_objective(phi, mask, group_ids))
+    pooled = -float(group_token_mean_objective(phi, mask, torch.zeros_like(group_ids)))
+    (loss1, g1), (loss4, g4) = _one_step_and_accumulated(trainer, batch)
+    # TRL's log-probs are float32 (so is the loss computed from them): float32 rounding, 1e-6
+    assert abs(loss1 - ref) < 1e-6 * abs(ref) and abs(loss4 - ref) < 1e-6 * abs(ref)
+    assert abs(pooled - ref) > 1e-3 * abs(ref)
+    assert _max_rel_diff(g1, g4) < 1e-6
+
+
 def test_trl_bnpo_accumulation_does_not_add_up(theirs):
     """Negative control: TRL's per-micro-batch token mean differs from its one-step value,
     while TRL's `dapo` (normalised by the generation batch's token count) adds up."""
@@ -263,7 +303,7 @@ def _plan_worker(rank: int, store: str, out_dir: str, reduce: bool) -> None:
         mask, adv = _two_process_batch()
         rows = slice(rank * ROWS // PROCS, (rank + 1) * ROWS // PROCS)
         out = {}
-        for rule in ("balanced", "balanced_mass", "token", "sequence"):
+        for rule in ("balanced", "balanced_mass", "token", "sequence", "group_token_mean"):
             # The trainer's attributes that attach_plan reads; TRL's accelerator in 2 processes.
             me = types.SimpleNamespace(
                 accelerator=types.SimpleNamespace(process_index=rank, num_processes=PROCS),
@@ -303,7 +343,7 @@ def test_plan_across_two_processes_equals_single_process(tmp_path):
             start_method="fork",
         )
         parts = [json.loads((run / f"rank{r}.json").read_text()) for r in range(PROCS)]
-        for rule in ("balanced", "balanced_mass", "token", "sequence"):
+        for rule in ("balanced", "balanced_mass", "token", "sequence", "group_token_mean"):
             got = torch.tensor(parts[0][rule] + parts[1][rule], dtype=torch.float64)
             want = sequence_weights(rule, mask.sum(1), adv.double(), group_ids)
             if reduce:

@@ -9,7 +9,9 @@ Runs inside .venv-verl (`bash scripts/run_verl_tests.sh`); in the main venv it s
   gradient; negative control: verl's `vanilla` token-mean on the same batch differs;
 - the estimator's advantages, unfolded, equal verl's own `grpo` estimator's (independent code);
 - verl's `agg_loss` modes token-mean / seq-mean-token-mean / seq-mean-token-sum-norm equal the
-  core's token / sequence / dr_grpo plans (batch scope), under the same micro-batch / DP split.
+  core's token / sequence / dr_grpo plans (batch scope), under the same micro-batch / DP split;
+- the `group_token_mean` pair, split the same way, equals the rule's float64 definition
+  (tests/rule_reference.py) on verl's own `grpo` advantages; the pooled token mean differs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ verl = pytest.importorskip(
 )
 
 # Importing the adapter registers the hooks, as VERL_USE_EXTERNAL_MODULES does in a verl run.
+from rule_reference import clipped_terms, group_token_mean_objective  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
@@ -139,6 +142,41 @@ def test_balanced_policy_loss_matches_core(rule, seed, num_micro):
 
     other = _verl_style_total(vanilla_part, len(uid), num_micro)
     assert abs(float(other.detach() - ref.detach())) > 1e-4
+
+
+@pytest.mark.parametrize("num_micro", [1, 4])
+def test_group_token_mean_pair_equals_its_float64_reference(num_micro, monkeypatch):
+    """Estimator + loss `group_token_mean` (MEGATRON_BA_SCOPE=batch: the rule stays per prompt),
+    over micro-batches on two simulated DP ranks: minus the mean over prompts of each prompt's
+    token mean of the PPO term (dual clip included), on verl's own `grpo` advantages. Control: the
+    same definition with the batch as one group, verl's token-mean, is another loss."""
+    monkeypatch.setenv("MEGATRON_BA_SCOPE", "batch")
+    rewards, mask, uid, old, new = _batch(0)
+    rule = "group_token_mean"
+    adv, _ = core_algos.get_adv_estimator_fn(rule)(
+        token_level_rewards=rewards, response_mask=mask, index=uid, config=AlgoConfig()
+    )
+    config = _actor_config()
+    config.global_batch_info["dp_size"] = DP
+    logp = new.clone().requires_grad_(True)
+
+    def part(rows):
+        args = (old[rows], logp[rows], adv[rows], mask[rows], "token-mean", config)
+        return core_algos.get_policy_loss_fn(rule)(*args)[0]
+
+    total = _verl_style_total(part, len(uid), num_micro)
+    (grad,) = torch.autograd.grad(total, logp)
+    theirs, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, uid)
+    a = (theirs * mask).sum(-1) / mask.sum(-1)  # verl's advantage, constant along each response
+    ref_logp = new.clone().requires_grad_(True)
+    phi = clipped_terms(ref_logp, old, a, 0.2, 0.28, dual_clip=3.0)
+    groups = torch.arange(len(uid)) // 4
+    ref = -group_token_mean_objective(phi, mask.bool(), groups)
+    (ref_grad,) = torch.autograd.grad(ref, ref_logp)
+    torch.testing.assert_close(total, ref, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+    pooled = -group_token_mean_objective(phi, mask.bool(), torch.zeros_like(groups))
+    assert abs(float(pooled - ref)) > 1e-3 * abs(float(ref))
 
 
 def test_estimator_advantages_equal_verls_grpo():

@@ -3,7 +3,9 @@
 Runs inside .venv-verl (`bash scripts/run_verl_tests.sh`); in the main venv it skips. The configs
 are verl 0.9.1's own, composed by Hydra from its config package (ppo_trainer.yaml and
 ppo_megatron_trainer.yaml) with the overrides a user would type; each wrong pairing must raise a
-ValueError naming the keys, a correct one must pass silently and reach verl's own `main`.
+ValueError naming the keys, a correct one must pass silently and reach verl's own `main`. The
+entry point derives MEGATRON_BA_STEPS_PER_BATCH from the config and hands the settings to the Ray
+processes (checked at verl's own ray.init); a value the user set against the config is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ pytest.importorskip(
 from hydra import compose, initialize_config_module
 
 from megatron_ba.integrations.verl import check_config
+from megatron_ba.integrations.verl.adapter import _settings
+from megatron_ba.integrations.verl.checks import steps_per_batch
 
 CONFIGS = ["ppo_trainer", "ppo_megatron_trainer"]
 GOOD = [
@@ -31,6 +35,18 @@ GOOD = [
     "actor_rollout_ref.rollout.n=4",
     "data.train_batch_size=64",
     "actor_rollout_ref.actor.ppo_mini_batch_size=64",
+]
+
+
+# 64 prompts / 16 per mini-batch x 2 epochs: 8 optimizer steps per rollout batch
+EIGHT_STEPS = (
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_epochs=2",
+)
+MICRO = [  # what verl's own validate_config asks of any run
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
 ]
 
 
@@ -45,15 +61,24 @@ def _with(*changes: str) -> list[str]:
     return [o for o in GOOD if o.split("=")[0] not in keys] + list(changes)
 
 
+BA_ENV = ("MEGATRON_BA_SCOPE", "MEGATRON_BA_NEUTRAL_EPS", "MEGATRON_BA_STEPS_PER_BATCH")
+
+
 @pytest.fixture(autouse=True)
 def _no_ba_environment(monkeypatch):
-    for name in ("MEGATRON_BA_SCOPE", "MEGATRON_BA_NEUTRAL_EPS", "MEGATRON_BA_STEPS_PER_BATCH"):
-        monkeypatch.delenv(name, raising=False)
+    """No MEGATRON_BA_* variable; whatever main_ppo exports is undone after each test."""
+    for name in (*BA_ENV, "VERL_USE_EXTERNAL_MODULES"):
+        value = os.environ.get(name)
+        monkeypatch.setenv(name, "")  # recorded: teardown restores the value (or its absence)
+        if name in BA_ENV or value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("config_name", CONFIGS)
 def test_correct_pairing_passes_silently(config_name):
-    for rule in ("balanced", "balanced_mass"):
+    for rule in ("balanced", "balanced_mass", "group_token_mean"):
         cfg = _compose(
             config_name,
             _with(
@@ -83,6 +108,15 @@ WRONG = {
         ["algorithm.adv_estimator=balanced_mass"],
         ["algorithm.adv_estimator=balanced_mass", "loss_mode=balanced", "same rule"],
     ),
+    "group_token_mean_estimator_balanced_loss": (
+        ["algorithm.adv_estimator=group_token_mean"],
+        ["algorithm.adv_estimator=group_token_mean", "loss_mode=balanced", "same rule"],
+    ),
+    "group_token_mean_loss_without_estimator": (
+        ["algorithm.adv_estimator=grpo",
+         "actor_rollout_ref.actor.policy_loss.loss_mode=group_token_mean"],
+        ["loss_mode=group_token_mean needs", "Set algorithm.adv_estimator=group_token_mean"],
+    ),
     "single_response_groups": (
         ["actor_rollout_ref.rollout.n=1"],
         ["actor_rollout_ref.rollout.n", "advantage 0", "n=2"],
@@ -95,14 +129,15 @@ WRONG = {
         ["algorithm.rollout_correction.rollout_is=token"],
         ["algorithm.rollout_correction.rollout_is", "=null"],
     ),
-    "mini_batches_without_steps": (
-        ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
-        ["MEGATRON_BA_STEPS_PER_BATCH", "4 optimizer steps", "ppo_mini_batch_size=16",
-         "MEGATRON_BA_STEPS_PER_BATCH=4"],
+    "mini_batch_not_dividing_the_batch": (
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=48"],
+        ["actor_rollout_ref.actor.ppo_mini_batch_size: is 48",
+         "does not divide data.train_batch_size=64"],
     ),
-    "epochs_without_steps": (
-        ["actor_rollout_ref.actor.ppo_epochs=2"],
-        ["MEGATRON_BA_STEPS_PER_BATCH", "ppo_epochs", "MEGATRON_BA_STEPS_PER_BATCH=2"],
+    "steps_in_the_configs_ray_runtime_env": (
+        ["+ray_kwargs.ray_init.runtime_env.env_vars.MEGATRON_BA_STEPS_PER_BATCH=1"],
+        ["ray_kwargs.ray_init.runtime_env.env_vars.MEGATRON_BA_STEPS_PER_BATCH: set in the config",
+         "environment of python -m megatron_ba.integrations.verl.main_ppo"],
     ),
 }  # fmt: skip
 
@@ -116,6 +151,41 @@ def test_wrong_pairing_is_refused(config_name, case):
         check_config(cfg)
     for fragment in fragments:
         assert fragment in str(err.value), (fragment, str(err.value))
+
+
+# A MEGATRON_BA_STEPS_PER_BATCH the user set against the config: (its value, overrides, fragments)
+CONTRADICTING = {
+    "mini_batches": (
+        "1", ["actor_rollout_ref.actor.ppo_mini_batch_size=16"],
+        ["MEGATRON_BA_STEPS_PER_BATCH: is 1", "4 optimizer steps", "ppo_mini_batch_size=16",
+         "MEGATRON_BA_STEPS_PER_BATCH=4"],
+    ),
+    "epochs": (
+        "4", ["actor_rollout_ref.actor.ppo_epochs=2"],
+        ["MEGATRON_BA_STEPS_PER_BATCH: is 4", "ppo_epochs", "MEGATRON_BA_STEPS_PER_BATCH=2"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config_name", CONFIGS)
+@pytest.mark.parametrize("case", sorted(CONTRADICTING))
+def test_a_steps_variable_against_the_config_is_refused_by_name(config_name, case, monkeypatch):
+    value, changes, fragments = CONTRADICTING[case]
+    monkeypatch.setenv("MEGATRON_BA_STEPS_PER_BATCH", value)
+    with pytest.raises(ValueError) as err:
+        check_config(_compose(config_name, _with(*changes)))
+    for fragment in fragments:
+        assert fragment in str(err.value), (fragment, str(err.value))
+
+
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_unset_steps_are_the_configs(config_name):
+    """Unset, the variable is not refused: the steps come from the config (main_ppo exports them);
+    8 = 64 prompts / 16 per mini-batch x 2 epochs."""
+    cfg = _compose(config_name, _with(*EIGHT_STEPS))
+    check_config(cfg)
+    assert steps_per_batch(cfg) == 8
+    assert steps_per_batch(_compose(config_name, GOOD)) == 1
 
 
 def test_steps_variable_matching_verls_split_passes(monkeypatch):
@@ -173,15 +243,73 @@ def test_entry_point_hands_a_correct_config_to_verls_main(monkeypatch, tmp_path)
         verl_main_ppo, "run_ppo", lambda config, task_runner_class: seen.append(config)
     )
     monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
-    micro = [  # what verl's own validate_config asks of any run
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    ]
-    argv = ["main_ppo", *GOOD, *micro, f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
+    argv = ["main_ppo", *GOOD, *MICRO, f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
     monkeypatch.setattr(sys, "argv", argv)
     main_ppo.main()
     assert len(seen) == 1
     assert seen[0].algorithm.adv_estimator == "balanced"
     assert seen[0].actor_rollout_ref.rollout.n == 4
     assert os.environ["VERL_USE_EXTERNAL_MODULES"] == "megatron_ba.integrations.verl"
+
+
+class _RayInit(Exception):
+    """Raised by the stand-in for ray.init: verl's run_ppo stops where Ray would start."""
+
+
+def _run_entry_point_to_ray_init(monkeypatch, tmp_path, *changes: str) -> dict:
+    """main_ppo.main() on GOOD with `changes`, through verl's own main and run_ppo up to ray.init;
+    what ray.init was called with, and this process's environment at that moment."""
+    import ray
+
+    from megatron_ba.integrations.verl import main_ppo
+
+    seen = {}
+
+    def init(**kwargs):
+        seen.update(kwargs=kwargs, environ=dict(os.environ))
+        raise _RayInit
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")  # Hydra raises instead of exiting with status 1
+    hydra_dirs = [f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
+    monkeypatch.setattr(sys, "argv", ["main_ppo", *_with(*changes), *MICRO, *hydra_dirs])
+    try:
+        main_ppo.main()
+    except _RayInit:
+        return seen
+    raise AssertionError("verl's run_ppo returned without calling ray.init")
+
+
+def test_entry_point_derives_the_steps_and_hands_them_to_the_ray_processes(monkeypatch, tmp_path):
+    """No MEGATRON_BA_STEPS_PER_BATCH set: main_ppo derives 8 from the config (64 prompts / 16 per
+    mini-batch x 2 epochs) and it reaches verl's ray.init, in the runtime env every Ray process of
+    the run gets and in the environment a local cluster inherits, with the user's scope; a process
+    with that runtime env (where the estimator runs) reads 8 steps and scope batch."""
+    monkeypatch.setenv("MEGATRON_BA_SCOPE", "batch")
+    seen = _run_entry_point_to_ray_init(monkeypatch, tmp_path, *EIGHT_STEPS)
+    env_vars = seen["kwargs"]["runtime_env"]["env_vars"]
+    assert env_vars["MEGATRON_BA_STEPS_PER_BATCH"] == "8"
+    assert env_vars["MEGATRON_BA_SCOPE"] == "batch"
+    assert "MEGATRON_BA_NEUTRAL_EPS" not in env_vars  # not set: the estimator's default
+    assert seen["environ"]["MEGATRON_BA_STEPS_PER_BATCH"] == "8"
+    assert "megatron_ba.integrations.verl" in seen["environ"]["VERL_USE_EXTERNAL_MODULES"]
+    for name in BA_ENV:  # the estimator's process: only the runtime env's variables
+        monkeypatch.delenv(name, raising=False)
+        if name in env_vars:
+            monkeypatch.setenv(name, env_vars[name])
+    settings, steps = _settings("group_token_mean")
+    assert (settings.scope, steps) == ("batch", 8)
+
+
+def test_entry_point_refuses_a_steps_variable_against_the_config(monkeypatch, tmp_path):
+    """The user's MEGATRON_BA_STEPS_PER_BATCH=4 where the config makes 8 steps: refused by name
+    before verl starts (ray.init is never reached); 8 passes and is handed on unchanged."""
+    monkeypatch.setenv("MEGATRON_BA_STEPS_PER_BATCH", "4")
+    with pytest.raises(
+        ValueError, match=r"^MEGATRON_BA_STEPS_PER_BATCH: is 4, .* into 8 optimizer"
+    ):
+        _run_entry_point_to_ray_init(monkeypatch, tmp_path, *EIGHT_STEPS)
+    monkeypatch.setenv("MEGATRON_BA_STEPS_PER_BATCH", "8")
+    seen = _run_entry_point_to_ray_init(monkeypatch, tmp_path, *EIGHT_STEPS)
+    assert seen["kwargs"]["runtime_env"]["env_vars"]["MEGATRON_BA_STEPS_PER_BATCH"] == "8"

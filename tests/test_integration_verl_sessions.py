@@ -72,7 +72,7 @@ def _session_layout(keys):
     return torch.tensor([names.index(h) for h in heads]), names
 
 
-@pytest.mark.parametrize("rule", ["balanced", "balanced_mass"])
+@pytest.mark.parametrize("rule", ["balanced", "balanced_mass", "group_token_mean"])
 def test_sessions_are_one_member_each_as_in_grpo(rule):
     data, keys = _batch([1, 3, 2])
     mask = data.batch["response_mask"].to(torch.float64)

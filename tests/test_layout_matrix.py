@@ -5,7 +5,7 @@
 One launch computes the single-process reference (TP=PP=CP=DP=1, one micro-batch) for every rule
 and scope used; then one launch per layout (2 or 4 gloo processes) runs all of that layout's cases:
 rules token, sequence, balanced with 1 and 3 micro-batches each, plus per-layout extras
-(balanced_mass, batch scope, megatron-core's calculate_per_token_loss), and negative controls
+(balanced_mass, group_token_mean, batch scope, calculate_per_token_loss), and negative controls
 that must fail the same comparison: the same loss normalised per micro-batch (NeMo-Aligner's
 normalisation) and a loss scaled for megatron-core 0.12 (whose schedule multiplies by CP) on the
 CP layouts. The per-micro-batch control must pass where its one micro-batch is the global batch
@@ -41,6 +41,7 @@ LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
         Layout(dp=2),
         [
             Case("balanced_mass", 3),
+            Case("group_token_mean", 3, scope="batch"),  # per group though the scope is batch
             Case("balanced", 3, scope="batch"),
             Case("balanced", 3, per_token_loss=True),
             NEGATIVE_MB,

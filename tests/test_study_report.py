@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ba.cli import main
 from megatron_ba.recipe import load_recipe
-from megatron_ba.train.study import Study, parse_grid
+from megatron_ba.train.study import Axis, Study, parse_grid
 from megatron_ba.train.study_report import paired_interval, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,3 +132,30 @@ def test_a_study_folder_reports_its_elements_with_its_axes(tmp_path):
         {"loss.rule": "token"},
         {"loss.rule": "balanced"},
     ]
+
+
+def test_compare_reports_group_token_mean_against_token(tmp_path, capsys):
+    """`megatron-ba compare --rules token,group_token_mean`: the rule axis takes the new rule, each
+    element's recipe validates it, the report pairs it with token seed by seed (--report-only, on
+    run folders written here); an unknown rule is refused naming --rules (the control)."""
+    out, shared = tmp_path / "cmp", ["grpo.max_new_tokens=32"]
+    rules = ["token", "group_token_mean"]
+    seed = load_recipe(TINY, shared).seed
+    axes = [Axis("loss.rule", tuple(rules)), Axis("seed", (str(seed), str(seed + 1)))]
+    study = Study.open(out, str(TINY), shared, axes)  # the study compare opens
+    for e in study.elements:
+        rule, s = e.overrides[0].split("=")[1], int(e.overrides[1].split("=")[1])
+        _run(tmp_path / "made", rule, 32, s).rename(study.run_dir(e))
+    cmd = ["compare", str(TINY), *shared, "--rules", ",".join(rules), "--seeds", "2"]
+    assert main([*cmd, "--out", str(out), "--report-only"]) == 0
+    got = json.loads((out / "report.json").read_text())
+    assert [c["values"] for c in got["cells"]] == [{"loss.rule": r} for r in rules]
+    (pair,) = got["pairs"]
+    assert pair["rules"] == ["group_token_mean", "token"]
+    assert pair["columns"]["acc_last"]["diffs"] == pytest.approx(
+        [0.1 + 0.1 * seed, 0.2 + 0.1 * seed]
+    )
+    capsys.readouterr()
+    assert main(["compare", str(TINY), "--rules", "token,group_mean", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--rules: unknown ['group_mean']" in err and "group_token_mean" in err

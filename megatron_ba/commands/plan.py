@@ -92,12 +92,13 @@ def run(args: argparse.Namespace) -> int:
         )
         for r in RULES
     }
+    width = max(13, *(len(r) for r in RULES))  # every rule's name fits its column
     head = f"{'i':>3} {'group':>5} {'T':>5} {'reward':>6} {'A':>8} " + " ".join(
-        f"{r:>13}" for r in RULES
+        f"{r:>{width}}" for r in RULES
     )
     print(head)
     for i in range(lengths.numel()):
-        cells = " ".join(f"{float(weights[r][i]):13.6f}" for r in RULES)
+        cells = " ".join(f"{float(weights[r][i]):{width}.6f}" for r in RULES)
         print(
             f"{i:>3} {int(ids[i]):>5} {int(lengths[i]):>5} {float(rewards[i]):>6.2f} "
             f"{float(adv[i]):>8.4f} {cells}"

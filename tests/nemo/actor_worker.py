@@ -6,8 +6,10 @@
 TP=1 saves: the core's single-process reference (one pass over the whole batch, float64
 log-softmax, `LossPlan.build` + `grpo_loss`, autograd), the actor's loss/gradients through
 NeMo-Aligner's `get_loss_and_metrics` (3 micro-batches of 2), the negative control (NeMo-Aligner's
-REINFORCE actor vs ours with the token-mean rule, on-policy, at 1 and 3 micro-batches) and one
-step of NeMo's plain `adamw`. TP=2 saves the actor's loss and full (gathered) gradients.
+REINFORCE actor vs ours with the token-mean rule, on-policy, at 1 and 3 micro-batches), the actor
+with `model.grpo.rule: group_token_mean` against the rule's float64 definition
+(tests/rule_reference.py) and one step of NeMo's plain `adamw`. TP=2 saves the actor's loss and
+full (gathered) gradients.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: rule_reference
 import nemo_helpers as H
+from rule_reference import clipped_terms, group_token_mean_objective
 
 B, MBS = 6, 2  # 3 micro-batches of 2 sequences
 FC1 = "mlp.linear_fc1.weight"  # SwiGLU's fused [gate; up]: rank r holds [gate_r; up_r]
@@ -161,10 +165,36 @@ def worker(rank: int, world: int, port: int, tp: int, out: str) -> None:
     result["loss"], result["grads"], result["metrics"] = actor_step(actor, batch, tp, MBS, B)
     result["reducer_calls"] = actor.last_reducer.calls
     if tp == 1:
+        result.update(group_token_mean_run(actor, batch))
         result.update(negative_control(actor, cfg, full, batch, cur))
         result.update(optimizer_step(actor, cfg))
     if rank == 0:
         torch.save(result, Path(out) / f"tp{tp}.pt")
+
+
+def group_token_mean_run(actor, batch: dict) -> dict:
+    """The actor with rule group_token_mean at scope batch (the rule stays per prompt) through
+    NeMo-Aligner's loop, and the rule's float64 definition on the whole batch: minus the mean over
+    prompts of each prompt's token mean of the PPO term; as the control, the same definition with
+    the batch as one group (the batch token mean)."""
+    saved = actor.grpo
+    actor.grpo = dataclasses.replace(saved, rule="group_token_mean", scope="batch")
+    out = {}
+    out["gtm_loss"], out["gtm_grads"], _ = actor_step(actor, batch, 1, MBS, B)
+    actor.grpo = saved
+    mask, gids = batch["mask"].bool(), batch["group_ids"]
+    for name, groups in (("gtm_ref", gids), ("gtm_pooled", torch.zeros_like(gids))):
+        actor.model.zero_grad(set_to_none=True)
+        logp = current_logprobs(actor, batch["response_tokens"])
+        phi = clipped_terms(logp, batch["logprobs"], batch["advantages"], saved.clip_low,
+                            saved.clip_high, saved.dual_clip)  # fmt: skip
+        loss = -group_token_mean_objective(phi, mask, groups)
+        loss.backward()
+        out[f"{name}_loss"] = loss.item()
+        out[f"{name}_grads"] = {
+            n: p.grad.detach().double().clone() for n, p in actor.model.named_parameters()
+        }
+    return out
 
 
 def negative_control(actor, cfg, full: dict, batch: dict, cur: torch.Tensor) -> dict:

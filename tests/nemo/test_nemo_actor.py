@@ -67,6 +67,17 @@ def test_tp2_loss_and_gradients_equal_the_core(results):
     assert tp2["reducer_calls"] == 1
 
 
+def test_group_token_mean_equals_its_float64_definition(results):
+    """model.grpo.rule: group_token_mean (scope batch) through NeMo-Aligner's loop, 3 micro-batches:
+    the rule's definition on the whole batch (tests/rule_reference.py); the batch token mean, the
+    same definition with one group, is the control and differs."""
+    tp1, _ = results
+    assert tp1["gtm_loss"] == pytest.approx(tp1["gtm_ref_loss"], abs=1e-6)
+    assert max_rel(tp1["gtm_grads"], tp1["gtm_ref_grads"]) < 1e-5
+    assert abs(tp1["gtm_pooled_loss"] - tp1["gtm_ref_loss"]) > 1e-3
+    assert max_rel(tp1["gtm_pooled_grads"], tp1["gtm_ref_grads"]) > 1e-2
+
+
 def test_comparison_fails_on_a_wrong_gradient(results):
     """The tolerance above is tight enough to see a 0.1% error in one parameter."""
     tp1, _ = results

@@ -50,6 +50,16 @@ def test_shipped_config_passes(shipped):
     assert grpo_settings({"grpo": {}, "reinforce": {"num_rollout_samples": 4}}).rule == "balanced"
 
 
+def test_every_core_rule_is_a_rule_key(shipped):
+    """model.grpo.rule takes group_token_mean (whatever model.grpo.scope) into the actor's plan
+    settings; an unknown rule is refused naming the key (the control)."""
+    cfg = _set(_set(shipped, "model.grpo.rule", "group_token_mean"), "model.grpo.scope", "batch")
+    plan = check_config(cfg).aggregation_settings()
+    assert (plan.rule, plan.scope) == ("group_token_mean", "batch")
+    with pytest.raises(ValueError, match=r"^model\.grpo\.rule: must be one of .*group_token_mean"):
+        check_config(_set(shipped, "model.grpo.rule", "group_mean"))
+
+
 # (dotted key, value, fragments the error must contain)
 WRONG = {
     "reinforce_config_without_grpo": (

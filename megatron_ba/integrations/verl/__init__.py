@@ -1,12 +1,14 @@
-"""verl integration: `balanced` / `balanced_mass` for verl 0.9.1 (via VERL_USE_EXTERNAL_MODULES).
+"""verl integration: `balanced` / `balanced_mass` / `group_token_mean` for verl 0.9.1 (via
+VERL_USE_EXTERNAL_MODULES).
 
     VERL_USE_EXTERNAL_MODULES=megatron_ba.integrations.verl python -m verl.trainer.main_ppo \\
         algorithm.adv_estimator=balanced \\
         actor_rollout_ref.actor.policy_loss.loss_mode=balanced ...
 
 Importing this module registers, in verl's own registries:
-- advantage estimators `balanced` and `balanced_mass` (ADV_ESTIMATOR_REGISTRY), and
-- policy losses `balanced` and `balanced_mass` (POLICY_LOSS_REGISTRY).
+- advantage estimators `balanced`, `balanced_mass` and `group_token_mean`
+  (ADV_ESTIMATOR_REGISTRY), and
+- policy losses of the same names (POLICY_LOSS_REGISTRY).
 
 Why two hooks. verl calls a policy loss with (old_log_prob, log_prob, advantages, response_mask,
 loss_agg_mode, config, rollout_is_weights) on one micro-batch: no `uid`, so no prompt group, and

@@ -17,11 +17,14 @@ is already in the advantages), and multiplies by dp_size: verl's FSDP/Megatron e
 gradients over the DP group, and the plan's shares must be summed (verl's own `agg_loss` applies the
 same factor).
 
-Settings verl's config has no key for are read from the environment of the trainer process:
+Settings verl's config has no key for are read from the environment of the process the
+estimator runs in (verl's trainer, itself a Ray actor; the policy loss reads none of them):
 MEGATRON_BA_SCOPE ("group" | "batch", default group), MEGATRON_BA_NEUTRAL_EPS (default 0) and
 MEGATRON_BA_STEPS_PER_BATCH (default 1: the number of optimizer steps one rollout batch is split
 into, train_batch_size / ppo_mini_batch_size times ppo_epochs; each step then carries a
-full-scale objective, as each of verl's token-mean mini-batches does).
+full-scale objective, as each of verl's token-mean mini-batches does). main_ppo.py derives the
+steps from verl's config and hands the variables set to verl's Ray processes; the steps are set
+by hand only under verl's own entry point.
 """
 
 from __future__ import annotations
@@ -40,11 +43,14 @@ from megatron_ba.integrations._common import sequence_advantages, sequence_lengt
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.rules import AggregationSettings
 
-PLAN_RULES = ("balanced", "balanced_mass")
+# The rules registered as estimator + policy loss pairs: the plan rules verl cannot express
+# (per group and sign), and the per-group token mean (verl's token-mean pools the mini-batch).
+PLAN_RULES = ("balanced", "balanced_mass", "group_token_mean")
 
 
 # AggregationSettings field -> the environment variable that sets it
 ENV_KEYS = {"scope": "MEGATRON_BA_SCOPE", "neutral_eps": "MEGATRON_BA_NEUTRAL_EPS"}
+STEPS_ENV = "MEGATRON_BA_STEPS_PER_BATCH"
 
 
 def _settings(rule: str) -> tuple[AggregationSettings, float]:
@@ -52,7 +58,7 @@ def _settings(rule: str) -> tuple[AggregationSettings, float]:
     optimizer steps per rollout batch."""
     scope = os.environ.get("MEGATRON_BA_SCOPE", "group")
     raw_eps = os.environ.get("MEGATRON_BA_NEUTRAL_EPS", "0")
-    raw_steps = os.environ.get("MEGATRON_BA_STEPS_PER_BATCH", "1")
+    raw_steps = os.environ.get(STEPS_ENV, "1")
     try:
         eps, steps = float(raw_eps), float(raw_steps)
     except ValueError as err:
@@ -122,7 +128,7 @@ def balanced_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of -sum_i w_i sum_t phi, times dp_size (verl's DP-mean convention).
 
-    `advantages` must come from the `balanced` / `balanced_mass` estimator (the plan is in them);
+    `advantages` must come from one of the PLAN_RULES estimators (the plan is in them);
     `loss_agg_mode` is not used for the policy-gradient term (verl still applies it to its KL and
     entropy terms).
     """

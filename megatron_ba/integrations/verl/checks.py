@@ -10,7 +10,9 @@ Each half runs on its own without complaint, on another objective:
 - `algorithm.rollout_correction.bypass_mode`: verl replaces `policy_loss.loss_mode` with its own
   `bypass_mode` loss at the first step (rollout_corr_helper), dropping `balanced` silently.
 The same holds for settings verl has no key for (MEGATRON_BA_* variables, adapter.py): the number
-of optimizer steps a rollout batch is split into must match verl's batch sizes.
+of optimizer steps a rollout batch is split into must match verl's batch sizes. `steps_per_batch`
+reads it from the config (main_ppo.py exports it); a MEGATRON_BA_STEPS_PER_BATCH the user set must
+agree with it.
 
 `check_config(cfg)` reads verl's composed trainer config (ppo_trainer.yaml,
 ppo_megatron_trainer.yaml) and raises a ValueError naming the keys and the fix.
@@ -20,9 +22,10 @@ ppo_megatron_trainer.yaml) and raises a ValueError naming the keys and the fix.
 
 from __future__ import annotations
 
+import os
 import warnings
 
-from megatron_ba.integrations.verl.adapter import PLAN_RULES, _settings
+from megatron_ba.integrations.verl.adapter import ENV_KEYS, PLAN_RULES, STEPS_ENV, _settings
 
 ESTIMATOR = "algorithm.adv_estimator"
 LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
@@ -33,7 +36,10 @@ ROLLOUT_IS = "algorithm.rollout_correction.rollout_is"
 TRAIN_BATCH = "data.train_batch_size"
 MINI_BATCH = "actor_rollout_ref.actor.ppo_mini_batch_size"
 EPOCHS = "actor_rollout_ref.actor.ppo_epochs"
-STEPS_ENV = "MEGATRON_BA_STEPS_PER_BATCH"
+# Ray's runtime env for every process of the run (verl merges it into ray.init's); main_ppo.py
+# puts the MEGATRON_BA_* settings there.
+RUNTIME_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+SETTINGS_ENV = (*ENV_KEYS.values(), STEPS_ENV)
 
 # What each half does without its partner (the error says it, so the user sees why it matters).
 _ALONE = {
@@ -58,17 +64,18 @@ def check_config(cfg) -> None:
     """Raise ValueError if `cfg` (verl's composed trainer config) half-configures BA.
 
     Checked when either `algorithm.adv_estimator` or `actor_rollout_ref.actor.policy_loss.loss_mode`
-    names a balanced rule: both name the same rule; `actor_rollout_ref.rollout.n` >= 2; no
+    names a rule of PLAN_RULES: both name the same rule; `actor_rollout_ref.rollout.n` >= 2; no
     rollout correction (`bypass_mode` replaces the policy loss, `rollout_is` weights are not
-    modelled); MEGATRON_BA_SCOPE / _NEUTRAL_EPS valid and MEGATRON_BA_STEPS_PER_BATCH equal to
-    `data.train_batch_size / ppo_mini_batch_size * ppo_epochs`. A `loss_agg_mode` other than
-    token-mean is warned about (the balanced loss ignores it for its policy-gradient term).
-    Any other config passes untouched.
+    modelled); MEGATRON_BA_SCOPE / _NEUTRAL_EPS valid; `ppo_mini_batch_size` dividing
+    `data.train_batch_size`, and MEGATRON_BA_STEPS_PER_BATCH, where set, equal to
+    `steps_per_batch(cfg)`; no MEGATRON_BA_* variable in the config's Ray runtime env (main_ppo.py
+    puts the checked ones there). A `loss_agg_mode` other than token-mean is warned about (the
+    balanced loss ignores it for its policy-gradient term). Any other config passes untouched.
     """
+    if not uses_plan(cfg):
+        return
     estimator = str(_get(cfg, ESTIMATOR, "gae"))
     loss_mode = str(_get(cfg, LOSS_MODE, "vanilla"))
-    if estimator not in PLAN_RULES and loss_mode not in PLAN_RULES:
-        return
     _check_pair(estimator, loss_mode)
     n = int(_get(cfg, ROLLOUT_N, 1))
     if n < 2:
@@ -80,6 +87,7 @@ def check_config(cfg) -> None:
     _check_rollout_correction(cfg)
     _settings(estimator)  # MEGATRON_BA_SCOPE / _NEUTRAL_EPS / _STEPS_PER_BATCH parse, or raise
     _check_steps(cfg)
+    _check_runtime_env(cfg)
     mode = str(_get(cfg, AGG_MODE, "token-mean"))
     if mode != "token-mean":
         warnings.warn(
@@ -89,6 +97,30 @@ def check_config(cfg) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def uses_plan(cfg) -> bool:
+    """Whether the estimator or the policy loss of `cfg` is one of the integration's."""
+    estimator = str(_get(cfg, ESTIMATOR, "gae"))
+    return estimator in PLAN_RULES or str(_get(cfg, LOSS_MODE, "vanilla")) in PLAN_RULES
+
+
+def steps_per_batch(cfg) -> int | None:
+    """The optimizer steps verl makes per rollout batch: `data.train_batch_size /
+    ppo_mini_batch_size x ppo_epochs` (verl splits the batch into mini-batches of that size, one
+    step each, every epoch); None where the config lacks the batch sizes (verl checks those)."""
+    train, mini = _get(cfg, TRAIN_BATCH, None), _get(cfg, MINI_BATCH, None)
+    if train is None or mini is None:
+        return None
+    train, mini = int(train), int(mini)
+    if mini < 1 or train % mini:
+        # verl's last mini-batch would be smaller: no step count gives each step a full share.
+        raise ValueError(
+            f"{MINI_BATCH}: is {mini}, which does not divide {TRAIN_BATCH}={train}; verl's last "
+            f"mini-batch would be smaller than the others, and the plan gives every optimizer "
+            f"step a full-scale objective. Choose a {MINI_BATCH} that divides {TRAIN_BATCH}"
+        )
+    return train // mini * int(_get(cfg, EPOCHS, 1))
 
 
 def _check_pair(estimator: str, loss_mode: str) -> None:
@@ -125,16 +157,30 @@ def _check_rollout_correction(cfg) -> None:
 
 
 def _check_steps(cfg) -> None:
-    """MEGATRON_BA_STEPS_PER_BATCH must be the optimizer steps verl makes per rollout batch."""
+    """A MEGATRON_BA_STEPS_PER_BATCH set by the user must be the optimizer steps verl makes per
+    rollout batch; unset, main_ppo.py sets it from the config."""
+    expected = steps_per_batch(cfg)
+    if expected is None or os.environ.get(STEPS_ENV) is None:
+        return
     _, steps = _settings("balanced")
-    train, mini = _get(cfg, TRAIN_BATCH, None), _get(cfg, MINI_BATCH, None)
-    if train is None or mini is None:
-        return  # nothing to compare with (a partial config): the batch sizes are verl's to check
-    expected = int(train) / int(mini) * int(_get(cfg, EPOCHS, 1))
     if steps != expected:
+        train, mini = _get(cfg, TRAIN_BATCH), _get(cfg, MINI_BATCH)
         raise ValueError(
-            f"{STEPS_ENV}: is {steps:g}, but verl splits each rollout batch into {expected:g} "
+            f"{STEPS_ENV}: is {steps:g}, but verl splits each rollout batch into {expected} "
             f"optimizer steps ({TRAIN_BATCH}={train} / {MINI_BATCH}={mini} x {EPOCHS}); each step "
-            f"would carry {steps / expected:g} of the objective. Set {STEPS_ENV}={expected:g} in "
-            f"the trainer's environment (or make {MINI_BATCH} equal {TRAIN_BATCH})"
+            f"would carry {steps / expected:g} of the objective. Set {STEPS_ENV}={expected}, or "
+            f"unset it: python -m megatron_ba.integrations.verl.main_ppo sets it from the config"
+        )
+
+
+def _check_runtime_env(cfg) -> None:
+    """main_ppo.py hands the checked MEGATRON_BA_* settings to Ray's processes through the runtime
+    env: one that the config already sets there would be replaced, or read unchecked."""
+    given = _get(cfg, RUNTIME_ENV_VARS, None) or {}
+    named = [name for name in SETTINGS_ENV if name in given]
+    if named:
+        raise ValueError(
+            f"{RUNTIME_ENV_VARS}.{named[0]}: set in the config; set {', '.join(named)} in the "
+            f"environment of python -m megatron_ba.integrations.verl.main_ppo instead, which "
+            f"checks them and hands them to verl's Ray processes through this runtime env"
         )

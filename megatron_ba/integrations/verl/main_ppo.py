@@ -8,9 +8,18 @@ Composes the same config as `python -m verl.trainer.main_ppo` (verl's own config
 default `ppo_trainer`, the same Hydra overrides), calls `check_config` on it, then hands it to
 verl's own `main` (its `hydra.main` wrapper is skipped: the config is already composed).
 
-VERL_USE_EXTERNAL_MODULES is extended with this package before verl runs: the trainer and its
-workers are Ray processes started from this one, and each registers the hooks when it imports
-verl (verl/__init__.py reads that variable).
+The settings reach the processes that read them before verl starts any. The estimator runs in
+verl's trainer, a Ray actor (TaskRunner) started from this process, and reads the MEGATRON_BA_*
+variables there (adapter.py); the Ray workers that run the policy loss import the hooks. So:
+- MEGATRON_BA_STEPS_PER_BATCH is derived from the config (`steps_per_batch`: train_batch_size /
+  ppo_mini_batch_size x ppo_epochs) and exported, unless the user set it (check_config has then
+  refused any other value);
+- the MEGATRON_BA_* variables set here go into the config's Ray runtime env
+  (ray_kwargs.ray_init.runtime_env.env_vars), which verl passes to ray.init for every process of
+  the run: a local Ray cluster would inherit this process's environment anyway, a cluster started
+  elsewhere (`ray start`) would not;
+- VERL_USE_EXTERNAL_MODULES is extended with this package: each Ray process registers the hooks
+  when it imports verl (verl/__init__.py reads that variable).
 """
 
 from __future__ import annotations
@@ -18,9 +27,17 @@ from __future__ import annotations
 import os
 
 import hydra
+from omegaconf import OmegaConf
 from verl.trainer import main_ppo as verl_main_ppo
 
-from megatron_ba.integrations.verl.checks import check_config
+from megatron_ba.integrations.verl.checks import (
+    RUNTIME_ENV_VARS,
+    SETTINGS_ENV,
+    STEPS_ENV,
+    check_config,
+    steps_per_batch,
+    uses_plan,
+)
 
 MODULE = "megatron_ba.integrations.verl"
 
@@ -32,10 +49,24 @@ def _export_hooks() -> None:
         os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join([*listed, MODULE])
 
 
+def _export_settings(config) -> None:
+    """MEGATRON_BA_STEPS_PER_BATCH from the config (if unset), then every MEGATRON_BA_* setting of
+    this process into the config's Ray runtime env. Run after check_config."""
+    steps = steps_per_batch(config)
+    if steps is not None and STEPS_ENV not in os.environ:
+        os.environ[STEPS_ENV] = str(steps)
+    for name in SETTINGS_ENV:
+        if name in os.environ:
+            # force_add: verl's runtime_env node is a struct with no env_vars key
+            OmegaConf.update(config, f"{RUNTIME_ENV_VARS}.{name}", os.environ[name], force_add=True)
+
+
 @hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
 def main(config) -> None:
-    """check_config(config), then verl's main_ppo on the same config."""
+    """check_config(config), the settings handed on, then verl's main_ppo on the same config."""
     check_config(config)
+    if uses_plan(config):
+        _export_settings(config)
     _export_hooks()
     verl_main_ppo.main.__wrapped__(config)
 
