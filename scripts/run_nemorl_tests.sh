@@ -34,6 +34,15 @@ light_log=$(mktemp)
   >"$light_log" 2>&1 &
 light_pid=$!
 
+# One local Ray for every part below: NeMo-RL's init_ray joins a running cluster that carries its
+# tag (nrl_tag_ALL without CUDA_VISIBLE_DEVICES) instead of starting one per process, and the
+# dashboard init_ray would start (its metrics module times out on a loaded machine) stays off.
+ray_log=$(mktemp)
+"$VENV/bin/ray" start --head --disable-usage-stats --include-dashboard=false \
+  --num-cpus "$(nproc)" --resources '{"nrl_tag_ALL": 1}' >"$ray_log" 2>&1 \
+  || { cat "$ray_log" >&2; exit 1; }
+trap '"$VENV/bin/ray" stop --force >/dev/null 2>&1 || true; rm -f "$ray_log"' EXIT
+
 # The summary counts of one run of NeMo-RL's loss tests, e.g. "22 passed, 44 skipped".
 own_tests() {
   local out
