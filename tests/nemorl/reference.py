@@ -41,14 +41,17 @@ def plan_weights(rule: str, lengths, advantages, group_size: int) -> torch.Tenso
 
 
 def reference_loss(logp, data, weights, *, clip=(0.2, 0.28), dual_clip=None, kl=0.0,
-                   kl_clamps=(20.0, 10.0), score_function=True):  # fmt: skip
-    """The loss of a whole batch (NeMo-RL's data dict, [:, 1:] shifted), float64."""
+                   kl_clamps=(20.0, 10.0), score_function=True, is_weights=None):  # fmt: skip
+    """The loss of a whole batch (NeMo-RL's data dict, [:, 1:] shifted), float64; `is_weights`
+    (per token) multiply each token's policy-gradient term."""
     mask = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).to(torch.float64)
     a = data["advantages"][:, 1:].to(torch.float64)
     ratio = (logp - data["prev_logprobs"][:, 1:]).exp()
     term = torch.minimum(ratio * a, ratio.clamp(1 - clip[0], 1 + clip[1]) * a)
     if dual_clip is not None:
         term = torch.where(a < 0, torch.maximum(term, dual_clip * a), term)
+    if is_weights is not None:
+        term = term * is_weights
     loss = -(weights[:, None] * term * mask).sum()
     if kl:
         logr = (data["reference_policy_logprobs"][:, 1:] - logp).clamp(-kl_clamps[0], kl_clamps[0])
@@ -58,3 +61,23 @@ def reference_loss(logp, data, weights, *, clip=(0.2, 0.28), dual_clip=None, kl=
         k3 = k3.clamp(-kl_clamps[1], kl_clamps[1])
         loss = loss + kl * (k3 * mask).sum() / mask.sum()
     return loss
+
+
+def importance_weights(data, kind: str | None, low: float | None, high: float | None):
+    """NeMo-RL's importance-sampling correction as its docs define it, per token (float64):
+    r = exp(prev - generation); `tis` clamps r to [low or 0, high], `icepop` zeroes tokens with r
+    outside [low, high], `seq-mask-tis` zeroes whole responses whose geometric-mean r (over their
+    tokens) lies outside [low, high] and keeps r on the others; None keeps r."""
+    r = (data["prev_logprobs"][:, 1:] - data["generation_logprobs"][:, 1:]).double().exp()
+    if kind is None:
+        return r
+    if kind == "tis":
+        return r.clamp(min=low or 0.0, max=high)
+    if kind == "icepop":
+        return torch.where((r >= low) & (r <= high), r, torch.zeros_like(r))
+    if kind == "seq-mask-tis":
+        tokens = data["token_mask"][:, 1:].double()
+        log_mean = (r.log() * tokens).sum(1) / tokens.sum(1)
+        keep = (log_mean.exp() >= low) & (log_mean.exp() <= high)
+        return r * keep[:, None]
+    raise ValueError(kind)

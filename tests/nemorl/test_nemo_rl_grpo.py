@@ -162,7 +162,7 @@ def test_one_grpo_train_step_with_the_balanced_loss(
     calls = c["logger"].log_metrics.call_args_list
     logged = [m.args[0] for m in calls if "token_mult_prob_error" in m.args[0]]
     assert len(logged) == 1
-    assert {"loss", "gen_kl_error", "probs_ratio", "ba_pg_loss"} <= set(logged[0])
+    assert {"loss", "gen_kl_error", "probs_ratio", "ba_weight_pos_sum"} <= set(logged[0])
     assert logged[0]["token_mult_prob_error"] >= 1.0  # mean exp|generation - prev|: a real figure
 
 

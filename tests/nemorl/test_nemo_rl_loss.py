@@ -22,7 +22,7 @@ pytest.importorskip(
 
 import torch
 from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
-from reference import plan_weights, reference_loss
+from reference import importance_weights, plan_weights, reference_loss
 
 from megatron_ba.integrations.nemo_rl import BalancedPGLossFn
 from megatron_ba.integrations.nemo_rl.loss import REFUSED
@@ -86,7 +86,28 @@ def _value_and_grad(loss_fn, data, logp, splits=None):
     return total.detach(), grad, metrics
 
 
-KL_VARIANTS = {
+IS = {"use_importance_sampling_correction": True}
+# NeMo-RL's importance-sampling corrections: (truncated type, low, high)
+CORRECTIONS = {
+    "is": (None, None, None),
+    "tis": ("tis", None, 1.2),
+    "icepop": ("icepop", 0.7, 1.5),
+    "seq-mask-tis": ("seq-mask-tis", 0.8, 1.25),
+}
+
+
+def _correction(name):
+    kind, low, high = CORRECTIONS[name]
+    cfg = IS | {"truncated_importance_sampling_type": kind}
+    return cfg | {"truncated_importance_sampling_ratio": high,
+                  "truncated_importance_sampling_ratio_min": low}  # fmt: skip
+
+
+VARIANTS = {
+    **{name: _correction(name) for name in CORRECTIONS},
+    "cispo": {"use_cispo": True},
+    "reinforce": {"disable_ppo_ratio": True},
+    "on_policy_ratio": {"force_on_policy_ratio": True},
     "stock": {},
     "k1": {"reference_policy_kl_type": "k1"},
     "k2": {"reference_policy_kl_type": "k2"},
@@ -97,10 +118,11 @@ KL_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", sorted(KL_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_token_rule_at_batch_scope_is_nemo_rls_clipped_pg_loss(variant):
-    """NeMo-RL's token-level loss is the plan 1/N: our loss equals its loss, gradient, metrics."""
-    cfg = STOCK | KL_VARIANTS[variant]
+    """NeMo-RL's token-level loss is the plan 1/N: our loss equals its loss, gradient, metrics,
+    for its KL settings, its importance-sampling corrections and its PPO variants."""
+    cfg = STOCK | VARIANTS[variant]
     data, logp = _data()
     ours = BalancedPGLossFn(cfg | {"ba_rule": "token", "ba_scope": "batch"}, group_size=G)
     ours.attach_plan(data)
@@ -176,12 +198,31 @@ def test_kl_gradient_carries_nemo_rls_score_function_term():
     assert (grad - grads[False]).norm() / grads[False].norm() > 1e-3
 
 
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+def test_balanced_with_nemo_rls_correction_is_the_float64_reference(name):
+    """BA's weights and NeMo-RL's per-token importance weights, each where it belongs (the
+    weight on every token's term; masked tokens stay in BA's lengths). Control: the same weight
+    placed on the sequence (its mean over the response) does not match."""
+    kind, low, high = CORRECTIONS[name]
+    data, logp = _data()
+    loss_fn = BalancedPGLossFn(STOCK | _correction(name), group_size=G)
+    loss_fn.attach_plan(data)
+    value, grad, _ = _value_and_grad(loss_fn, data, logp, [torch.tensor(s) for s in SPLITS])
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    weights = plan_weights("balanced", mask.sum(1), data["advantages"][:, -1], G)
+    c = importance_weights(data, kind, low, high)
+    x = logp.detach().clone().requires_grad_(True)
+    ref = reference_loss(x, data, weights, kl=0.01, is_weights=c)
+    (ref_grad,) = torch.autograd.grad(ref, x)
+    torch.testing.assert_close(value, ref.detach(), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    on_sequence = (c * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    wrong = reference_loss(logp, data, weights, kl=0.01, is_weights=on_sequence.expand_as(c))
+    assert abs(float(wrong - ref.detach())) > 1e-4
+
+
 BAD_VALUES = {
-    "disable_ppo_ratio": True,
-    "use_cispo": True,
-    "force_on_policy_ratio": True,
     "sequence_level_importance_ratios": True,
-    "use_importance_sampling_correction": True,
     "token_level_loss": False,
     "positive_example_nll_weight": 0.1,
 }
@@ -271,4 +312,4 @@ def test_docs_snippet_runs():
     exec(compile(snippet, "docs/integrations.md", "exec"), namespace)
     loss, metrics = namespace["loss"], namespace["metrics"]
     assert loss.dim() == 0 and torch.isfinite(loss)
-    assert {"token_mult_prob_error", "gen_kl_error", "ba_pg_loss"} <= set(metrics)
+    assert {"token_mult_prob_error", "gen_kl_error", "ba_weight_pos_sum"} <= set(metrics)

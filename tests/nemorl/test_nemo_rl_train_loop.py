@@ -22,7 +22,7 @@ pytest.importorskip(
 
 import torch
 import torch.multiprocessing as mp
-from reference import plan_weights, reference_loss
+from reference import importance_weights, plan_weights, reference_loss
 
 G, PROMPTS, PROMPT, SEQ, VOCAB, DP = 4, 4, 3, 14, 13, 2
 LOSS_CFG = {
@@ -31,10 +31,16 @@ LOSS_CFG = {
     "ratio_clip_max": 0.28,
     "ratio_clip_c": 3.0,
 }
+# NeMo-RL's truncated importance sampling (TIS), for the cases named "..._tis"
+TIS = {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+       "truncated_importance_sampling_ratio": 1.2}  # fmt: skip
 LAYOUTS = ("plain", "dynamic", "packed")
 # (loss function, rule): what each rank trains with in every layout
-CASES = (("clipped", None), ("balanced", "token"), ("balanced", "balanced"),
-         ("balanced", "group_token_mean"), ("per_shard_plan", "balanced"))  # fmt: skip
+CASES = (
+    *(("clipped", None), ("balanced", "token"), ("balanced", "balanced")),
+    *(("balanced", "group_token_mean"), ("per_shard_plan", "balanced")),
+    *(("clipped_tis", None), ("balanced_tis", "token"), ("balanced_tis", "balanced")),
+)
 
 
 def batch():
@@ -70,10 +76,11 @@ def _loss_fn(kind, rule):
 
     from megatron_ba.integrations.nemo_rl import BalancedPGLossFn
 
-    if kind == "clipped":
-        return ClippedPGLossFn(ClippedPGLossConfig(**LOSS_CFG))
+    cfg = LOSS_CFG | (TIS if kind.endswith("_tis") else {})
+    if kind.startswith("clipped"):
+        return ClippedPGLossFn(ClippedPGLossConfig(**cfg))
     scope = {"ba_scope": "batch"} if rule == "token" else {}
-    return BalancedPGLossFn(LOSS_CFG | {"ba_rule": rule} | scope, group_size=G)
+    return BalancedPGLossFn(cfg | {"ba_rule": rule} | scope, group_size=G)
 
 
 def _rank(rank: int, port: int, out: str) -> None:
@@ -86,7 +93,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     for layout in LAYOUTS:
         for kind, rule in CASES:
             data, loss_fn = batch(), _loss_fn(kind, rule)
-            if kind == "balanced":
+            if kind.startswith("balanced"):
                 loss_fn.attach_plan(data)  # the global batch, as run_grpo_balanced does
             elif kind == "per_shard_plan":  # control: each rank plans its own half
                 half = data.size // DP
@@ -119,8 +126,9 @@ def results(tmp_path_factory):
     return torch.load(out)
 
 
-def _reference(rule: str):
-    """Loss and gradient of the whole batch in one process, float64."""
+def _reference(rule: str, tis: bool = False):
+    """Loss and gradient of the whole batch in one process, float64 (with NeMo-RL's TIS
+    weights on each token's term when `tis`)."""
     from worker_loop import TokenModel
 
     data = batch()
@@ -132,7 +140,8 @@ def _reference(rule: str):
     mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
     weights = plan_weights(rule, mask.sum(1), data["advantages"][:, -1], G)
     data64 = {k: v.double() for k, v in data.items()}
-    loss = reference_loss(logp, data64, weights, dual_clip=3.0, kl=0.05)
+    c = importance_weights(data64, "tis", None, 1.2) if tis else None
+    loss = reference_loss(logp, data64, weights, dual_clip=3.0, kl=0.05, is_weights=c)
     (grad,) = torch.autograd.grad(loss, model.table)
     return loss.detach(), grad
 
@@ -166,3 +175,14 @@ def test_a_plan_per_dp_shard_does_not(results, layout):
     ref_loss, ref_grad = _reference("balanced")
     assert abs(float(loss) - float(ref_loss)) > 1e-3 * abs(float(ref_loss))
     assert float((grad.double() - ref_grad).norm() / ref_grad.norm()) > 1e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_with_nemo_rls_truncated_importance_sampling(results, layout):
+    """NeMo-RL's TIS on: the token rule is still ClippedPGLossFn in its step, BA is the float64
+    reference with the same per-token weights, and BA without them (control) is not."""
+    tis = results[layout, "balanced_tis", "balanced"]
+    _close(results[layout, "balanced_tis", "token"], results[layout, "clipped_tis", None], 1e-6)
+    _close(tis, _reference("balanced", tis=True), 1e-5)
+    assert abs(float(tis[0]) - float(_reference("balanced")[0])) > 1e-3 * abs(float(tis[0]))

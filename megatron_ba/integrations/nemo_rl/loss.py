@@ -14,16 +14,21 @@ consecutively). The core reduces the per-group statistics to per-sequence weight
 data dict as rows (`ba_weights`), the only form that survives NeMo-RL's slicing of the dict into DP
 shards, length-sorted dynamic batches and packed sequences.
 
-Per micro-batch, the loss is the sum of two parts, each from the code that defines it:
-- the policy-gradient term: the core's clipped PPO term with the plan's weights
-  (`megatron_ba.loss.grpo_loss`);
-- everything else: NeMo-RL's own `ClippedPGLossFn` on the same micro-batch with the advantages set
-  to 0, which makes its policy-gradient term exactly 0 in value and gradient. What remains of it
-  is its KL term (every `reference_policy_kl_type`, the clamps, `use_on_policy_kl_approximation`
-  and the score-function factor exp(lp - stopgrad(lp)) it applies otherwise, normalised by the
-  global token count) and every diagnostic `grpo_train` logs (`token_mult_prob_error`,
-  `gen_kl_error`, `probs_ratio*`, ...), computed by NeMo-RL from the same inputs (the advantages
-  enter none of them).
+Per micro-batch, the loss is NeMo-RL's own `ClippedPGLossFn` on the micro-batch with each response's
+advantage multiplied by its plan weight and by the normaliser that ClippedPGLossFn divides by:
+
+    A'_i = w_i * (global_valid_toks + 1e-8) * A_i        (masked_mean's denominator, token level)
+
+Its policy-gradient term is positively homogeneous in the advantage (the clipped min/max of
+r A and clip(r) A, the dual clip c A, CISPO's sg(clip(r)) A log p and REINFORCE's A log p all scale
+with A >= 0 factors; w_i >= 0), so it becomes sum_i w_i sum_t c_it phi_it(A_i) exactly: the plan's
+aggregation, with NeMo-RL's own per-token factor c (its importance-sampling correction: plain,
+`tis`, `icepop`, `seq-mask-tis`) and its own PPO variant. Everything else in that call is NeMo-RL's
+and untouched by the advantages: the KL term (every `reference_policy_kl_type`, the clamps,
+`use_on_policy_kl_approximation`, and the factor exp(lp - stopgrad(lp)) it puts on k3 otherwise),
+normalised by the global token count, and every diagnostic `grpo_train` logs
+(`token_mult_prob_error`, `gen_kl_error`, `probs_ratio*`, `is_oob_ratio`, ...). The same folding
+makes verl's integration exact (megatron_ba/integrations/verl/adapter.py, docs/math.md).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 
 from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_advantages
-from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.loss import LossPlan
 from megatron_ba.rules import AggregationSettings
 
 PLAN_KEY = "ba_weights"
@@ -51,16 +56,13 @@ DATA_KEYS = {
 # AggregationSettings field -> its key in NeMo-RL's loss_fn config
 CONFIG_KEYS = {f: f"ba_{f}" for f in ("rule", "scope", "max_length", "neutral_eps")}
 
-# ClippedPGLossFn settings whose effect on the policy-gradient term this loss would drop: the
-# value it accepts, and why.
+# ClippedPGLossFn settings whose effect this loss cannot keep: the value it accepts, and why.
 REFUSED = {
-    "disable_ppo_ratio": (False, "the core's term is the clipped PPO ratio"),
-    "use_cispo": (False, "CISPO is not the core's PPO term"),
-    "force_on_policy_ratio": (False, "the ratio is taken against prev_logprobs"),
-    "sequence_level_importance_ratios": (False, "GSPO's sequence ratios are not a token plan"),
-    "use_importance_sampling_correction": (False, "the core's term has no per-token IS factor"),
-    "token_level_loss": (True, "ba_rule decides the normalisation of the policy-gradient term; "
-                         "ba_rule=sequence is the sequence-level mean"),
+    "token_level_loss": (True, "ba_rule decides the normalisation of the policy-gradient term "
+                         "(ba_rule=sequence is the sequence-level mean); NeMo-RL's sequence level "
+                         "would divide it again"),
+    "sequence_level_importance_ratios": (False, "GSPO's sequence ratios need NeMo-RL's sequence "
+                                         "level (token_level_loss=false)"),
     "positive_example_nll_weight": (0.0, "VAPO's NLL reads data['rewards'], which GRPO's "
                                     "train_data does not hold in NeMo-RL v0.7.0 (ClippedPGLossFn "
                                     "skips it silently there), and is normalised per micro-batch"),
@@ -123,11 +125,8 @@ class BalancedPGLossFn:
                     f"ClippedPGLossFn"
                 )
         self.group_size = group_size
-        # NeMo-RL's own loss, for its KL term and diagnostics (module docstring).
+        # NeMo-RL's own loss, called with folded advantages (module docstring).
         self.clipped = nemo_loss.ClippedPGLossFn(cfg)
-        self.config = GRPOLossConfig(
-            clip_low=cfg.ratio_clip_min, clip_high=cfg.ratio_clip_max, dual_clip=cfg.ratio_clip_c
-        )
         # What NeMo-RL reads off a loss function: its enums (compared by identity), and the KL
         # coefficient (prepare_loss_input computes the unfiltered log-probs the KL needs under
         # top-k/top-p sampling only when it finds it non-zero).
@@ -172,24 +171,22 @@ class BalancedPGLossFn:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         self._check_micro_batch(data)
-        mask = self._mask(data).bool()
-        advantages = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages")
-        # The regularisers are NeMo-RL's (below): the core's plan carries no weights for them.
+        mask = self._mask(data)
         weights = data[PLAN_KEY]
-        plan = LossPlan(weights, torch.zeros_like(weights), advantages)
-        pg_loss, pg_metrics = grpo_loss(
-            next_token_logprobs, data["prev_logprobs"][:, 1:], mask, plan, self.config
-        )
-        no_pg = {**data, "advantages": torch.zeros_like(data["advantages"])}
-        rest, metrics = self.clipped(
-            next_token_logprobs, no_pg, global_valid_seqs, global_valid_toks, **kwargs
-        )
-        loss = pg_loss + rest
+        # What NeMo-RL's token-level masked_mean divides by: the global count, or this
+        # micro-batch's when none is passed, plus its 1e-8.
+        tokens = mask.sum() if global_valid_toks is None else global_valid_toks
+        scale = weights.to(torch.float64) * (float(tokens) + 1e-8)
+        folded = data["advantages"] * scale.to(data["advantages"].dtype)[:, None]
+        loss, metrics = self.clipped(
+            next_token_logprobs, {**data, "advantages": folded}, global_valid_seqs,
+            global_valid_toks, **kwargs,
+        )  # fmt: skip
         # NeMo-RL sums metrics over micro-batches: each is an additive share, as its own are.
-        metrics["loss"] = float(loss.detach())
-        metrics["ba_pg_loss"] = float(pg_metrics["pg_loss"])
-        metrics["ba_weight_pos_sum"] = float(pg_metrics["weight_pos_sum"])
-        metrics["ba_weight_neg_sum"] = float(pg_metrics["weight_neg_sum"])
+        signs = sequence_advantages(data["advantages"][:, 1:], mask, name="advantages").sign()
+        carried = weights * mask.sum(dim=1).to(weights.dtype)  # sum over its tokens of w_i
+        metrics["ba_weight_pos_sum"] = float(carried[signs > 0].sum())
+        metrics["ba_weight_neg_sum"] = float(carried[signs < 0].sum())
         return loss, metrics
 
     def _check_micro_batch(self, data) -> None:
