@@ -121,3 +121,61 @@ def plan_differences(plan: dict, runs: dict[str, dict]) -> list[str]:
     if runs and seeds != plan["seeds"]:
         out.append(f"seeds {seeds}, planned {plan['seeds']}")
     return out
+
+
+def decision_rows(plan: dict, pairs: list[dict]) -> list[dict]:
+    """The declared comparison's result, one row per value of the other swept keys: the paired
+    difference a - b on the declared metric, its mean and 95% interval (study_report's pairs,
+    turned round where the report ordered the two rules the other way)."""
+    compare, metric = plan["decision"]["compare"], plan["decision"]["metric"]
+    rows = []
+    for p in pairs:
+        col = p["columns"].get(metric)
+        if compare is None or sorted(p["rules"]) != sorted(compare) or col is None:
+            continue
+        sign = 1.0 if p["rules"] == compare else -1.0
+        low, high = sorted((sign * col["low"], sign * col["high"]))
+        rows.append({"others": p["others"], "seeds": p["seeds"], "mean": sign * col["mean"],
+                     "low": low, "high": high})  # fmt: skip
+    return rows
+
+
+def plan_section(plan: dict | None, runs: dict[str, dict], pairs: list[dict], others: list[str]):
+    """The report's plan section: markdown lines and report.json's "plan". runs: element name ->
+    its recipe.yaml as read; others: the swept keys besides the rule and the seed."""
+    if plan is None:
+        text = "No plan was declared: the folder has no study.json with a plan (a study made "
+        text += "before studies declared plans, or run folders gathered by hand)."
+        return ["## Plan", "", text, ""], {"declared": None}
+    differences = plan_differences(plan, runs)
+    d = plan["decision"]
+    commit = (plan["commit"] or "no git commit")[:12]
+    if plan.get("uncommitted_changes"):
+        commit += ", with uncommitted changes"
+    lines = [
+        "## Plan",
+        "",
+        f"Declared in study.json at {plan['declared_at']} ({commit}): recipe file sha256 "
+        f"{plan['recipe_file_sha256'][:12]}, {len(plan['element_recipe_sha256'])} elements, "
+        f"seeds {', '.join(str(s) for s in plan['seeds'])}; the deciding comparison: "
+        + (f"{d['compare'][0]} - {d['compare'][1]} on {d['metric']} ({d['over']})."
+           if d["compare"] else "none declared."),
+        "",
+    ]  # fmt: skip
+    if differences:
+        lines += ["**The runs are not the declared plan:**", ""]
+        lines += [f"- {x}" for x in differences] + [""]
+    else:
+        lines += ["The runs are the declared plan: one run per element, each run's recipe.yaml "
+                  "the planned recipe (sha256), the planned seeds.", ""]  # fmt: skip
+    rows = decision_rows(plan, pairs)
+    for r in rows:
+        where = "".join(f", {k}={v}" for k, v in zip(others, r["others"], strict=True))
+        lines.append(
+            f"- {d['compare'][0]} - {d['compare'][1]}, {d['metric']}{where}: "
+            f"{r['mean']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}], {len(r['seeds'])} seeds"
+        )
+    if rows:
+        lines.append("")
+    result = {"declared": plan, "differences": differences, "decision": rows}
+    return lines, result
