@@ -18,7 +18,8 @@ absolute value, at the first use of each batch), the sign-length coupling (mean 
 mean positive length, and the positive subset's weight share under each rule), the
 response-length variance and the positive-negative length gap; and the per-step curves of each
 cell (train/study_figures.py). report.md and report.json depend on the runs and the folder's
-name (the title) alone: the same runs give the same bytes.
+name (the title) alone: the same runs give the same bytes (tests/test_shipped_reports.py holds
+the published studies to that).
 """
 
 from __future__ import annotations
