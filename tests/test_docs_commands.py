@@ -8,8 +8,9 @@ Pages: README.md, docs/*.md, slurm/README.md, and the comments of recipes/*.yaml
   code block, an inline code span or a recipe comment (the `# layout:` lines included) names a
   subcommand of megatron_ba/cli.py, and every `--flag` it uses is an option string of that
   subcommand's argparse parser, built as cli.py builds it (`megatron-ba bench NAME`: of the
-  benchmark's own parser). Placeholders in capitals (`megatron-ba COMMAND --help`) stand for any
-  subcommand, so they may use only `--help`. Abbreviated flags, which argparse would accept,
+  benchmark's own parser), and one that its `--help` lists (not argparse.SUPPRESS).
+  Placeholders in capitals (`megatron-ba COMMAND --help`) stand for any subcommand, so they may
+  use only `--help`. Abbreviated flags, which argparse would accept,
   count as unknown: a page spells a flag out.
 - Every relative link `[text](path)` / `[text](path#anchor)` of a page points to a file that
   exists; an anchor into a markdown file names one of its headings (GitHub's rule: lowercase,
@@ -174,7 +175,13 @@ def recipe_commands(text: str) -> list[str]:
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    return {s for action in parser._actions for s in action.option_strings}
+    """The flags `--help` lists: a page may not send a reader to one that --help hides."""
+    return {
+        s
+        for action in parser._actions
+        if action.help != argparse.SUPPRESS
+        for s in action.option_strings
+    }
 
 
 @functools.cache
@@ -479,6 +486,11 @@ def test_planted_unknown_flags_and_subcommands_are_caught():
     ):
         assert command_problems(good) == [], good
     assert command_problems("megatron-ba COMMAND --json") != []
+    # a flag the parser takes but --help hides (the benchmark's internal worker switch)
+    assert command_problems("megatron-ba bench vocab-parallel --worker memory") == [
+        "'megatron-ba bench vocab-parallel --worker memory': --worker is not an option of "
+        "`megatron-ba bench vocab-parallel`"
+    ]
 
 
 def test_planted_recipe_comment_is_caught():

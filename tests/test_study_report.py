@@ -4,6 +4,7 @@ the diagnostics against a swept length, and the refusal of runs of different rec
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -159,3 +160,44 @@ def test_compare_reports_group_token_mean_against_token(tmp_path, capsys):
     assert main(["compare", str(TINY), "--rules", "token,group_mean", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--rules: unknown ['group_mean']" in err and "group_token_mean" in err
+
+
+def test_the_report_states_the_plan_and_its_comparison(tmp_path):
+    axes = parse_grid(["loss.rule=token,balanced", "seed=0,1,2"])
+    study = Study.open(tmp_path / "s", str(TINY), ["grpo.max_new_tokens=32"], axes)
+    for e in study.elements:
+        rule, seed = e.overrides[0].split("=")[1], int(e.overrides[1].split("=")[1])
+        _run(tmp_path / "made", rule, 32, seed).rename(study.run_dir(e))
+    text = write_report(study.folder).read_text()
+    got = json.loads((study.folder / "report.json").read_text())["plan"]
+    assert got["differences"] == [] and "The runs are the declared plan" in text
+    assert got["declared"]["decision"]["compare"] == ["balanced", "token"]
+    half = 4.303 * 0.1 / math.sqrt(3)  # balanced - token on acc_last: 0.1, 0.2, 0.3
+    (row,) = got["decision"]
+    assert (row["mean"], row["low"], row["high"]) == pytest.approx((0.2, 0.2 - half, 0.2 + half))
+    assert f"- balanced - token, acc_last: +0.2000 [{0.2 - half:+.4f}, {0.2 + half:+.4f}]" in text
+    assert (
+        "Acc@4 / Best@4 (4 samples per prompt; heldout: 128 prompts)" in text
+    )  # data.eval_prompts
+    # a run whose recipe is not the planned one (another seed), an element without metrics
+    run = study.run_dir(study.elements[0])
+    (run / "recipe.yaml").write_text(
+        (run / "recipe.yaml").read_text().replace("seed: 0", "seed: 5")
+    )
+    (study.run_dir(study.elements[2]) / "metrics.jsonl").unlink()
+    text = write_report(study.folder).read_text()
+    assert "**The runs are not the declared plan:**" in text
+    assert f"- element {study.elements[2].name}: no run" in text
+    assert f"- run {study.elements[0].name}: recipe.yaml is not the planned recipe" in text
+    assert "- seeds [0, 1, 2, 5], planned [0, 1, 2]" in text
+
+
+def test_compressed_metrics_report_the_same(runs):
+    report = write_report(runs, KEYS)
+    before = report.read_text(), (runs / "report.json").read_text()
+    for metrics in runs.glob("*/metrics.jsonl"):
+        with gzip.open(metrics.with_suffix(".jsonl.gz"), "wt") as f:
+            f.write(metrics.read_text())
+        metrics.unlink()
+    assert (write_report(runs, KEYS).read_text(), (runs / "report.json").read_text()) == before
+    assert "No plan was declared" in before[0]  # run folders gathered by hand

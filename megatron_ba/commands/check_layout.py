@@ -82,9 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="build the model with megatron-core's calculate_per_token_loss=True",
     )
-    # Testing: the loss normalised per micro-batch, which must fail the check where a
-    # micro-batch is not the whole batch (and pass where it is).
-    p.add_argument("--negative-control", action="store_true", help=argparse.SUPPRESS)
+    # Listed in --help: the docs tell users to run it to see the check fail on a wrong loss.
+    p.add_argument(
+        "--negative-control",
+        action="store_true",
+        help="check a deliberately wrong loss (normalised per micro-batch, as NeMo-Aligner "
+        "does): passes with one micro-batch for the whole batch, fails otherwise",
+    )
 
 
 def unsupported_megatron_core() -> str | None:

@@ -6,6 +6,13 @@
         --grid seed=0,1,2 --out /shared/study --slurm --max-parallel 3 \
         --sbatch-args "--nodes=4 --gpus-per-node=8 --time=24:00:00"     # one Slurm job array
     megatron-ba study ... --dry-run                            # the elements and the submission
+    megatron-ba study ... --compare balanced,token --metric acc_last --plan-only   # declare it
+
+The plan (train/study_plan.py) is written to DIR/study.json before anything runs: the recipe's
+hashes, the grid, the seeds and the comparison that decides (--compare A,B: rule A - rule B,
+paired by seed, on --metric; balanced,token and acc_last by default). --plan-only writes it and
+stops; the same command without the flag then runs what was declared, and refuses to run if the
+recipe has changed since. The report says whether the runs are the planned ones.
 
 One run folder per element of the cross product under DIR (train/study.py has the names), and
 DIR/study.json. Re-running the same command keeps finished elements and resumes interrupted ones;
@@ -37,6 +44,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sbatch-args", default="", help='sbatch options, e.g. "--time=04:00:00"')
     p.add_argument("--max-parallel", type=int, default=None, help="--slurm: array tasks at once")
     p.add_argument(
+        "--compare",
+        default=None,
+        metavar="A,B",
+        help="the plan's deciding comparison: rule A - rule B, paired by seed "
+        "(default balanced,token when both are swept)",
+    )
+    p.add_argument(
+        "--metric",
+        default=None,
+        help="the report column that decides (default acc_last): acc_peak, acc_last, "
+        "best_peak, best_last, acc_last_minus_peak",
+    )
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="declare the study: write DIR/study.json (its plan) and run nothing",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="print the elements (and the submission), run and write nothing",
@@ -49,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         axes = parse_grid(args.grid)
-        study = Study.open(Path(args.out), args.recipe, args.overrides, axes, write=False)
+        compare = tuple(r.strip() for r in args.compare.split(",")) if args.compare else None
+        decision = {"compare": compare, "metric": args.metric}
+        study = Study.open(
+            Path(args.out), args.recipe, args.overrides, axes, write=False, **decision
+        )
         sbatch_args = parse_sbatch_args(args.sbatch_args)
         submission = array_submission(
             study, sbatch_args=sbatch_args, max_parallel=args.max_parallel
@@ -64,13 +93,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"study: {len(elements)} elements in {study.folder}")
     for e in elements:
         print(f"  {e.index:>3}  {e.name:<40} {' '.join(e.overrides)}")
+    if args.dry_run and args.plan_only:
+        print("study: --dry-run writes nothing and --plan-only writes study.json; give one",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.dry_run:
         if args.slurm:
             import shlex
 
             print("submission: " + shlex.join(submission))
         return 0
-    Study.open(study.folder, args.recipe, args.overrides, axes)  # writes study.json
+    Study.open(study.folder, args.recipe, args.overrides, axes, **decision)  # writes study.json
+    if args.plan_only:
+        print(f"study: plan declared in {study.folder / 'study.json'}; nothing has run. "
+              "The same command without --plan-only runs it")  # fmt: skip
+        return 0
     if args.slurm:
         proc = subprocess.run(submission, capture_output=True, text=True)
         if proc.returncode != 0:

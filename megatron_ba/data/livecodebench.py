@@ -20,9 +20,11 @@ rllm (rllm/data/preprocess/code/livecodebench.ipynb) writes one JSON array of
      "metadata": the metadata, parsed ({} or {"func_name": ...})}
 
 which maps back field by field; `tests` and `metadata` may also be JSON text (DeepCoder's
-parquet keeps them so). It has no question_id (a record is named FILE#K, K its position), and no
-contest_date: `since` / `until` cannot select from it and are refused (rllm cuts its files to a
-date window when it writes them).
+parquet keeps them so). rllm's metadata is often {} for a functional problem: its function
+is then the one method of class Solution in starter_code, which LeetCode's stub declares
+(`class Solution:` then `def NAME(self, ...)`). rllm's layout has no question_id (a record is
+named FILE#K, K its position), and no contest_date: `since` / `until` cannot select from it
+and are refused (rllm cuts its files to a date window when it writes them).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import base64
 import io
 import json
 import pickle
+import re
 import zlib
 from pathlib import Path
 
@@ -181,6 +184,43 @@ def _json_field(where: str, row: dict, column: str, default):
     return value
 
 
+_SOLUTION = re.compile(r"^class[ \t]+Solution\b[^\n]*:[ \t]*(?:#[^\n]*)?$", re.M)
+_METHOD = re.compile(r"^[ \t]+def[ \t]+([A-Za-z_]\w*)[ \t]*\([ \t]*self\b", re.M)
+
+
+def solution_methods(starter_code: str) -> list[str]:
+    """The methods (taking self) of class Solution in a LeetCode stub; [] without that class.
+
+    Read as text, not parsed: a stub ends in a method without a body, which is no valid Python.
+    The class ends at the next line that starts in the first column (comments aside)."""
+    found = _SOLUTION.search(starter_code or "")
+    if not found:
+        return []
+    body = starter_code[found.end() :]
+    end = re.search(r"^[^\s#]", body, re.M)
+    return _METHOD.findall(body[: end.start()] if end else body)
+
+
+def _func_name(where: str, name: str, meta, starter_code: str, tests: list[dict]) -> str | None:
+    """metadata.func_name, else the one method of class Solution in starter_code; a SchemaError
+    naming the problem when functional tests have neither."""
+    func_name = meta.get("func_name") if isinstance(meta, dict) else None
+    if func_name or not any(c.get("testtype") == "functional" for c in tests):
+        return func_name or None
+    methods = solution_methods(starter_code)
+    if len(methods) == 1:
+        return methods[0]
+    found = (
+        f"its class Solution defines {len(methods)} methods ({', '.join(methods)})"
+        if methods
+        else "its starter_code has no method of class Solution"
+    )
+    raise SchemaError(
+        f"{where} ({name}): functional tests need a function name: metadata.func_name is "
+        f"absent and {found}"
+    )
+
+
 def _lcb_problem(where: str, row: dict) -> Problem:
     """A record in LiveCodeBench's own layout."""
     try:
@@ -195,7 +235,9 @@ def _lcb_problem(where: str, row: dict) -> Problem:
         row["question_content"],
         kind="code",
         tests=tuple(tests),
-        func_name=meta.get("func_name") if isinstance(meta, dict) else None,
+        func_name=_func_name(
+            where, str(row["question_id"]), meta, row.get("starter_code") or "", tests
+        ),
         starter_code=row.get("starter_code") or "",
         source="livecodebench",
         meta={
@@ -225,9 +267,7 @@ def _rllm_problem(where: str, name: str, row: dict) -> Problem:
     meta = _json_field(where, row, "metadata", {})
     if not isinstance(meta, dict):
         raise SchemaError(f"{where}: metadata must be an object, got {type(meta).__name__}")
-    func_name = meta.get("func_name")
-    if not func_name and any(c.get("testtype") == "functional" for c in tests):
-        raise SchemaError(f"{where}: functional tests need metadata.func_name (rllm's layout)")
+    func_name = _func_name(where, name, meta, row.get("starter_code") or "", tests)
     return Problem(
         name,
         row["problem"],

@@ -99,6 +99,7 @@ class Scorer:
             out[f"eval/{name}/acc"] = b.acc
             out[f"eval/{name}/best"] = b.best
             out[f"eval/{name}/skipped_too_long"] = b.skipped_too_long
+            out[f"eval/{name}/problems"] = b.problems  # a report's Acc@k says over how many
         out["time/eval"] = time.perf_counter() - t
         return out
 

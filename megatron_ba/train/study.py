@@ -4,8 +4,9 @@
     study = Study.open(Path("runs/s"), "recipes/tiny-cpu.yaml", ["grpo.steps=20"], axes)
     run_locally(study)                    # element after element; a re-run keeps finished ones
 
-The folder holds study.json (the recipe, the shared overrides, the axes and the elements: what
-the study is, written once; opening it again with other arguments is refused, naming what
+The folder holds study.json (the recipe, the shared overrides, the axes, the elements and the
+plan of train/study_plan.py: what the study is and what decides it, written once, before any
+run; opening it again with other arguments, or after the recipe changed, is refused, naming what
 differs) and one run folder per element, named by its values (`token-seed0`,
 `balanced-max_new_tokens64-seed1`: a rule by its name, other keys by their last part). An element
 is finished when its run folder holds summary.json; one with a checkpoint resumes from it; any
@@ -29,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_ba.recipe import load_recipe
+from megatron_ba.train import study_plan
 
 MANIFEST = "study.json"
 
@@ -100,6 +102,7 @@ class Study:
     recipe: str
     overrides: tuple[str, ...]
     axes: tuple[Axis, ...]
+    plan: dict | None = None  # None: a study.json written before studies had plans
 
     @property
     def elements(self) -> list[Element]:
@@ -114,17 +117,28 @@ class Study:
             "overrides": list(self.overrides),
             "grid": [{"key": a.key, "values": list(a.values)} for a in self.axes],
             "elements": [asdict(e) | {"run_dir": e.name} for e in self.elements],
+            **({"plan": self.plan} if self.plan is not None else {}),
         }
 
     @classmethod
     def open(
-        cls, folder: Path, recipe: str, overrides: list[str], axes: list[Axis], *, write=True
+        cls,
+        folder: Path,
+        recipe: str,
+        overrides: list[str],
+        axes: list[Axis],
+        *,
+        write=True,
+        compare: tuple[str, str] | None = None,
+        metric: str | None = None,
     ) -> Study:
-        """The study in `folder`: made (study.json written, unless `write` is false) or, if
-        there, the same one again.
+        """The study in `folder`: made, with its plan declared now (study.json written, unless
+        `write` is false), or, if there, the same one again.
 
         Every element's recipe is loaded first, so a bad value fails before anything runs
-        (RecipeError naming the element and the key)."""
+        (RecipeError naming the element and the key). compare / metric: the plan's deciding
+        comparison (study_plan.make_plan; None: balanced - token on acc_last); a study already
+        declared keeps its own, and refuses others or a recipe changed since (ValueError)."""
         recipe = str(Path(recipe).resolve())  # array tasks and reports run from anywhere
         study = cls(Path(folder), recipe, tuple(overrides), tuple(axes))
         for e in study.elements:
@@ -135,19 +149,27 @@ class Study:
         path = study.folder / MANIFEST
         if path.is_file():
             saved = json.loads(path.read_text())
-            mine = study.manifest()
-            differs = [k for k in ("recipe", "overrides", "grid") if saved.get(k) != mine[k]]
-            if differs:
-                shown = "; ".join(f"{k} {saved.get(k)} there, {mine[k]} given" for k in differs)
-                raise ValueError(
-                    f"--out {folder}: holds another study ({shown}); choose another --out"
-                )
+            study._check_same(saved, folder)
+            if saved.get("plan") is not None:
+                study.plan = saved["plan"]
+                _check_decision(study.plan, compare, metric)
+                study_plan.check_unchanged(study.plan, study)
             return study
+        rules = next((list(a.values) for a in axes if a.key == "loss.rule"), [])
+        compare = compare or study_plan.default_compare(rules)
+        study.plan = study_plan.make_plan(study, compare, metric or "acc_last")
         if not write:
             return study
         study.folder.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(study.manifest(), indent=2) + "\n")
         return study
+
+    def _check_same(self, saved: dict, folder: Path) -> None:
+        mine = self.manifest()
+        differs = [k for k in ("recipe", "overrides", "grid") if saved.get(k) != mine[k]]
+        if differs:
+            shown = "; ".join(f"{k} {saved.get(k)} there, {mine[k]} given" for k in differs)
+            raise ValueError(f"--out {folder}: holds another study ({shown}); choose another --out")
 
     @classmethod
     def load(cls, folder: Path) -> Study:
@@ -157,7 +179,7 @@ class Study:
             raise ValueError(f"{folder}: no {MANIFEST}: not a study folder")
         m = json.loads(path.read_text())
         axes = tuple(Axis(a["key"], tuple(a["values"])) for a in m["grid"])
-        return cls(Path(folder), m["recipe"], tuple(m["overrides"]), axes)
+        return cls(Path(folder), m["recipe"], tuple(m["overrides"]), axes, m.get("plan"))
 
     def status(self, element: Element) -> str:
         """finished | resume (a checkpoint to continue from) | new."""
@@ -174,6 +196,16 @@ class Study:
         )
         cache = ["--cache-dir", str(self.folder / ".cache")]  # one warm start per seed
         return ["train", self.recipe, *self.overrides, *element.overrides, *where, *cache]
+
+
+def _check_decision(plan: dict, compare, metric) -> None:
+    """ValueError when --compare / --metric name another decision than the declared one."""
+    declared = plan["decision"]
+    if compare is not None and list(compare) != declared["compare"]:
+        raise ValueError(f"--compare {','.join(compare)}: the plan in study.json declared "
+                         f"{','.join(declared['compare'] or ['none'])}")  # fmt: skip
+    if metric is not None and metric != declared["metric"]:
+        raise ValueError(f"--metric {metric}: the plan in study.json declared {declared['metric']}")
 
 
 def _launcher(study: Study, element: Element) -> list[str]:

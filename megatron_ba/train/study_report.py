@@ -3,23 +3,28 @@
     report = write_report(Path("runs/s"))     # megatron-ba report runs/s
 
 The runs are the study's elements (study.json) or, in a folder without one, every subfolder
-holding recipe.yaml and metrics.jsonl (runs copied from anywhere). Their recipes may differ only
-in the swept keys (the study's axes; else `keys`, default loss.rule and seed): any other
-difference is refused, naming the keys. A cell is one value of every swept key but the seed; its
-runs are its seeds. The report holds, per cell, the mean and standard deviation over seeds
+holding recipe.yaml and metrics.jsonl (runs copied from anywhere; metrics.jsonl.gz, as published
+studies ship it, reads the same). Their recipes may differ only in the swept keys (the study's
+axes; else `keys`, default loss.rule and seed): any other difference is refused, naming the keys.
+A cell is one value of every swept key but the seed; its runs are its seeds. The report first
+states the study's plan (train/study_plan.py: whether the runs are the planned ones, and the
+declared comparison's result), then holds, per cell, the mean and standard deviation over seeds
 (n - 1 in the denominator) of Acc@k / Best@k at the peak and the last evaluation, per benchmark
-and averaged (run_log.eval_table: the paper's layout), and how far the last is below the
-peak; for every two rules, the difference per
-seed (same seed, same other values) with its mean and 95% interval (Student's t over seeds);
-against each swept numeric key, the paper's diagnostics averaged over steps and seeds: the
-PG-loss drift at rho = 1 (the mean PG loss, and its mean absolute value, at the first use of
-each batch), the sign-length coupling (mean negative length / mean positive length, and the
-positive subset's weight share under each rule), the response-length variance and the
-positive-negative length gap; and the per-step curves of each cell.
+and averaged (run_log.eval_table: the paper's layout), and how far the last is below the peak;
+for every two rules, the difference per seed (same seed, same other values) with its mean and
+95% interval (Student's t over seeds); against each swept numeric key, the paper's diagnostics
+averaged over steps and seeds: the PG-loss drift at rho = 1 (the mean PG loss, and its mean
+absolute value, at the first use of each batch), the sign-length coupling (mean negative length /
+mean positive length, and the positive subset's weight share under each rule), the
+response-length variance and the positive-negative length gap; and the per-step curves of each
+cell (train/study_figures.py). report.md and report.json depend on the runs and the folder's
+name (the title) alone: the same runs give the same bytes (tests/test_shipped_reports.py holds
+the published studies to that).
 """
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import math
@@ -28,52 +33,18 @@ from pathlib import Path
 import yaml
 
 from megatron_ba.rules import RULES
-from megatron_ba.train.plots import plot_comparison
-from megatron_ba.train.run_log import MetricsLog, eval_table
+from megatron_ba.train import study_figures, study_plan
+from megatron_ba.train.run_log import eval_table
 from megatron_ba.train.study import MANIFEST, Study
 
-CURVES = [
-    ("pg_loss", "pg_loss.png", "PG loss per step (rho = 1 at the first use of each batch)"),
-    ("eval_accuracy", "eval_accuracy.png", "held-out Acc@k"),
-    ("length_var", "length_var.png", "response-length variance"),
-    ("length_gap_pos_minus_neg", "length_gap.png", "mean length: positive - negative"),
-    ("reward_mean", "reward.png", "training reward"),
-]
 # The last column is late-training behaviour: how far each run ends below its own peak.
 COLUMNS = ("acc_peak", "acc_last", "best_peak", "best_last", "acc_last_minus_peak")
 # Student's t at 0.975 for 1..30 degrees of freedom (two-sided 95%); the normal value beyond.
 T975 = (
-    12.706,
-    4.303,
-    3.182,
-    2.776,
-    2.571,
-    2.447,
-    2.365,
-    2.306,
-    2.262,
-    2.228,
-    2.201,
-    2.179,
-    2.160,
-    2.145,
-    2.131,
-    2.120,
-    2.110,
-    2.101,
-    2.093,
-    2.086,
-    2.080,
-    2.074,
-    2.069,
-    2.064,
-    2.060,
-    2.056,
-    2.052,
-    2.048,
-    2.045,
-    2.042,
-)
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -86,6 +57,18 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def metrics_file(run: Path) -> Path | None:
+    """A run's metrics.jsonl, or metrics.jsonl.gz where a published study ships it compressed."""
+    return next((f for f in (run / "metrics.jsonl", run / "metrics.jsonl.gz") if f.is_file()), None)
+
+
+def read_metrics(run: Path) -> list[dict]:
+    path = metrics_file(run)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def find_runs(folder: Path) -> list[Path]:
     """The study's element folders that have metrics, else every subfolder with a run in it."""
     if (folder / MANIFEST).is_file():
@@ -93,7 +76,7 @@ def find_runs(folder: Path) -> list[Path]:
         runs = [study.run_dir(e) for e in study.elements]
     else:
         runs = sorted(p for p in folder.iterdir() if (p / "recipe.yaml").is_file())
-    return [r for r in runs if (r / "metrics.jsonl").is_file() and (r / "recipe.yaml").is_file()]
+    return [r for r in runs if metrics_file(r) and (r / "recipe.yaml").is_file()]
 
 
 def swept_keys(folder: Path, keys: list[str] | None) -> list[str]:
@@ -163,31 +146,20 @@ def _fmt(x: float, spec: str = ".4f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _mean_curve(runs: list[list[dict]], key: str) -> list[dict]:
-    """Per-step mean over seeds of `key` (steps where every seed has a value)."""
-    by_step: dict[int, list[float]] = {}
-    for records in runs:
-        for r in records:
-            if isinstance(r.get(key), int | float):
-                by_step.setdefault(r["step"], []).append(float(r[key]))
-    return [
-        {"step": s, key: sum(v) / len(v)} for s, v in sorted(by_step.items()) if len(v) == len(runs)
-    ]
-
-
 class _Runs:
     """The runs of a report, grouped into cells (one value of each swept key but the seed)."""
 
     def __init__(self, folder: Path, keys: list[str] | None) -> None:
         self.paths = find_runs(folder)
         if not self.paths:
-            raise ValueError(f"{folder}: no run folders (recipe.yaml and metrics.jsonl) to report")
+            raise ValueError(
+                f"{folder}: no run folders (recipe.yaml and metrics.jsonl[.gz]) to report"
+            )
         self.swept = swept_keys(folder, keys)
-        self.recipes = {
-            r: _flat(yaml.safe_load((r / "recipe.yaml").read_text())) for r in self.paths
-        }
+        self.resolved = {r: yaml.safe_load((r / "recipe.yaml").read_text()) for r in self.paths}
+        self.recipes = {r: _flat(self.resolved[r]) for r in self.paths}
         check_one_recipe(self.recipes, self.swept)
-        self.records = {r: MetricsLog(r / "metrics.jsonl").read() for r in self.paths}
+        self.records = {r: read_metrics(r) for r in self.paths}
         self.tables = {r: eval_table(self.records[r]) for r in self.paths}
         self.diagnostics = {r: diagnostics(self.records[r]) for r in self.paths}
         self.cell_keys = [k for k in self.swept if k != "seed"]
@@ -280,123 +252,146 @@ def _diagnostic_table(runs: _Runs) -> tuple[list[str], dict[str, dict]]:
     return lines, per_cell
 
 
-def _against_key_figures(runs: _Runs, key: str, out_dir: Path) -> list[Path]:
-    """Each diagnostic against `key`, one line per rule (mean over seeds and the other keys)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def _against_key_points(runs: _Runs, key: str) -> dict:
+    """points[rule][value of key][diagnostic]: one value per run (study_figures draws them)."""
     at = runs.cell_keys.index(key)
     rule_at = runs.cell_keys.index("loss.rule") if "loss.rule" in runs.cell_keys else None
-    written = []
-    for name in ("pg_loss_mean", "neg_over_pos_length", "length_var", "length_gap_pos_minus_neg"):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        lines: dict[str, dict[float, list[float]]] = {}
-        for cell, paths in runs.cells.items():
-            rule = cell[rule_at] if rule_at is not None else "runs"
-            for r in paths:
-                lines.setdefault(rule, {}).setdefault(cell[at], []).append(
-                    runs.diagnostics[r][name]
+    points: dict = {}
+    for cell, paths in runs.cells.items():
+        rule = cell[rule_at] if rule_at is not None else "runs"
+        for r in paths:
+            for name, value in runs.diagnostics[r].items():
+                points.setdefault(rule, {}).setdefault(cell[at], {}).setdefault(name, [])
+                points[rule][cell[at]][name].append(value)
+    return points
+
+
+def _evaluated_on(runs: _Runs) -> str:
+    """The benchmarks each Acc@k averages over and how many prompts each held: logged by the
+    run (eval/NAME/problems), else the task's data.eval_prompts less those skipped as too long."""
+    counts: dict[str, set] = {}
+    for r in runs.paths:
+        last = next((x for x in reversed(runs.records[r]) if "eval_accuracy" in x), None)
+        for name in sorted(k.split("/")[1] for k in last or {} if k.endswith("/acc")):
+            n = last.get(f"eval/{name}/problems")
+            if n is None and name == "heldout":
+                n = runs.recipes[r]["data.eval_prompts"] - last.get(
+                    f"eval/{name}/skipped_too_long", 0
                 )
-        for rule, points in sorted(lines.items()):
-            xs = sorted(points)
-            ax.plot(xs, [_mean_of(points[x]) for x in xs], marker="o", label=rule)
-        ax.set_xlabel(key)
-        ax.set_title(f"{name} against {key}")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-        fig.tight_layout()
-        path = out_dir / f"{name.replace('/', '_')}_vs_{key.rsplit('.', 1)[-1]}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
-    return written
+            counts.setdefault(name, set()).add(n)
+    shown = []
+    for name, ns in counts.items():
+        n = "not logged" if None in ns else "/".join(str(x) for x in sorted(ns))
+        shown.append(f"{name}: {n} prompts")
+    return "; ".join(shown) or "no evaluation"
 
 
-def write_report(folder: Path, keys: list[str] | None = None) -> Path:
-    """folder/report.md, report.json and figures/ from the runs in `folder` (see the module)."""
+def _pair_lines(pairs: list[dict]) -> list[str]:
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "## Rule against rule, seed by seed (a - b: mean [95% interval])",
+        "",
+        "| a | b | other values | seeds | " + " | ".join(COLUMNS) + " |",
+        "|---|---|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for p in pairs:
+        cells = [p["columns"].get(c) for c in COLUMNS]
+        shown = [
+            f"{_fmt(c['mean'])} [{_fmt(c['low'])}, {_fmt(c['high'])}]" if c else "n/a"
+            for c in cells
+        ]
+        lines.append(
+            f"| {p['rules'][0]} | {p['rules'][1]} | {p['others']} | "
+            f"{len(p['seeds'])} | " + " | ".join(shown) + " |"
+        )
+    return lines
+
+
+def _figure_lines(runs: _Runs, figures: Path, k, draw: bool) -> list[str]:
+    """The figures' markdown, and the figures written to `figures` where `draw`: the
+    diagnostics against each swept numeric key, then the per-step curves of every cell."""
+    lines = []
+    for key in _numeric_keys(runs):
+        lines += ["", f"### Against {key}", ""]
+        if draw:
+            drawn = study_figures.against_key_figures(_against_key_points(runs, key), key)
+            study_figures.save(drawn, figures)
+        for name, _ in study_figures.DIAGNOSTICS:
+            path = Path(study_figures.against_key_name(name, key))
+            lines += [f"![{path.stem}](figures/{path.name})", ""]
+    cells = {runs.label(c): [runs.records[r] for r in paths] for c, paths in runs.cells.items()}
+    acc = (f"held-out Acc@{k} ({k} samples per prompt; {_evaluated_on(runs)})",
+           f"Acc@{k} (fraction of samples correct)")  # fmt: skip
+    if draw:
+        study_figures.save(study_figures.curve_figures(cells, acc), figures)
+    lines += ["", "## Per-step curves (mean over seeds, band: lowest to highest seed)", ""]
+    for key, name, title, _ in study_figures.CURVES:
+        lines += [f"### {title or acc[0]}", "", f"![{key}](figures/{name})", ""]
+    return lines
+
+
+def _cells_json(runs: _Runs, per_cell: dict) -> list[dict]:
+    return [
+        {
+            "values": dict(zip(runs.cell_keys, cell, strict=True)),
+            "runs": [r.name for r in paths],
+            "seeds": [runs.recipes[r].get("seed") for r in paths],
+            "average": {
+                c: dict(
+                    zip(("mean", "std"), mean_std(runs.column(paths, c)), strict=True),
+                    values=runs.column(paths, c),
+                )
+                for c in COLUMNS
+                if runs.column(paths, c)
+            },
+            "diagnostics": per_cell[runs.label(cell)],
+        }
+        for cell, paths in runs.cells.items()
+    ]
+
+
+def write_report(folder: Path, keys: list[str] | None = None, *, figures: bool = True) -> Path:
+    """folder/report.md, report.json and figures/ from the runs in `folder` (see the module);
+    figures=False leaves figures/ as it is (report.md names the same files)."""
     folder = Path(folder)
     runs = _Runs(folder, keys)
-    figures = folder / "figures"
-    figures.mkdir(parents=True, exist_ok=True)
     k = next(iter(runs.recipes.values())).get("eval.samples")
     benches = sorted({n for t in runs.tables.values() if t for n in t["benchmarks"]})
+    pairs = paired_differences(runs)
+    plan = Study.load(folder).plan if (folder / MANIFEST).is_file() else None
+    others = [c for c in runs.cell_keys if c != "loss.rule"]
+    plan_lines, plan_json = study_plan.plan_section(
+        plan, {r.name: runs.resolved[r] for r in runs.paths}, pairs, others
+    )
     lines = [
         f"# Study report: {folder.name}",
         "",
         f"{len(runs.paths)} runs in {len(runs.cells)} cells; swept: {', '.join(runs.swept)}. "
-        f"Acc@{k} / Best@{k} at the peak evaluation and the last one: mean ± standard deviation "
-        "over seeds (n - 1). Written by `megatron-ba report`.",
+        f"Acc@{k} / Best@{k} ({k} samples per prompt; {_evaluated_on(runs)}) at the peak "
+        "evaluation and the last one: mean ± standard deviation over seeds (n - 1). Written by "
+        "`megatron-ba report`.",
+        "",
+        *plan_lines,
+        "## Cells",
         "",
         "| benchmark | cell | seeds | Acc peak | Acc last | Best peak | Best last "
         "| Acc last - peak |",
         "|---|---|---|---|---|---|---|---|",
         *[row for b in [*benches, None] for row in _cell_rows(runs, b)],
+        *_pair_lines(pairs),
     ]
-    pairs = paired_differences(runs)
-    if pairs:
-        lines += [
-            "",
-            "## Rule against rule, seed by seed (a - b: mean [95% interval])",
-            "",
-            "| a | b | other values | seeds | " + " | ".join(COLUMNS) + " |",
-            "|---|---|---|---|" + "---|" * len(COLUMNS),
-        ]
-        for p in pairs:
-            cells = [p["columns"].get(c) for c in COLUMNS]
-            shown = [
-                f"{_fmt(c['mean'])} [{_fmt(c['low'])}, {_fmt(c['high'])}]" if c else "n/a"
-                for c in cells
-            ]
-            lines.append(
-                f"| {p['rules'][0]} | {p['rules'][1]} | {p['others']} | "
-                f"{len(p['seeds'])} | " + " | ".join(shown) + " |"
-            )
     table, per_cell = _diagnostic_table(runs)
     lines += ["", "## Diagnostics (means over training steps and seeds)", "", *table]
-    for key in _numeric_keys(runs):
-        lines += ["", f"### Against {key}", ""]
-        for path in _against_key_figures(runs, key, figures):
-            lines += [f"![{path.stem}](figures/{path.name})", ""]
-    series = {}
-    for cell, paths in runs.cells.items():
-        steps: dict[int, dict] = {}
-        for key, _, _ in CURVES:
-            for point in _mean_curve([runs.records[r] for r in paths], key):
-                steps.setdefault(point["step"], {"step": point["step"]}).update(point)
-        series[runs.label(cell)] = [v for _, v in sorted(steps.items())]
-    lines += ["", "## Per-step curves (mean over seeds)", ""]
-    for (key, _, title), path in zip(CURVES, plot_comparison(series, figures, CURVES), strict=True):
-        lines += [f"### {title}", "", f"![{key}](figures/{path.name})", ""]
-    lines += [
-        "## Runs",
-        "",
-        *[
-            f"- `{r.name}`: {runs.label(runs.values(r))}, seed {runs.recipes[r].get('seed')}"
-            for r in runs.paths
-        ],
-        "",
-    ]
+    lines += _figure_lines(runs, folder / "figures", k, figures)
+    lines += ["## Runs", ""]
+    lines += [f"- `{r.name}`: {runs.label(runs.values(r))}, seed {runs.recipes[r].get('seed')}"
+              for r in runs.paths] + [""]  # fmt: skip
     report = {
         "swept": runs.swept,
-        "cells": [
-            {
-                "values": dict(zip(runs.cell_keys, cell, strict=True)),
-                "runs": [r.name for r in paths],
-                "seeds": [runs.recipes[r].get("seed") for r in paths],
-                "average": {
-                    c: dict(
-                        zip(("mean", "std"), mean_std(runs.column(paths, c)), strict=True),
-                        values=runs.column(paths, c),
-                    )
-                    for c in COLUMNS
-                    if runs.column(paths, c)
-                },
-                "diagnostics": per_cell[runs.label(cell)],
-            }
-            for cell, paths in runs.cells.items()
-        ],
+        "plan": plan_json,
+        "cells": _cells_json(runs, per_cell),
         "pairs": pairs,
     }
     (folder / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
