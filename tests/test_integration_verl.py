@@ -386,8 +386,8 @@ def test_token_rule_with_rollout_correction_equals_verls_vanilla(case, num_micro
     verl's own `compute_policy_loss_vanilla` on the same batch, weights and mask (value and
     gradient, float64 round-off). Controls (each differing in where the weight goes only): the IS
     weight on the ratio, inside the clip; rejected tokens kept in the plan's lengths with weight 0
-    instead of out of the mask. Seen failing with adapter.py passing the weights on the ratio
-    (log_prob + log c) and with it dropping them."""
+    instead of out of the mask. Seen failing (every case with rollout_is) with adapter.py passing
+    the weights on the ratio (log_prob + log c), and with it dropping them."""
     b = _corrected(case, seed=0)
     n, kept = len(b["uid"]), b["kept"]
     a_tok, _ = core_algos.compute_grpo_outcome_advantage(b["rewards"], kept, b["uid"])
@@ -428,8 +428,9 @@ def test_balanced_with_rollout_correction_is_the_float64_reference(case, num_mic
     (tests/verl_reference.py) on verl's `grpo` advantages (every response's reward in its group's
     statistics), value and gradient. Controls (each differing in where the weight goes only): the
     IS weight on the ratio; rejected tokens kept in the plan's lengths with weight 0. Seen failing
-    with adapter.py passing the weights on the ratio (log_prob + log c) and with it dropping
-    them."""
+    (every case with rollout_is) with adapter.py passing the weights on the ratio (log_prob +
+    log c), and with it dropping them; (token_rs) with the estimator counting in T_i the rejected
+    tokens before a response's last kept one."""
     b = _corrected(case, seed=1)
     n, kept = len(b["uid"]), b["kept"]
     adv, _ = core_algos.get_adv_estimator_fn("balanced")(
