@@ -346,3 +346,33 @@ def test_entry_point_refuses_a_steps_variable_against_the_config(monkeypatch, tm
     monkeypatch.setenv("MEGATRON_BA_STEPS_PER_BATCH", "8")
     seen = _run_entry_point_to_ray_init(monkeypatch, tmp_path, *EIGHT_STEPS)
     assert seen["kwargs"]["runtime_env"]["env_vars"]["MEGATRON_BA_STEPS_PER_BATCH"] == "8"
+
+
+def test_entry_point_hands_rollout_correction_to_verls_main(monkeypatch, tmp_path):
+    """Token IS with geometric rejection through main_ppo: check_config passes it, and verl's own
+    main (its config validation included) hands run_ppo the config with the correction."""
+    from verl.trainer import main_ppo as verl_main_ppo
+
+    seen = []
+    monkeypatch.setattr(
+        verl_main_ppo, "run_ppo", lambda config, task_runner_class: seen.append(config)
+    )
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    correction = [
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.9_1.1'",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    ]
+    hydra_dirs = [f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
+    monkeypatch.setattr(sys, "argv", ["main_ppo", *GOOD, *MICRO, *correction, *hydra_dirs])
+    from megatron_ba.integrations.verl import main_ppo
+
+    main_ppo.main()
+    assert len(seen) == 1
+    rc = seen[0].algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs, rc.rollout_rs_threshold) == (
+        "token",
+        "seq_mean_k1",
+        "0.9_1.1",
+    )
