@@ -16,8 +16,9 @@ Runs inside .venv-verl (`bash scripts/run_verl_tests.sh`); in the main venv it s
   rejection mask made by verl's own rollout_corr_helper: the core's token rule through the
   balanced loss equals verl's `compute_policy_loss_vanilla` (token-mean) with the same
   `rollout_is_weights`, and the balanced pair equals a float64 reference of BA with those weights
-  (tests/verl_reference.py), value and gradient; controls: the weight on the ratio instead of on
-  the clipped term, and rejected tokens kept in the denominators with weight 0.
+  (tests/verl_reference.py), value and gradient, also through verl's actor loss `ppo_loss`;
+  controls: the weight on the ratio instead of on the clipped term, and rejected tokens kept in
+  the denominators with weight 0.
 """
 
 from __future__ import annotations
@@ -496,3 +497,67 @@ def test_rollout_correction_metrics_flow_with_the_balanced_pair():
             b["old"], b["new"], adv, kept, "token-mean", config, rollout_is_weights=b["c"]
         )
     assert torch.isfinite(loss) and "actor/ba_weight_pos_share" in pg_metrics
+
+
+def _actor_batch(b, advantages, with_weights=True):
+    """verl's actor-side batch (the TensorDict its engine hands `ppo_loss`): prompts of 3 tokens,
+    the responses' attention mask (whole responses, rejection or not), the loss fields."""
+    from verl.utils import tensordict_utils as tu
+
+    n, t = b["kept"].shape
+    fields = {
+        "prompts": torch.ones(n, 3, dtype=torch.long),
+        "responses": torch.ones(n, t, dtype=torch.long),
+        "attention_mask": torch.cat([torch.ones(n, 3, dtype=torch.long), b["mask"].long()], 1),
+        "response_mask": b["kept"],
+        "old_log_probs": b["old"],
+        "advantages": advantages,
+    }
+    if with_weights and b["c"] is not None:
+        fields["rollout_is_weights"] = b["c"]
+    info = {"dp_size": 1, "batch_num_tokens": int(b["kept"].sum()), "global_batch_size": n}
+    return tu.get_tensordict(fields, non_tensor_dict=info)
+
+
+def _unpadded(logp, lengths, prompt=3):
+    """[total tokens] log-probs as the model returns them (prompt and response of each sequence
+    concatenated; a response token's log-prob one position before it), differentiable in logp."""
+    z = torch.zeros(prompt - 1, dtype=logp.dtype)
+    one = torch.zeros(1, dtype=logp.dtype)
+    return torch.cat([torch.cat([z, logp[i, : int(t)], one]) for i, t in enumerate(lengths)])
+
+
+@pytest.mark.parametrize("case", ["token_icepop", "geometric_rs_sequence_tis"])
+def test_verls_actor_loss_hands_the_weights_to_the_balanced_loss(case):
+    """verl's own actor loss `ppo_loss` (verl/workers/utils/losses.py, what its engine workers
+    call) on a batch carrying verl's `rollout_is_weights` and rejection mask, with loss_mode
+    `balanced`: the float64 reference of the balanced plan with those weights, value and gradient.
+    Control: the same batch without `rollout_is_weights` (verl's path when rollout_is is null)
+    differs. Seen failing with adapter.py dropping the weights."""
+    from verl.workers.config.actor import PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    b = _corrected(case, seed=0)
+    kept, n = b["kept"], len(b["uid"])
+    adv, _ = core_algos.get_adv_estimator_fn("balanced")(
+        token_level_rewards=b["rewards"], response_mask=kept, index=b["uid"], config=AlgoConfig()
+    )
+    config = _actor_config(policy_loss=PolicyLossConfig(loss_mode="balanced"))
+    logp = b["new"].clone().requires_grad_(True)
+    flat = _unpadded(logp, b["mask"].sum(-1))
+    loss, metrics = ppo_loss(config, {"log_probs": flat}, _actor_batch(b, adv))
+    (grad,) = torch.autograd.grad(loss, logp)
+    every, _ = core_algos.compute_grpo_outcome_advantage(
+        b["rewards"], torch.ones_like(kept), b["uid"]
+    )
+    a = every[:, 0]
+    w = balanced_weights(kept.sum(-1), a, torch.arange(n) // 4)
+    x = b["new"].clone().requires_grad_(True)
+    ref = weighted_loss(x, b["old"], a, kept, w, b["c"])
+    (ref_grad,) = torch.autograd.grad(ref, x)
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+    assert "actor/ba_weight_pos_share" in metrics
+    flat = _unpadded(b["new"], b["mask"].sum(-1))
+    unweighted, _ = ppo_loss(config, {"log_probs": flat}, _actor_batch(b, adv, with_weights=False))
+    assert _differs(unweighted.detach(), ref.detach())
