@@ -533,7 +533,7 @@ def test_verls_actor_loss_hands_the_weights_to_the_balanced_loss(case):
     call) on a batch carrying verl's `rollout_is_weights` and rejection mask, with loss_mode
     `balanced`: the float64 reference of the balanced plan with those weights, value and gradient.
     Control: the same batch without `rollout_is_weights` (verl's path when rollout_is is null)
-    differs. Seen failing with adapter.py dropping the weights."""
+    differs. Seen failing with adapter.py dropping the weights, and passing them on the ratio."""
     from verl.workers.config.actor import PolicyLossConfig
     from verl.workers.utils.losses import ppo_loss
 
@@ -561,3 +561,37 @@ def test_verls_actor_loss_hands_the_weights_to_the_balanced_loss(case):
     flat = _unpadded(b["new"], b["mask"].sum(-1))
     unweighted, _ = ppo_loss(config, {"log_probs": flat}, _actor_batch(b, adv, with_weights=False))
     assert _differs(unweighted.detach(), ref.detach())
+
+
+@pytest.mark.parametrize("case", ["token_tis", "geometric_rs_sequence_tis", "token_rs"])
+def test_group_token_mean_with_rollout_correction_is_its_float64_definition(case):
+    """The `group_token_mean` pair on verl's corrected batch (2 DP ranks x 4 micro-batches): minus
+    the mean over prompts of each prompt's token mean, over its kept tokens, of c phi (verl's IS
+    weight c, tests/rule_reference.py). Control: the IS weight on the ratio differs. Seen failing
+    (the cases with rollout_is) with adapter.py passing the weights on the ratio."""
+    b = _corrected(case, seed=1)
+    kept, n = b["kept"], len(b["uid"])
+    rule = "group_token_mean"
+    adv, _ = core_algos.get_adv_estimator_fn(rule)(
+        token_level_rewards=b["rewards"], response_mask=kept, index=b["uid"], config=AlgoConfig()
+    )
+    config = _actor_config()
+    config.global_batch_info["dp_size"] = DP
+    ours, grad = _split_value_and_grad(core_algos.get_policy_loss_fn(rule), b, adv, config, 4)
+    every, _ = core_algos.compute_grpo_outcome_advantage(
+        b["rewards"], torch.ones_like(kept), b["uid"]
+    )
+    c = torch.ones_like(kept) if b["c"] is None else b["c"]
+    groups = torch.arange(n) // 4
+
+    def reference(logp, weights, shift=0.0):
+        phi = clipped_terms(logp + shift, b["old"], every[:, 0], 0.2, 0.28, dual_clip=3.0)
+        return -group_token_mean_objective(phi * weights, kept.bool(), groups)
+
+    x = b["new"].clone().requires_grad_(True)
+    ref = reference(x, c)
+    (ref_grad,) = torch.autograd.grad(ref, x)
+    torch.testing.assert_close(ours, ref.detach(), rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+    if b["c"] is not None:
+        assert _differs(reference(b["new"], 1.0, shift=_on_ratio(c)), ref.detach())
