@@ -92,6 +92,37 @@ def test_correct_pairing_passes_silently(config_name):
     check_config(_compose(config_name, []))  # verl's defaults (gae + vanilla): not ours to check
 
 
+# algorithm.rollout_correction in verl's decoupled mode: IS at both levels (TIS, IcePop, batch
+# normalisation) and rejection sampling of each kind compose with the balanced pair.
+ROLLOUT_CORRECTIONS = {
+    "token_tis": ["rollout_is=token", "rollout_is_threshold=2.0"],
+    "sequence_icepop": ["rollout_is=sequence", "rollout_is_threshold='0.5_2.0'"],
+    "sequence_normalized": ["rollout_is=sequence", "rollout_is_batch_normalize=true"],
+    "token_rs": ["rollout_rs=token_k1", "rollout_rs_threshold='0.6_1.6'"],
+    "geometric_rs_token_tis": [
+        "rollout_is=token", "rollout_rs=seq_mean_k1", "rollout_rs_threshold='0.9_1.1'"
+    ],
+    "seq_max_rs_sequence_tis": [
+        "rollout_is=sequence", "rollout_rs=seq_max_k2", "rollout_rs_threshold=0.1"
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config_name", CONFIGS)
+@pytest.mark.parametrize("case", sorted(ROLLOUT_CORRECTIONS))
+def test_rollout_correction_passes_silently(config_name, case):
+    """rollout_is / rollout_rs are no longer refused (the loss takes verl's weights, the estimator
+    verl's rejection mask); control: the same settings with bypass_mode=true are refused."""
+    changes = [f"algorithm.rollout_correction.{c}" for c in ROLLOUT_CORRECTIONS[case]]
+    cfg = _compose(config_name, _with(*changes))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_config(cfg)
+    bypass = _compose(config_name, _with(*changes, "algorithm.rollout_correction.bypass_mode=true"))
+    with pytest.raises(ValueError, match=r"^algorithm\.rollout_correction\.bypass_mode: must be"):
+        check_config(bypass)
+
+
 # (overrides, every fragment the error must contain)
 WRONG = {
     "loss_without_estimator": (
@@ -123,11 +154,13 @@ WRONG = {
     ),
     "bypass_mode_replaces_loss": (
         ["algorithm.rollout_correction.bypass_mode=true"],
-        ["algorithm.rollout_correction.bypass_mode", "bypass_mode=false"],
+        ["algorithm.rollout_correction.bypass_mode: must be false", "'bypass_mode' loss",
+         "bypass_mode=false", "rollout_is and rollout_rs work"],
     ),
-    "rollout_is_weights": (
-        ["algorithm.rollout_correction.rollout_is=token"],
-        ["algorithm.rollout_correction.rollout_is", "=null"],
+    "bypass_mode_with_rollout_is": (
+        ["algorithm.rollout_correction.bypass_mode=true",
+         "algorithm.rollout_correction.rollout_is=token"],
+        ["algorithm.rollout_correction.bypass_mode: must be false"],
     ),
     "mini_batch_not_dividing_the_batch": (
         ["actor_rollout_ref.actor.ppo_mini_batch_size=48"],
@@ -313,3 +346,33 @@ def test_entry_point_refuses_a_steps_variable_against_the_config(monkeypatch, tm
     monkeypatch.setenv("MEGATRON_BA_STEPS_PER_BATCH", "8")
     seen = _run_entry_point_to_ray_init(monkeypatch, tmp_path, *EIGHT_STEPS)
     assert seen["kwargs"]["runtime_env"]["env_vars"]["MEGATRON_BA_STEPS_PER_BATCH"] == "8"
+
+
+def test_entry_point_hands_rollout_correction_to_verls_main(monkeypatch, tmp_path):
+    """Token IS with geometric rejection through main_ppo: check_config passes it, and verl's own
+    main (its config validation included) hands run_ppo the config with the correction."""
+    from verl.trainer import main_ppo as verl_main_ppo
+
+    seen = []
+    monkeypatch.setattr(
+        verl_main_ppo, "run_ppo", lambda config, task_runner_class: seen.append(config)
+    )
+    monkeypatch.delenv("VERL_USE_EXTERNAL_MODULES", raising=False)
+    correction = [
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold='0.9_1.1'",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    ]
+    hydra_dirs = [f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
+    monkeypatch.setattr(sys, "argv", ["main_ppo", *GOOD, *MICRO, *correction, *hydra_dirs])
+    from megatron_ba.integrations.verl import main_ppo
+
+    main_ppo.main()
+    assert len(seen) == 1
+    rc = seen[0].algorithm.rollout_correction
+    assert (rc.rollout_is, rc.rollout_rs, rc.rollout_rs_threshold) == (
+        "token",
+        "seq_mean_k1",
+        "0.9_1.1",
+    )

@@ -17,6 +17,14 @@ is already in the advantages), and multiplies by dp_size: verl's FSDP/Megatron e
 gradients over the DP group, and the plan's shares must be summed (verl's own `agg_loss` applies the
 same factor).
 
+Rollout correction (algorithm.rollout_correction, decoupled mode). verl computes it on the driver
+before the estimator (rollout_corr_helper.compute_rollout_correction_and_add_to_batch): rejection
+sampling (rollout_rs) zeroes the rejected tokens of `response_mask`, so the estimator plans on the
+kept tokens (a rejected token leaves T_i and every length sum; a wholly rejected response has
+T_i = 0 and leaves its group's counts, while its reward still enters its group's mean and std, as
+in verl's `grpo`); the IS weights (rollout_is) reach the policy loss as `rollout_is_weights`, the
+core's per-token factor c_{i,t} on the clipped term. Both are verl's own numbers, used as given.
+
 Settings verl's config has no key for are read from the environment of the process the
 estimator runs in (verl's trainer, itself a Ray actor; the policy loss reads none of them):
 MEGATRON_BA_SCOPE ("group" | "batch", default group), MEGATRON_BA_NEUTRAL_EPS (default 0) and
@@ -130,7 +138,10 @@ def balanced_policy_loss(
 
     `advantages` must come from one of the PLAN_RULES estimators (the plan is in them);
     `loss_agg_mode` is not used for the policy-gradient term (verl still applies it to its KL and
-    entropy terms).
+    entropy terms). `rollout_is_weights` (algorithm.rollout_correction.rollout_is, made by verl's
+    rollout_corr_helper on the driver) is the core's per-token `is_weights`: -sum_i w_i sum_t
+    c_{i,t} phi_{i,t}. Rejection sampling (rollout_rs) needs nothing here: verl has already taken
+    the rejected tokens out of `response_mask`, before the estimator planned on it.
     """
     if config is None:
         raise ValueError("config: the actor config is required (clip ratios, global_batch_info)")
@@ -142,12 +153,6 @@ def balanced_policy_loss(
             f"verl still applies it to the KL and entropy terms",
             UserWarning,
             stacklevel=2,
-        )
-    if rollout_is_weights is not None:
-        raise ValueError(
-            "rollout_is_weights: rollout importance-sampling correction is not supported by the "
-            "balanced policy loss (the core's PPO term has no per-token IS factor); disable "
-            "algorithm.rollout_correction"
         )
     clip = config.get("clip_ratio", 0.2)
     low = config.get("clip_ratio_low", None)
@@ -161,7 +166,11 @@ def balanced_policy_loss(
     folded = sequence_advantages(advantages, mask, name="advantages")
     ones = torch.ones_like(folded)
     plan = LossPlan(pg_weights=ones, reg_weights=ones, advantages=folded)
-    loss, metrics = grpo_loss(log_prob, old_log_prob, mask, plan, loss_config)
+    # verl's rollout_is_weights (token or sequence level, truncated or IcePop-masked, detached)
+    # multiply each token's clipped term, where verl's compute_policy_loss_vanilla puts them.
+    loss, metrics = grpo_loss(
+        log_prob, old_log_prob, mask, plan, loss_config, is_weights=rollout_is_weights
+    )
     dp_size = (config.get("global_batch_info", None) or {}).get("dp_size", 1)
     # The core's definitions (fractions of this micro-batch's tokens), under their own names.
     pg_metrics = {

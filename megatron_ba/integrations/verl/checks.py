@@ -8,7 +8,11 @@ Each half runs on its own without complaint, on another objective:
 - estimator `balanced` with verl's `vanilla` loss: the plan divided again by the mini-batch's token
   count (a learning rate rescaled by the batch's length);
 - `algorithm.rollout_correction.bypass_mode`: verl replaces `policy_loss.loss_mode` with its own
-  `bypass_mode` loss at the first step (rollout_corr_helper), dropping `balanced` silently.
+  `bypass_mode` loss at the first step (rollout_corr_helper.apply_bypass_mode), dropping
+  `balanced` silently: the folded advantages would then be aggregated by verl's `loss_agg_mode`
+  (the plan divided once more). The rest of rollout correction composes (decoupled mode):
+  `rollout_is` weights reach the balanced loss as the core's per-token `is_weights`, and
+  `rollout_rs` rejects tokens by taking them out of `response_mask` before the estimator plans.
 The same holds for settings verl has no key for (MEGATRON_BA_* variables, adapter.py): the number
 of optimizer steps a rollout batch is split into must match verl's batch sizes. `steps_per_batch`
 reads it from the config (main_ppo.py exports it); a MEGATRON_BA_STEPS_PER_BATCH the user set must
@@ -32,7 +36,6 @@ LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
 AGG_MODE = "actor_rollout_ref.actor.loss_agg_mode"
 ROLLOUT_N = "actor_rollout_ref.rollout.n"
 BYPASS = "algorithm.rollout_correction.bypass_mode"
-ROLLOUT_IS = "algorithm.rollout_correction.rollout_is"
 TRAIN_BATCH = "data.train_batch_size"
 MINI_BATCH = "actor_rollout_ref.actor.ppo_mini_batch_size"
 EPOCHS = "actor_rollout_ref.actor.ppo_epochs"
@@ -65,8 +68,8 @@ def check_config(cfg) -> None:
 
     Checked when either `algorithm.adv_estimator` or `actor_rollout_ref.actor.policy_loss.loss_mode`
     names a rule of PLAN_RULES: both name the same rule; `actor_rollout_ref.rollout.n` >= 2; no
-    rollout correction (`bypass_mode` replaces the policy loss, `rollout_is` weights are not
-    modelled); MEGATRON_BA_SCOPE / _NEUTRAL_EPS valid; `ppo_mini_batch_size` dividing
+    rollout correction `bypass_mode` (it replaces the policy loss; `rollout_is` and `rollout_rs`
+    pass: they compose); MEGATRON_BA_SCOPE / _NEUTRAL_EPS valid; `ppo_mini_batch_size` dividing
     `data.train_batch_size`, and MEGATRON_BA_STEPS_PER_BATCH, where set, equal to
     `steps_per_batch(cfg)`; no MEGATRON_BA_* variable in the config's Ray runtime env (main_ppo.py
     puts the checked ones there). A `loss_agg_mode` other than token-mean is warned about (the
@@ -143,16 +146,14 @@ def _check_pair(estimator: str, loss_mode: str) -> None:
 
 
 def _check_rollout_correction(cfg) -> None:
+    """Bypass mode only: verl's decoupled rollout correction (rollout_is, rollout_rs) composes."""
     if bool(_get(cfg, BYPASS, False)):
         raise ValueError(
             f"{BYPASS}: must be false with the balanced loss; verl's bypass mode replaces "
             f"{LOSS_MODE} with its own 'bypass_mode' loss, which would train on the folded "
-            f"advantages without the plan. Set {BYPASS}=false"
-        )
-    if _get(cfg, ROLLOUT_IS, None) is not None:
-        raise ValueError(
-            f"{ROLLOUT_IS}: must be null with the balanced loss (the core's PPO term has no "
-            f"per-token importance-sampling factor); set {ROLLOUT_IS}=null"
+            f"advantages aggregated by {AGG_MODE} (the plan divided once more). Set "
+            f"{BYPASS}=false: algorithm.rollout_correction.rollout_is and rollout_rs work with "
+            f"the balanced loss in verl's decoupled mode"
         )
 
 
