@@ -171,9 +171,10 @@ def test_vllm_is_with_trls_loss_types_equals_trls_compute_loss(ours, theirs, cas
     `_compute_loss` on the same batch (value and gradient, float64 round-off).
 
     Negative control, differing only in where the weight goes: the unweighted loss times the
-    batch's mean weight (the weight applied after aggregation) is off by > 1%. With the trainer
-    changed to apply each row's mean weight to all its tokens (per sequence instead of per token),
-    the token modes' cases of this test were seen failing (value and gradient)."""
+    batch's mean weight (the weight applied after aggregation) is off by > 1%, in every case.
+    Seen failing, the trainer changed for the run: with each row's mean weight on all its tokens
+    (per sequence instead of per token), the 6 token-mode cases; with the plan's lengths counting
+    only the tokens a mask mode keeps (c > 0), the mask modes' cases."""
     mode, clip_min, clip_max = MODES[case]
     ref = _with_vllm(_use(theirs, loss_type=trl_loss), mode, clip_min, clip_max)
     no_kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.0)  # TRL's beta is 0 here
@@ -224,8 +225,9 @@ def test_balanced_with_vllm_is_equals_its_float64_reference(ours, case):
 
     Negative controls, differing only in where the weight goes: the unweighted BA loss times the
     batch's mean weight (after aggregation), and in the mask modes the tokens TRL zeroes left out
-    of the denominators, are each off by > 1%. With the trainer changed to apply each row's mean
-    weight to all its tokens, the token modes' cases of this test were seen failing."""
+    of the denominators, are each off by > 1%. Seen failing, the trainer changed for the run:
+    with each row's mean weight on all its tokens, the token modes' cases; with the plan's lengths
+    counting only the tokens a mask mode keeps, the mask modes' cases."""
     mode, clip_min, clip_max = MODES[case]
     no_kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.0)
     plan = dataclasses.replace(ours.ba_aggregation, rule="balanced", scope="group")
@@ -295,8 +297,9 @@ def test_moe_router_loss_is_added_as_trl_adds_it(moe_dir, tmp_path):
     """With a MoE model TRL enables its router loss (the config's coefficient); our loss adds it as
     TRL does, so aggregation="token" at batch scope equals TRL's `dapo` (value and gradient, the
     router's weights included), in one step and over GA micro-batches (each adds its own
-    router loss / GA). Negative control: the same trainer without the router loss
-    (router_aux_loss_coef=0) differs from TRL, and the router loss moves the router's weights."""
+    router loss / GA). Negative control: the same trainer without the router loss differs, and
+    the router loss moves the router's weights. Seen failing with the trainer changed to add the
+    router loss undivided by the GA steps."""
     ours = _float64_logps(
         _trainer(BalancedGRPOTrainer, moe_dir, tmp_path / "o", extra={"aggregation": "token"})
     )
