@@ -297,7 +297,8 @@ def test_moe_router_loss_is_added_as_trl_adds_it(moe_dir, tmp_path):
     """With a MoE model TRL enables its router loss (the config's coefficient); our loss adds it as
     TRL does, so aggregation="token" at batch scope equals TRL's `dapo` (value and gradient, the
     router's weights included), in one step and over GA micro-batches (each adds its own
-    router loss / GA). Negative control: the same trainer without the router loss differs, and
+    router loss / GA); and through TRL's own log-prob and router-loss code (float32 log-probs,
+    to 1e-6) in one step. Negative control: the same trainer without the router loss differs, and
     the router loss moves the router's weights. Seen failing with the trainer changed to add the
     router loss undivided by the GA steps."""
     ours = _float64_logps(
@@ -318,6 +319,13 @@ def test_moe_router_loss_is_added_as_trl_adds_it(moe_dir, tmp_path):
         assert abs(loss_ref - loss_ours) < 1e-12 * abs(loss_ref)
         assert _max_rel_diff(g_ref, g_ours) < 1e-10
     assert ours._metrics["train"]["aux_loss"]
+    # TRL's own log-probs and router loss (its fused LM head: float32 log-probs), one step
+    for t in (ours, theirs):
+        del t._get_per_token_logps_and_entropies
+    loss_ref, g_ref = _gradient(theirs, [copy.copy(batch)], ga=1, spg=1)
+    loss_ours, g_ours = _gradient(ours, [batch], ga=1, spg=1)
+    assert abs(loss_ref - loss_ours) < 1e-6 * abs(loss_ref)
+    assert _max_rel_diff(g_ref, g_ours) < 1e-6
     loss0, g0 = _gradient(_use(ours, aux_loss_enabled=False), [batch], ga=1, spg=1)
     loss1, g1 = _gradient(_use(ours, aux_loss_enabled=True), [batch], ga=1, spg=1)
     router = [k for k in g1 if k.endswith("mlp.gate.weight")]
