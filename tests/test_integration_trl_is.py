@@ -9,6 +9,7 @@ float32), so the comparisons are of the loss arithmetic, to float64 round-off:
 
 - the core's token / sequence / dr_grpo rules with TRL's ratios equal TRL's own `_compute_loss`
   (`dapo` / `grpo` / `dr_grpo`) in each of TRL's four modes and its default, value and gradient;
+- with a KL term the ratios weight the PPO term only, as in TRL;
 - `balanced` with TRL's ratios equals BA's float64 definition (tests/rule_reference.py) with the
   same per-token weights, in one step and over accumulation micro-batches;
 - a tiny Qwen3-MoE: the router's load-balancing loss is added as TRL adds it (value, gradient,
@@ -194,6 +195,41 @@ def test_vllm_is_with_trls_loss_types_equals_trls_compute_loss(ours, theirs, cas
     assert _max_rel_diff(g_ref, {k: c_mean * v for k, v in g0.items()}) > 1e-2
 
 
+def test_vllm_is_leaves_the_kl_term_unweighted_as_trl_does(ours, theirs):
+    """With a KL term (TRL's beta, the core's kl_coef on the token-mean regulariser plan) and TRL's
+    default correction, aggregation="token" equals TRL's `dapo`: the ratios weight the PPO term
+    only, the KL term is left unweighted (value and gradient, float64 round-off). Negative control,
+    differing only in where the weight goes: the KL term weighted by the ratios too changes the
+    loss by > 1%."""
+    beta = 0.5
+    ref = _with_vllm(_use(theirs, loss_type="dapo", beta=beta), *MODES["default"])
+    kl = dataclasses.replace(ours.ba_loss_config, kl_coef=beta)
+    plan = dataclasses.replace(ours.ba_aggregation, rule="token", scope="batch")
+    me = _with_vllm(_use(ours, ba_aggregation=plan, ba_loss_config=kl), *MODES["default"])
+    batch = _vllm_batch(me, seed=4)
+    g = torch.Generator().manual_seed(9)
+    old = batch["old_per_token_logps"]
+    batch["ref_per_token_logps"] = old - 0.5 * torch.randn(old.shape, generator=g, dtype=old.dtype)
+    try:
+        loss_ref, g_ref = _gradient(ref, [batch], ga=1, spg=1)
+    finally:
+        ref.beta = 0.0
+    loss_ours, g_ours = _gradient(me, [batch], ga=1, spg=1)
+    assert abs(loss_ref - loss_ours) < 1e-12 * abs(loss_ref)
+    assert _max_rel_diff(g_ref, g_ours) < 1e-10
+    # control: TRL's per-token KL (the k3 of TRL's code) weighted by the ratios as well
+    mask = batch["completion_mask"].bool()
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = me._get_per_token_logps_and_entropies(me.model, ids, att, MAX_LEN)
+    d = batch["ref_per_token_logps"] - logps
+    k3 = (d.exp() - d - 1)[mask]
+    c = batch["importance_sampling_ratio"].expand(mask.shape)[mask]
+    shift = beta * float(((c - 1) * k3).sum()) / int(mask.sum())
+    assert abs(shift) > 1e-2 * abs(loss_ref)
+
+
 def _reference_loss(trainer, batch, weights, mask=None):
     """-J of BA (rule_reference.balanced_objective) on the PPO terms times `weights` over `mask`
     (the completion mask by default), with the float64 log-probs of the trainer's model
@@ -254,7 +290,8 @@ def test_balanced_with_vllm_is_equals_its_float64_reference(ours, case):
 
 
 def test_missing_ratios_are_named(ours):
-    me = _with_vllm(ours, *MODES["default"])
+    no_kl = dataclasses.replace(ours.ba_loss_config, kl_coef=0.0)
+    me = _with_vllm(_use(ours, ba_loss_config=no_kl), *MODES["default"])
     batch = _vllm_batch(me)
     del batch["importance_sampling_ratio"]
     with pytest.raises(ValueError, match=r"^inputs\['importance_sampling_ratio'\]: missing"):
