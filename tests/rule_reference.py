@@ -1,5 +1,5 @@
-"""`group_token_mean` written from its definition, in float64, for the tests of every place that
-offers the rule (the core, TRL, verl, NeMo-Aligner) to compare against.
+"""`group_token_mean` and `balanced` written from their definitions, in float64, for the tests of
+every place that offers the rules (the core, TRL, verl, NeMo-Aligner) to compare against.
 
 The rule: per prompt group, one token mean over all its responses' tokens; then the mean over the
 groups that have tokens. Nothing here calls megatron_ba: the weights are exact fractions of the
@@ -8,6 +8,7 @@ lengths, the objective is a loop over groups.
     w = group_token_mean_weights(lengths, group_ids)          # [N] float64, 1 / (Gamma N_g)
     J = group_token_mean_objective(values, mask, group_ids)   # (1/Gamma) sum_g mean_{tokens of g}
     phi = clipped_terms(logp, old, advantages, 0.2, 0.28)     # the PPO term per token
+    J = balanced_objective(values, mask, advantages, group_ids)  # BA, the same way
 
 A negative control of the same shape: pass every sequence one group id (the batch token mean).
 """
@@ -63,3 +64,33 @@ def clipped_terms(
     if dual_clip is not None:
         phi = torch.where(a < 0, torch.maximum(phi, dual_clip * a), phi)
     return phi
+
+
+def balanced_objective(values, mask, advantages, group_ids, neutral_eps: float = 0.0):
+    """BA (eq. 19) at the group scope from its definition, float64: per prompt group g, the token
+    mean of `values` inside each sign's subset S_g^s (|A| > neutral_eps), weighted |S_g^s| / G_g
+    (G_g: g's responses with tokens); then the mean over the Gamma groups with tokens.
+
+    `values` [N, T] (differentiable, e.g. c_{i,t} phi_{i,t}), `mask` [N, T] bool: a subset's token
+    count N_g^s counts every masked token, whatever its value."""
+    values = values.to(torch.float64)
+    mask = torch.as_tensor(mask).bool()
+    adv = [float(a) for a in torch.as_tensor(advantages).tolist()]
+    groups = [int(g) for g in torch.as_tensor(group_ids).tolist()]
+    lengths = [int(t) for t in mask.sum(1).tolist()]
+    terms = []
+    for g in sorted(set(groups)):
+        live = [i for i in range(len(adv)) if groups[i] == g and lengths[i] > 0]
+        if not live:
+            continue
+        term = values.new_zeros(())
+        for sign in (1.0, -1.0):
+            subset = [i for i in live if sign * adv[i] > neutral_eps]
+            if subset:
+                tokens = sum(lengths[i] for i in subset)
+                total = sum(values[i][mask[i]].sum() for i in subset)
+                term = term + (len(subset) / len(live)) * total / tokens
+        terms.append(term)
+    if not terms:
+        return (values * 0).sum()
+    return torch.stack(terms).mean()

@@ -7,6 +7,7 @@
   definitions agree (batch scope, equal group sizes), and `grpo` differs from `token` (control);
 - `aggregation="group_token_mean"` equals its float64 definition (tests/rule_reference.py), in
   one step and over accumulation steps; the pooled batch token mean differs (control).
+vLLM's importance-sampling correction and a MoE router loss: tests/test_integration_trl_is.py.
 """
 
 from __future__ import annotations
@@ -358,7 +359,6 @@ def test_plan_across_two_processes_equals_single_process(tmp_path):
 IGNORED_SETTINGS = {
     **{f"loss_type_{t}": ({"loss_type": t}, "args.loss_type") for t in
        ("grpo", "bnpo", "dr_grpo", "sapo", "cispo", "vespo")},
-    "router_aux_loss": ({"router_aux_loss_coef": 0.01}, "args.router_aux_loss_coef"),
     "sequence_ratios": ({"importance_sampling_level": "sequence"},
                         "args.importance_sampling_level"),
     "entropy_mask": ({"top_entropy_quantile": 0.5}, "args.top_entropy_quantile"),
@@ -371,14 +371,8 @@ IGNORED_SETTINGS = {
 
 
 @pytest.mark.parametrize("case", sorted(IGNORED_SETTINGS))
-def test_settings_the_loss_would_ignore_are_refused(model_dir, tmp_path, monkeypatch, case):
+def test_settings_the_loss_would_ignore_are_refused(model_dir, tmp_path, case):
     overrides, fragment = IGNORED_SETTINGS[case]
-    if "router_aux_loss_coef" in overrides:
-        # TRL enables the router loss for a model whose config has `output_router_logits` (a
-        # Mixture-of-Experts model); the tiny Qwen2 gets the attribute, which is all TRL reads.
-        from transformers import Qwen2Config
-
-        monkeypatch.setattr(Qwen2Config, "output_router_logits", False, raising=False)
     with pytest.raises(ValueError, match=rf"^{fragment.replace('.', '[.]')}: ") as err:
         _trainer(BalancedGRPOTrainer, model_dir, tmp_path, dtype=torch.float32, **overrides)
     assert "BalancedGRPOTrainer" in str(err.value)

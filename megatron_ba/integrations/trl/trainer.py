@@ -19,6 +19,20 @@ Scaling (what each factor cancels):
   does. Exact equality with one step holds for the default steps_per_generation == GA steps.
 - no / gradient_accumulation_steps: the shares already add up over the accumulation window, and
   TRL marks its loss as scaled (`loss_is_scaled_for_ga = True`), so the Trainer divides by nothing.
+
+vLLM importance-sampling correction (`args.vllm_importance_sampling_correction`, TRL's default with
+vLLM): TRL computes the ratios itself, once per generation batch (`importance_sampling_ratio`:
+[B, T] for the token modes, [B, 1] for the sequence modes, after its truncation or masking), and
+multiplies its per-token loss by them. Here the same tensor is the core's `is_weights` (a
+sequence mode's ratio repeated on the row's tokens): c_{i,t} multiplies w_i phi_{i,t}, the KL term
+stays unweighted, as in TRL. A token that TRL's mask mode zeroes (c = 0) keeps its place in the
+plan's denominators (lengths come from the completion mask, not from c), as it keeps it in every
+TRL loss type's (`num_items_in_batch`, a row's mask sum): it adds 0 to the numerator only.
+
+MoE router loss: where TRL enables it (`aux_loss_enabled`: a model with `output_router_logits`
+and a nonzero `router_aux_loss_coef`), the loss adds `router_aux_loss_coef * aux_loss /
+gradient_accumulation_steps` (train; undivided in eval) as TRL does, `aux_loss` being the model's
+load-balancing loss of the micro-batch.
 """
 
 from __future__ import annotations
@@ -63,10 +77,10 @@ class BalancedGRPOTrainer(GRPOTrainer):
 
     TRL's `loss_type` is replaced by `aggregation` and must stay at its default ("dapo"): any
     other value, and every other setting whose effect this loss would drop (`_UNSUPPORTED`, the
-    KL bias correction, vLLM importance sampling, a MoE router loss), raises ValueError naming
-    it. Clipping comes from args.epsilon /
+    KL bias correction), raises ValueError naming it. Clipping comes from args.epsilon /
     args.epsilon_high, the KL coefficient from args.beta, the dr_grpo budget from
-    args.max_completion_length.
+    args.max_completion_length. TRL's vLLM importance-sampling ratios and a MoE router loss are
+    applied as TRL applies them (module docstring).
     """
 
     def __init__(
@@ -131,18 +145,6 @@ class BalancedGRPOTrainer(GRPOTrainer):
                 "args.use_bias_correction_kl: BalancedGRPOTrainer needs False when args.beta != 0 "
                 "(the core's KL term is the plain k3 estimator, without TRL's importance-ratio "
                 "correction); set use_bias_correction_kl=False"
-            )
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            raise ValueError(
-                "args.vllm_importance_sampling_correction: not supported by BalancedGRPOTrainer "
-                "(the core loss has no per-token importance-sampling factor); set it to False"
-            )
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"args.router_aux_loss_coef: is {self.router_aux_loss_coef} (the model's default "
-                f"when None) for this Mixture-of-Experts model, but BalancedGRPOTrainer's loss "
-                f"does not add the router's auxiliary loss; set router_aux_loss_coef=0.0 or use "
-                f"trl.GRPOTrainer"
             )
 
     # -- planning: once per generation batch ---------------------------------------------------
@@ -214,13 +216,13 @@ class BalancedGRPOTrainer(GRPOTrainer):
         mask = completion_mask
         if "tool_mask" in inputs:
             mask = completion_mask * inputs["tool_mask"]
-        need_entropy = self.ba_loss_config.entropy_coef > 0
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+        logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
             model,
             input_ids,
             attention_mask,
             completion_ids.size(1),
-            compute_entropy=need_entropy,
+            compute_entropy=self.ba_loss_config.entropy_coef > 0,
+            compute_aux_loss=self.aux_loss_enabled,
         )
         # As in TRL: without a stored old policy (num_iterations == 1, one generation batch per
         # optimizer step) the old log-probs are the current ones, detached (ratio 1).
@@ -235,6 +237,7 @@ class BalancedGRPOTrainer(GRPOTrainer):
             self.ba_loss_config,
             ref_logprobs=inputs.get("ref_per_token_logps"),
             entropy=entropies,
+            is_weights=self._vllm_is_weights(inputs, logps),
         )
         mode = "train" if self.model.training else "eval"
         scale = float(self.accelerator.num_processes)  # cancels DDP's mean over processes
@@ -242,7 +245,32 @@ class BalancedGRPOTrainer(GRPOTrainer):
             # one generation batch spans steps_per_generation / GA optimizer steps (1 by default)
             scale *= self.args.steps_per_generation / self.current_gradient_accumulation_steps
         self._log_loss_metrics(mode, metrics, mask)
-        return loss * scale
+        loss = loss * scale
+        if self.aux_loss_enabled:  # as TRL: its micro-batch's router loss, divided by GA steps
+            normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+            aux = self.accelerator.gather_for_metrics(aux_loss.detach())
+            self._metrics[mode]["aux_loss"].append(aux.mean().item())
+        return loss
+
+    def _vllm_is_weights(self, inputs, logps: torch.Tensor) -> torch.Tensor | None:
+        """TRL's vLLM importance-sampling ratios as per-token `is_weights`, where TRL's own loss
+        applies them (None otherwise): [B, T] as they are, [B, 1] repeated on the row's tokens."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return None
+        ratio = inputs.get("importance_sampling_ratio")
+        if ratio is None:
+            raise ValueError(
+                "inputs['importance_sampling_ratio']: missing with vllm_importance_sampling_"
+                "correction on; the batch must come from TRL's _generate_and_score_completions"
+            )
+        rows, tokens = logps.shape
+        if ratio.dim() != 2 or ratio.shape[0] != rows or ratio.shape[1] not in (1, tokens):
+            raise ValueError(
+                f"inputs['importance_sampling_ratio']: must be [B, T] (token modes) or [B, 1] "
+                f"(sequence modes) for log-probs {tuple(logps.shape)}, got {tuple(ratio.shape)}"
+            )
+        return ratio.expand_as(logps)
 
     def _log_loss_metrics(self, mode, metrics, mask) -> None:
         reduce = self.accelerator.reduce
