@@ -134,3 +134,34 @@ def test_corrected_update_equals_the_hand_computed_loss_and_diagnostics():
     assert abs(wrong - rej["pg_loss"]) > 1e-4
     assert rej["rollout_correction/fraction_corrected"] == pytest.approx(1 - int(kept.sum()) / n)
     assert math.isfinite(rej["loss"])
+
+
+def test_builtin_sampler_returns_each_sampled_tokens_logprob_after_the_temperature():
+    from megatron_ba.generation.builtin_sampler import BuiltinSampler
+
+    base = torch.tensor([0.0, 1.0, 2.0, 0.5], dtype=torch.float64)
+
+    def forward(tokens, positions, mask):
+        return base.expand(tokens.shape[0], tokens.shape[1], 4)
+
+    sampler = BuiltinSampler(forward, eos_token_id=3, pad_token_id=0, decode=lambda ids: "")
+    groups = sampler.generate([[1, 2], [2]], n=3, temperature=0.7, max_tokens=5, seed=0)
+    expected = torch.log_softmax(base / 0.7, dim=-1)
+    untempered = torch.log_softmax(base, dim=-1)  # the control: the temperature forgotten
+    for s in (s for group in groups for s in group):
+        assert len(s.logprobs) == len(s.token_ids) > 0
+        for tok, lp in zip(s.token_ids, s.logprobs, strict=True):
+            assert lp == pytest.approx(float(expected[tok]), rel=1e-12)
+            assert lp != pytest.approx(float(untempered[tok]), rel=1e-6)
+
+
+def test_vllm_completion_logprobs_are_the_sampled_tokens():
+    from types import SimpleNamespace as NS
+
+    from megatron_ba.generation.vllm_engine import _token_logprobs
+
+    c = NS(
+        token_ids=[5, 7], logprobs=[{5: NS(logprob=-0.1)}, {7: NS(logprob=-0.2), 5: NS(logprob=-3)}]
+    )
+    assert _token_logprobs(c) == [-0.1, -0.2]
+    assert _token_logprobs(NS(token_ids=[5], logprobs=None)) is None
