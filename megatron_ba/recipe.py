@@ -390,6 +390,11 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
     )
     _need(g.std in ("population", "sample"), "grpo.std", "population or sample")
     _need(r.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
+    _need(
+        recipe.backend == "local" or recipe.loss.rollout_correction.mode == "none",
+        "loss.rollout_correction.mode",
+        f"the local backend's (the {recipe.backend} backend has none); use none",
+    )
     _need(r.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
     _need(r.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
     _need(

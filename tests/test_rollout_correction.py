@@ -228,3 +228,20 @@ def test_weights_enter_the_ba_loss_per_token_and_masked_tokens_stay_counted(mode
         dropped = mask & (out.weights > 0)
         wrong = _reference(logp, old, dropped, adv, ids, out.weights)
         assert abs(float(wrong - loss)) > 1e-5
+
+
+def test_recipe_key_is_read_checked_and_refused_where_no_code_reads_it():
+    from pathlib import Path
+
+    from megatron_ba.recipe import RecipeError, load_recipe
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/tiny-cpu.yaml"
+    r = load_recipe(
+        recipe, ["loss.rollout_correction.mode=sequence_mask", "loss.rollout_correction.high=3"]
+    )
+    assert r.loss.rollout_correction == RolloutCorrectionSettings("sequence_mask", high=3.0)
+    assert load_recipe(recipe).loss.rollout_correction.mode == "none"
+    with pytest.raises(RecipeError, match=r"^loss\.rollout_correction\.cap: must be > 0"):
+        load_recipe(recipe, ["loss.rollout_correction.cap=0"])
+    with pytest.raises(RecipeError, match=r"^loss\.rollout_correction\.mode: the local backend"):
+        load_recipe(recipe, ["backend=nemo_aligner", "loss.rollout_correction.mode=token_mask"])
