@@ -87,7 +87,10 @@ def _valid_and_index(mask: torch.Tensor, like: torch.Tensor):
     return mask >= 0, mask.long()
 
 
-def _log_ratio(old: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _log_ratio(old, rollout, valid, *, check: bool = True) -> torch.Tensor:
+    """old - rollout on the valid tokens, 0 elsewhere; non-finite on a valid token raises (the
+    correction's), or counts as 0 with check=False (the diagnostics of mode none, which must not
+    stop a run that asked for no correction)."""
     if rollout.shape != old.shape:
         raise ValueError(
             f"rollout_logprobs: must have the shape of old_logprobs {tuple(old.shape)}, got "
@@ -96,6 +99,8 @@ def _log_ratio(old: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor) ->
     diff = (old.detach() - rollout.detach()).to(torch.promote_types(old.dtype, torch.float32))
     zero = torch.zeros((), dtype=diff.dtype, device=diff.device)
     diff = torch.where(valid, diff, zero)
+    if not check:
+        return torch.where(torch.isfinite(diff), diff, zero)
     if not bool(torch.isfinite(diff).all()):  # one host read per batch
         raise ValueError(
             "rollout_logprobs: old_logprobs - rollout_logprobs must be finite on every valid token"
@@ -165,9 +170,10 @@ def correction_statistics(
     """[NUM_STATISTICS] float64 of one part of a batch, over its valid tokens (input mask):
     sum |old - rollout|, valid tokens, corrected tokens, tokens kept in the loss, the kept
     tokens' weight sum, and the weight max. All but the max add up over parts (a DP all-reduce
-    SUM of the first five, MAX of the last). `correction` None: no correction (weights 1)."""
+    SUM of the first five, MAX of the last). `correction` None: no correction (weights 1); a
+    non-finite log-prob difference then counts as a 0 gap instead of raising."""
     valid, _ = _valid_and_index(mask, old_logprobs)
-    gap = _log_ratio(old_logprobs, rollout_logprobs, valid).abs().double()
+    gap = _log_ratio(old_logprobs, rollout_logprobs, valid, check=False).abs().double()
     n_valid = valid.sum().double()
     if correction is None:
         n_corrected, n_kept = n_valid.new_zeros(()), n_valid

@@ -100,6 +100,11 @@ def test_bad_inputs_name_the_argument():
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"rollout_logprobs: .* finite"):
         rollout_correction(s, old, bad, MASK)
+    # mode none's diagnostics never stop a run: a non-finite difference is a 0 gap there
+    gap = correction_diagnostics(correction_statistics(old, bad, MASK))
+    assert gap["rollout_correction/logprob_gap"] == pytest.approx(
+        sum(abs(math.log(r)) for r in [1.5, 3.0, 0.4, 1.9]) / 5, rel=1e-14
+    )
     bad[0, 0], bad[1, 2] = -1.0, float("nan")  # off the mask: never read
     rollout_correction(s, old, bad, MASK)
 
