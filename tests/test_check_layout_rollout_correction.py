@@ -1,6 +1,7 @@
-"""The layout check with the rollout correction on: loss and gradients of a DP x micro-batch
-layout equal the single-process run with truncating and rejecting modes, and the check fails
-when the rejected tokens are wrongly kept in the plan's denominators.
+"""The layout check with the rollout correction on: loss and gradients of DP2 x 3 micro-batches
+(truncating and rejecting modes) and of CP2 x 2 micro-batches (sequence_truncate, through the
+command line) equal the single-process run, and the check fails when the rejected tokens are
+wrongly kept in the plan's denominators.
 
     python -m pytest tests/test_check_layout_rollout_correction.py
 
@@ -44,7 +45,8 @@ def test_truncating_and_rejecting_modes_pass_and_the_denominator_control_fails()
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_cli_flag_runs_the_correction_through_the_check():
-    args = ["--dp", "2", "--micro-batches", "2", "--rollout-correction", "sequence_truncate"]
+    # CP 2: the sequence ratio must come from whole sequences, before the CP cut
+    args = ["--cp", "2", "--micro-batches", "2", "--rollout-correction", "sequence_truncate"]
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_ba.cli", "check-layout", *args],
         capture_output=True,
