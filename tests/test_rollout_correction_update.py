@@ -165,3 +165,52 @@ def test_vllm_completion_logprobs_are_the_sampled_tokens():
     )
     assert _token_logprobs(c) == [-0.1, -0.2]
     assert _token_logprobs(NS(token_ids=[5], logprobs=None)) is None
+
+
+# Two mini-batches' correction statistics per rank (gap sum, valid, corrected, kept, weight sum,
+# weight max), made up so that each column's reduction shows.
+DP_STATS = [
+    [[1.0, 10.0, 2.0, 9.0, 9.5, 1.2], [0.5, 5.0, 0.0, 5.0, 5.0, 1.0]],
+    [[3.0, 20.0, 1.0, 20.0, 20.5, 1.7], [0.25, 5.0, 1.0, 4.0, 3.5, 1.1]],
+]
+
+
+def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.train import update
+
+    torch.set_num_threads(1)
+    setup(tp=1, pp=1, cp=1, seed=0, backend="gloo", rank=rank, world_size=world, port=port)
+    stats = [torch.tensor(s, dtype=torch.float64) for s in DP_STATS[rank]]
+    got = update._with_diagnostics(stats, SimpleNamespace(dp=world))
+    with open(f"{out_dir}/rank-{rank}.json", "w") as f:
+        json.dump(got, f)
+    teardown()
+
+
+@pytest.mark.distributed
+def test_diagnostics_are_reduced_over_data_parallel_ranks(tmp_path):
+    """Sums over mini-batches and both DP ranks, the max of the weight max, on every rank. The
+    control: one rank's own diagnostics differ."""
+    import json
+
+    pytest.importorskip("megatron.core")
+    from megatron_ba.parallel.world import free_port, spawn
+
+    spawn(_dp_worker, 2, (2, free_port(), str(tmp_path)))
+    want = {
+        "rollout_correction/logprob_gap": 4.75 / 40,
+        "rollout_correction/fraction_corrected": 4 / 40,
+        "rollout_correction/weight_mean": 38.5 / 38,
+        "rollout_correction/weight_max": 1.7,
+    }
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert got == pytest.approx(want, rel=1e-15)
+    from megatron_ba.rollout_correction import correction_diagnostics
+
+    alone = correction_diagnostics(torch.tensor(DP_STATS[0][0], dtype=torch.float64))
+    assert alone != pytest.approx(want, rel=1e-6)
