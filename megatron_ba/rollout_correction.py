@@ -112,7 +112,10 @@ def _sequence_sums(x: torch.Tensor, index: torch.Tensor | None, num_sequences: i
     """Each valid token's sequence sum of x (x is 0 off the mask), in x's layout."""
     if index is None:
         return x.sum(dim=1, keepdim=True).expand_as(x)
-    n = int(index.max()) + 1 if num_sequences is None else int(num_sequences)
+    if num_sequences is None:
+        n = int(index.max()) + 1 if index.numel() else 0
+    else:
+        n = int(num_sequences)
     if index.numel() and int(index.max()) >= n:
         raise ValueError(f"num_sequences: {n} but the sequence index reaches {int(index.max())}")
     bins = x.new_zeros(n + 1)

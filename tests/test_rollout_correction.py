@@ -109,6 +109,13 @@ def test_bad_inputs_name_the_argument():
     rollout_correction(s, old, bad, MASK)
 
 
+def test_an_empty_pack_gives_empty_weights():
+    empty = torch.zeros(0, dtype=T64)
+    s = RolloutCorrectionSettings("sequence_reject")
+    out = rollout_correction(s, empty, empty, torch.zeros(0, dtype=torch.long))
+    assert out.weights.numel() == 0 and out.mask.numel() == 0
+
+
 def test_diagnostics_by_hand():
     old, rollout = _logprobs()
     out = rollout_correction(
