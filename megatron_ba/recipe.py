@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron_ba.errors import SettingError, UserError
 from megatron_ba.model_shape import PRESETS
-from megatron_ba.rules import AggregationSettings, GRPOLossConfig
+from megatron_ba.rules import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
 
 BACKENDS = ("local", "nemo_aligner")
 TASKS = ("arithmetic", "math")
@@ -155,7 +155,11 @@ class GRPOSection:
 class LossSection(GRPOLossConfig, AggregationSettings):
     """The aggregation settings (rule, scope, reg_rule, reg_scope, max_length: dr_grpo's budget,
     default grpo.max_new_tokens; neutral_eps), then the clipped loss's coefficients (clip_low,
-    clip_high, dual_clip, kl_coef, entropy_coef); both checked when the section is built."""
+    clip_high, dual_clip, kl_coef, entropy_coef); both checked when the section is built.
+    rollout_correction: the off-policy correction of the rollout engine's sampling (mode, cap,
+    low, high; megatron_ba.rollout_correction), checked when its section is built."""
+
+    rollout_correction: RolloutCorrectionSettings = field(default_factory=RolloutCorrectionSettings)
 
     def __post_init__(self) -> None:
         AggregationSettings.__post_init__(self)
@@ -386,6 +390,11 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
     )
     _need(g.std in ("population", "sample"), "grpo.std", "population or sample")
     _need(r.engine in ("vllm", "builtin"), "rollout.engine", "vllm or builtin")
+    _need(
+        recipe.backend == "local" or recipe.loss.rollout_correction.mode == "none",
+        "loss.rollout_correction.mode",
+        f"the local backend's (the {recipe.backend} backend has none); use none",
+    )
     _need(r.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
     _need(r.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
     _need(

@@ -103,3 +103,45 @@ class GRPOLossConfig:
         """These coefficients alone (a settings section that extends them, without its other
         fields)."""
         return GRPOLossConfig(**{f.name: getattr(self, f.name) for f in fields(GRPOLossConfig)})
+
+
+ROLLOUT_CORRECTION_MODES = (
+    "none",
+    "token_truncate",
+    "token_mask",
+    "token_reject",
+    "sequence_truncate",
+    "sequence_mask",
+    "sequence_reject",
+)
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionSettings:
+    """The off-policy correction of the rollout engine's sampling (formulas:
+    megatron_ba.rollout_correction). mode: one of ROLLOUT_CORRECTION_MODES; cap: the truncating
+    modes' upper bound on the weight; low / high: the accepted ratios [low, high] of the masking
+    and rejecting modes. A bad value raises SettingError naming the field."""
+
+    mode: str = "none"
+    cap: float = 2.0
+    low: float = 0.5
+    high: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROLLOUT_CORRECTION_MODES:
+            raise SettingError(
+                "mode", f"must be one of {', '.join(ROLLOUT_CORRECTION_MODES)}, got {self.mode!r}"
+            )
+        for name in ("cap", "low", "high"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (
+                isinstance(v, int | float) and math.isfinite(v) and v >= 0
+            ):
+                raise SettingError(name, f"must be a finite number >= 0, got {v!r}")
+        if self.cap <= 0:
+            raise SettingError("cap", f"must be > 0 (a weight bound), got {self.cap}")
+        if not self.low <= self.high or self.high <= 0:
+            raise SettingError(
+                "high", f"must be > 0 and >= low ({self.low}) to accept any ratio, got {self.high}"
+            )

@@ -7,6 +7,7 @@
     megatron-ba check-layout --dp 2 --sequences 13 --micro-batches 4 --rule balanced
     megatron-ba check-layout --pp 2 --dp 2 --sequences 14 --token-budget 40 --rule balanced
     megatron-ba check-layout --tp 2 --micro-batches 2 --attention sdpa
+    megatron-ba check-layout --dp 2 --micro-batches 3 --rollout-correction sequence_reject
 
 Launches tp*pp*cp*dp gloo processes on CPU with a tiny Qwen2-shaped megatron-core GPTModel
 (RMSNorm, SwiGLU, RoPE, GQA), runs one GRPO forward/backward on a fixed synthetic batch
@@ -31,6 +32,10 @@ all-reduce), which must pass where a micro-batch is the whole batch and fail els
     megatron-ba check-layout --dp 2 --micro-batches 3 --rule token --scope batch --negative-control
 
 (exit 0, max_rel_grad_err=0.000e+00; exit 1, max_rel_grad_err=2.583e-01, measured).
+
+`--rollout-correction MODE` adds synthetic rollout log-probs (the old ones plus noise) and
+`loss.rollout_correction`'s weights and rejection, each DP rank correcting its own whole
+sequences before the plan, as training does (megatron_ba.rollout_correction).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import argparse
 import sys
 
 from megatron_ba.megatron.mcore_compat import has_pg_collection
-from megatron_ba.rules import RULES, SCOPES
+from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RULES, SCOPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "reference runs megatron-core's unfused core",
     )
     p.add_argument("--scope", choices=SCOPES, default="group")
+    p.add_argument(
+        "--rollout-correction",
+        choices=ROLLOUT_CORRECTION_MODES,
+        default="none",
+        help="loss.rollout_correction's mode: synthetic rollout log-probs (the old ones plus "
+        "noise) and the correction (cap 1.5, accepted ratios [0.6, 1.6]) in the checked step",
+    )
     p.add_argument(
         "--per-token-loss",
         action="store_true",
@@ -132,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         per_token_loss=args.per_token_loss,
         normalization="per_microbatch" if args.negative_control else "plan",
         token_budget=args.token_budget,
+        rollout_correction=args.rollout_correction,
     )
     try:
         if not (isinstance(args.micro_batches, int) and args.micro_batches >= 1):
@@ -153,6 +166,11 @@ def run(args: argparse.Namespace) -> int:
     (result,) = report.cases
     print(f"loss {result.loss:.9g} (single process {result.loss_ref:.9g})")
     print(f"statistics all-reduces per rank: {result.reducer_calls}")
+    if case.rollout_correction != "none":
+        print(
+            f"rollout correction {case.rollout_correction}: {result.fraction_corrected:.1%} of "
+            "the response tokens truncated, masked or rejected"
+        )
     print(
         f"forward-only log-probs: max abs err {report.logprobs_err:.2e} (entropy "
         f"{report.entropy_err:.2e}); CP shards as megatron-core's: "

@@ -51,24 +51,27 @@ class BuiltinSampler:  # an Engine (generation.engine)
             valid[i, width - len(p) :] = True
         done = torch.zeros(len(rows), dtype=torch.bool)
         out: list[list[int]] = [[] for _ in rows]
+        out_logp: list[list[float]] = [[] for _ in rows]
         for _ in range(max_tokens):
             s = tokens.shape[1]
             positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
             mask = causal_mask(s, valid=valid)
             logits = self.forward(tokens, positions, mask)[:, -1].double() / temperature
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(1)
+            logp = torch.log_softmax(logits, dim=-1).gather(1, nxt[:, None]).squeeze(1)
             for i in (~done).nonzero().flatten().tolist():
                 out[i].append(int(nxt[i]))
+                out_logp[i].append(float(logp[i]))
             done |= nxt == self.eos
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
             valid = torch.cat([valid, torch.ones(len(rows), 1, dtype=torch.bool)], dim=1)
             if bool(done.all()):
                 break
         samples = []
-        for ids in out:
+        for ids, logps in zip(out, out_logp, strict=True):
             finished = bool(ids) and ids[-1] == self.eos
             text_ids = ids[:-1] if finished else ids
-            samples.append(Sample(ids, self.decode(text_ids), finished))
+            samples.append(Sample(ids, self.decode(text_ids), finished, logps))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
     def close(self) -> None:

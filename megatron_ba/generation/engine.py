@@ -22,6 +22,9 @@ class Sample:
     token_ids: list[int]  # the response only; ends with EOS when `finished`
     text: str
     finished: bool  # stopped at EOS (False: cut at max_tokens)
+    # The sampler's log-prob of each token of token_ids (after the temperature), for the
+    # trainer's off-policy correction (megatron_ba.rollout_correction); None: not computed.
+    logprobs: list[float] | None = None
 
 
 @runtime_checkable

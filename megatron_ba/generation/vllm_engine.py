@@ -47,9 +47,19 @@ def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0, first_i
             top_p=top_p,
             max_tokens=max_tokens,
             seed=None if seed is None else (seed * 1_000_003 + i) % 2**31,
+            logprobs=0,  # the sampled token's log-prob only: the off-policy correction's input
         )
         for i in range(first_index, first_index + count)
     ]
+
+
+def _token_logprobs(completion) -> list[float] | None:
+    """The sampled tokens' log-probs of a vLLM completion (SamplingParams(logprobs=0): one
+    entry per position holding the sampled token), None when vLLM gave none."""
+    entries = getattr(completion, "logprobs", None)
+    if entries is None:
+        return None
+    return [float(d[t].logprob) for t, d in zip(completion.token_ids, entries, strict=True)]
 
 
 @contextlib.contextmanager
@@ -148,6 +158,8 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
                 max_model_len=max_model_len,
                 seed=seed,
                 disable_log_stats=True,
+                # log-probs after the temperature, as the trainer computes its old log-probs
+                logprobs_mode="processed_logprobs",
                 **gpu,
             )
         self.start_seconds = time.perf_counter() - t
@@ -174,7 +186,7 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
         )
         return [
             [
-                Sample(list(c.token_ids), c.text, c.finish_reason == "stop")
+                Sample(list(c.token_ids), c.text, c.finish_reason == "stop", _token_logprobs(c))
                 for c in sorted(o.outputs, key=lambda c: c.index)
             ]
             for o in outs

@@ -27,6 +27,8 @@ class GRPOBatch:
     token was generated. old_logprobs / ref_logprobs: [N, S] token-aligned (only masked
     positions are read). advantages, group_ids (global, in [0, num_groups)): [N].
     lengths: [N] whole-sequence response lengths; default (and required value): the mask sums.
+    is_weights: [N, S] token-aligned rollout-correction weights c_{i,t} (megatron_ba.
+    rollout_correction; only masked positions are read), None: no correction.
     """
 
     tokens: torch.Tensor
@@ -36,11 +38,12 @@ class GRPOBatch:
     old_logprobs: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
 
     def checked(self) -> GRPOBatch:
         """A copy with bool mask and lengths filled in; ValueError naming what is wrong."""
         n, s = shape2("tokens", self.tokens)
-        for name in ("response_mask", "old_logprobs", "ref_logprobs"):
+        for name in ("response_mask", "old_logprobs", "ref_logprobs", "is_weights"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (n, s):
                 raise ValueError(
@@ -70,6 +73,7 @@ class GRPOBatch:
             self.old_logprobs,
             self.ref_logprobs,
             lengths,
+            self.is_weights,
         )
 
 
@@ -224,6 +228,8 @@ def prepare_microbatches(
         }
         if batch.ref_logprobs is not None:
             per_pos["ref"] = label_aligned(_cut(batch.ref_logprobs[idx].float(), width, s), 0.0)
+        if batch.is_weights is not None:
+            per_pos["is"] = label_aligned(_cut(batch.is_weights[idx].float(), width, s), 0.0)
         ids, pos, attn = model_inputs(tokens, view)
         mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn}
         mb.update({k: view.shard(v) for k, v in per_pos.items()})

@@ -270,6 +270,7 @@ def _grpo_loss_func(cfg, view, batch, plan, normalization, scale: float, share: 
             cfg.loss,
             ref_logprobs=mb.get("ref"),
             entropy=ent,
+            is_weights=mb.get("is"),
         )
         # `part * share` is this micro-batch's (and CP shard's) exact share of the step's loss;
         # `scale` is that share times the factor that cancels megatron-core's scaling

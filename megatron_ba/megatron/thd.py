@@ -86,6 +86,8 @@ def thd_microbatch(
     }
     if batch.ref_logprobs is not None:
         mb["ref"] = torch.where(has_next, batch.ref_logprobs[src_row, nxt].float(), zero)
+    if batch.is_weights is not None:
+        mb["is"] = torch.where(has_next, batch.is_weights[src_row, nxt].float(), zero)
     return mb
 
 

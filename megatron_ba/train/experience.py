@@ -5,7 +5,9 @@ g*G .. g*G+G-1. Rows are cut contiguously across data-parallel ranks (a group ma
 plan's statistics are all-reduced). A response's length T_i counts its generated tokens, EOS
 included; responses of dropped zero-variance groups (grpo.drop_zero_variance) keep their rows so
 that the batch still divides evenly into micro-batches, but their response mask is emptied, which
-makes them padding for every rule (T_i = 0: no weight, counted nowhere).
+makes them padding for every rule (T_i = 0: no weight, counted nowhere). The rollout engine's
+log-prob of each response token (`rollout_logprobs`, token-aligned like the trainer's old
+log-probs) rides along for the off-policy correction (megatron_ba.rollout_correction).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class Experience:
     finished: torch.Tensor  # [N] bool: the response ended with EOS
     num_groups: int
     report: dict[str, float]
+    # [N, S] float32, token-aligned: the engine's log-prob of each response token (0 elsewhere);
+    # None when the engine returned none.
+    rollout_logprobs: torch.Tensor | None = None
 
     def to(self, device) -> Experience:
         """The same batch with every tensor on `device` (the rank's `DistContext.device`): the
@@ -99,6 +104,7 @@ def build_experience(
     )
     mask &= adv.keep[:, None]
     return Experience(
+        rollout_logprobs=_rollout_logprobs(rows, width),
         tokens=tokens,
         response_mask=mask,
         lengths=mask.sum(dim=1),
@@ -109,3 +115,14 @@ def build_experience(
         num_groups=len(prompt_ids),
         report=adv.metrics(),
     )
+
+
+def _rollout_logprobs(rows, width: int) -> torch.Tensor | None:
+    """[N, width] token-aligned engine log-probs of the responses (0 on prompts and padding),
+    or None unless every sample carries one per token."""
+    if any(s.logprobs is None or len(s.logprobs) != len(s.token_ids) for _, s in rows):
+        return None
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, (p, s) in enumerate(rows):
+        out[i, len(p) : len(p) + len(s.token_ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return out

@@ -25,6 +25,14 @@ PANELS = [
     ("weight_share.png", "positive sign's share of objective weight", "weight share (fraction)",
      [("token/weight_share_pos", "token"), ("sequence/weight_share_pos", "sequence"),
       ("balanced/weight_share_pos", "balanced")]),
+    ("rollout_logprob_gap.png", "train/rollout log-prob gap (old - vLLM)",
+     "mean |old - rollout| log-prob (nats per token)",
+     [("rollout_correction/logprob_gap", "gap")]),
+    ("rollout_correction.png", "rollout correction (loss.rollout_correction)",
+     "weight (dimensionless) or fraction of tokens",
+     [("rollout_correction/weight_mean", "weight mean"),
+      ("rollout_correction/weight_max", "weight max"),
+      ("rollout_correction/fraction_corrected", "fraction corrected")]),
 ]  # fmt: skip
 
 

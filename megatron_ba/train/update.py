@@ -9,6 +9,12 @@ the step is made on its inputs' device.
 own plan (one statistics all-reduce over data-parallel ranks) and optimiser step; the old (and
 reference) log-probs of all of them are computed first, through the same schedule, so from the
 second mini-batch on the ratio moves away from 1 and the clip acts.
+
+`loss.rollout_correction`: each mini-batch's old log-probs and the rollout engine's give its
+per-token weights (and, rejecting, its smaller mask and lengths) before its plan is built; every
+rank corrects its own whole sequences (megatron_ba.rollout_correction), and the diagnostics' sums
+are all-reduced over data-parallel ranks. The log-prob gap is logged whenever the engine returned
+log-probs, with the correction off too (one subtraction per token).
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from megatron_ba.megatron.grpo_step import (
 )
 from megatron_ba.megatron.model import model_cp_size
 from megatron_ba.megatron.packing import balanced_dp_shards
+from megatron_ba.parallel import collectives
 from megatron_ba.recipe import Recipe
+from megatron_ba.rollout_correction import (
+    WEIGHT_MAX,
+    correction_diagnostics,
+    correction_statistics,
+    rollout_correction,
+)
 from megatron_ba.train.experience import Experience
 
 
@@ -100,15 +113,19 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     totals: dict[str, float] = {}
     grad_norms, applied = [], []
     token_entropy, n_tokens = 0.0, 0
+    stats = []
     for j, (rows, micro, old, ref, entropy) in enumerate(parts):
+        mask, weights, stat = _corrected(r, exp, rows, old)
+        stats.append(stat)
         batch = GRPOBatch(
             tokens=exp.tokens[rows],
-            response_mask=exp.response_mask[rows],
+            response_mask=mask,
             advantages=exp.advantages[rows],
             group_ids=exp.group_ids[rows] - j * groups_per,
             old_logprobs=old,
             ref_logprobs=ref,
-            lengths=exp.lengths[rows],
+            lengths=mask.sum(dim=1),
+            is_weights=weights,
         )
         result = forward_backward(chunks, batch, step_config(r, groups_per, micro, cp_mode))
         ok, norm = optimizer.step()
@@ -119,7 +136,7 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
         mask = batch.response_mask
         token_entropy += float(entropy[mask].sum())
         n_tokens += int(mask.sum())
-    return {
+    return _with_diagnostics(stats, ctx) | {
         "pg_loss": totals.get("pg_loss_sum", float("nan")),
         "loss": totals.get("loss_sum", float("nan")),
         "clip_low_frac": totals.get("clip_low_frac", 0.0),
@@ -130,3 +147,36 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "updates_applied": sum(applied),
     }
+
+
+def _corrected(recipe: Recipe, exp: Experience, rows, old: torch.Tensor):
+    """(response mask, is_weights or None, correction statistics or None) of the rows: the
+    recipe's `loss.rollout_correction` on this rank's whole sequences, before the plan is built
+    (a rejected token leaves the mask, hence the lengths)."""
+    mask = exp.response_mask[rows]
+    if exp.rollout_logprobs is None:
+        return mask, None, None
+    settings = recipe.loss.rollout_correction
+    rollout = exp.rollout_logprobs[rows]
+    if settings.mode == "none":  # the gap alone: a free diagnostic
+        return mask, None, correction_statistics(old, rollout, mask)
+    c = rollout_correction(settings, old, rollout, mask)
+    return c.mask, c.weights, correction_statistics(old, rollout, mask, c)
+
+
+def _with_diagnostics(stats: list, ctx) -> dict[str, float]:
+    """The `rollout_correction/*` diagnostics of the step: the mini-batches' statistics summed
+    (their max taken), then reduced over data-parallel ranks. {} without engine log-probs."""
+    if not stats or stats[0] is None:
+        return {}
+    table = torch.stack(stats)
+    total = table.sum(dim=0)
+    total[WEIGHT_MAX] = table[:, WEIGHT_MAX].max()
+    if ctx.dp > 1:
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group()
+        peak = collectives.all_reduce_max_(total[WEIGHT_MAX : WEIGHT_MAX + 1].clone(), group)
+        total = collectives.all_reduce_sum(total, group=group)
+        total[WEIGHT_MAX] = peak[0]
+    return correction_diagnostics(total)

@@ -19,11 +19,26 @@ from megatron_ba.megatron.grpo_step import EXACT, LossNormalization, loss_plan
 from megatron_ba.megatron.loss_scale import loss_scale
 from megatron_ba.megatron.model import tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
+from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
 
 TOLERANCE = 1e-5
 LOSS_CONFIG = GRPOLossConfig(
     clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01
 )
+
+# The rollout correction's bounds in the check: tight enough that the synthetic rollout log-probs
+# (the old ones plus noise, workers.reference_worker) truncate, mask or reject some tokens.
+CORRECTION_BOUNDS = dict(cap=1.5, low=0.6, high=1.6)
+
+
+def correction_settings(mode: str) -> RolloutCorrectionSettings:
+    """The check's `--rollout-correction MODE` settings (ValueError naming the mode)."""
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(
+            f"--rollout-correction: must be one of {', '.join(ROLLOUT_CORRECTION_MODES)}, "
+            f"got {mode!r}"
+        )
+    return RolloutCorrectionSettings(mode, **CORRECTION_BOUNDS)
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,12 @@ class Case:
     # parallel.max_tokens_per_microbatch: token-budget micro-batches (num_microbatches is then
     # ignored) on DP shards balanced by tokens (packing.balanced_dp_shards).
     token_budget: int | None = None
+    # loss.rollout_correction's mode: each DP rank corrects its own rows (whole sequences) from
+    # the synthetic rollout log-probs before the step, as train/update.py does.
+    rollout_correction: str = "none"
+    # Negative control of the rejection: the rejected tokens keep their place in the mask (weight
+    # 0), so they stay in the plan's denominators; must fail for a rejecting mode.
+    rejected_kept_in_denominators: bool = False
 
     def loss_normalization(self) -> LossNormalization:
         """How the step normalises this case's loss: exactly, or as one of the two controls."""
@@ -111,6 +132,10 @@ class Case:
         if self.assume_megatron_version is not None:
             major, minor = self.assume_megatron_version
             extra += f" SCALED-AS-{major}.{minor}"
+        if self.rollout_correction != "none":
+            extra += f" rollout-correction={self.rollout_correction}"
+        if self.rejected_kept_in_denominators:
+            extra += " REJECTED-KEPT-IN-DENOMINATORS"
         split = (
             f"M={self.num_microbatches}"
             if self.token_budget is None
@@ -127,6 +152,9 @@ class CaseResult:
     loss: float
     loss_ref: float
     reducer_calls: list[int]  # per rank, in global rank order
+    # The share of the batch's response tokens the rollout correction truncated, masked or
+    # rejected (0 without one): the check exercised it only if > 0.
+    fraction_corrected: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -184,6 +212,7 @@ def check_layout_possible(
         raise ValueError(f"--sequences: {sequences} is fewer than the {layout.dp} DP ranks")
     fewest = sequences // layout.dp  # dp_rows: the smallest rank's share
     for case in cases:
+        correction_settings(case.rollout_correction)
         if case.token_budget is not None:
             b = case.token_budget
             if isinstance(b, bool) or not isinstance(b, int) or b < SEQ_LEN:

@@ -52,8 +52,9 @@ __all__ = [
 
 
 def compute_reference(cases: list[Case], seed: int, path: str, sequences: int = SEQUENCES) -> None:
-    """The single-process results of every (rule, scope) in `cases`, saved to `path`."""
-    keys = sorted({(c.rule, c.scope) for c in cases})
+    """The single-process results of every (rule, scope, rollout correction) in `cases`, saved
+    to `path`."""
+    keys = sorted({(c.rule, c.scope, c.rollout_correction) for c in cases})
     spawn(workers.reference_worker, 1, (free_port(), seed, keys, path, sequences))
 
 
@@ -67,8 +68,9 @@ def run_layout(
 ) -> LayoutReport:
     """Run every case on `layout` in one launch and compare with the single-process reference.
 
-    `reference`: a file written by `compute_reference` for (a superset of) these cases' rules and
-    scopes, this seed and this many sequences; computed here, in a temporary file, when None.
+    `reference`: a file written by `compute_reference` for (a superset of) these cases' rules,
+    scopes and rollout corrections, this seed and this many sequences; computed here, in a
+    temporary file, when None.
     """
     check_layout_possible(layout, cases, sequences=sequences)
     with tempfile.TemporaryDirectory() as tmp:

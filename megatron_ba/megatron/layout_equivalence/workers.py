@@ -25,6 +25,7 @@ from megatron_ba.megatron.layout_equivalence.cases import (
     Case,
     Layout,
     case_rows,
+    correction_settings,
     num_groups,
     synthetic_batch,
     tiny_spec,
@@ -35,6 +36,11 @@ from megatron_ba.parallel import collectives, full_shape
 from megatron_ba.parallel.collectives import StatisticsReducer
 from megatron_ba.parallel.full_shape import gather_full_state_dict
 from megatron_ba.parallel.shard_layout import cp_shard
+from megatron_ba.rollout_correction import (
+    correction_diagnostics,
+    correction_statistics,
+    rollout_correction,
+)
 from megatron_ba.rules import AggregationSettings
 
 # One clipped AdamW step (eps 1e-2 keeps the update a smooth function of the gradient, so that
@@ -76,14 +82,24 @@ def _build(per_token_loss: bool, seed: int, attention: str = "unfused"):
     return chunks
 
 
-def _local_batch(batch: dict, rows: torch.Tensor):
+def _local_batch(batch: dict, rows: torch.Tensor, case: Case):
+    """This DP rank's batch, its rollout correction computed on its own rows (whole sequences),
+    before the plan, as train/update.py does."""
+    mask, old, weights = batch["response_mask"][rows], batch["old_logprobs"][rows], None
+    if case.rollout_correction != "none":
+        settings = correction_settings(case.rollout_correction)
+        c = rollout_correction(settings, old, batch["rollout_logprobs"][rows], mask)
+        weights = c.weights
+        if not case.rejected_kept_in_denominators:
+            mask = c.mask
     return GRPOBatch(
         tokens=batch["tokens"][rows],
-        response_mask=batch["response_mask"][rows],
+        response_mask=mask,
         advantages=batch["advantages"][rows],
         group_ids=batch["group_ids"][rows],
-        old_logprobs=batch["old_logprobs"][rows],
+        old_logprobs=old,
         ref_logprobs=batch["ref_logprobs"][rows],
+        is_weights=weights,
     )
 
 
@@ -100,12 +116,22 @@ def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
     reducer = StatisticsReducer(parallel_state.get_data_parallel_group())
     result = forward_backward(
         chunks,
-        _local_batch(batch, rows),
+        _local_batch(batch, rows, case),
         cfg,
         reducer=reducer,
         normalization=case.loss_normalization(),
     )
     return result, reducer.calls, gather_full_state_dict(chunks, grads=True)
+
+
+def _fraction_corrected(batch: dict, case: Case) -> float:
+    """The share of the whole batch's response tokens the case's correction acts on."""
+    if case.rollout_correction == "none":
+        return 0.0
+    old, rollout, mask = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
+    c = rollout_correction(correction_settings(case.rollout_correction), old, rollout, mask)
+    stats = correction_statistics(old, rollout, mask, c)
+    return correction_diagnostics(stats)["rollout_correction/fraction_corrected"]
 
 
 def _optimizer_step(chunks, batch: dict, rows: torch.Tensor):
@@ -144,6 +170,8 @@ def reference_worker(
     g = torch.Generator().manual_seed(seed + 1)
     batch["old_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
     batch["ref_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    # The rollout engine's log-probs: the old ones plus noise, so that the correction acts.
+    batch["rollout_logprobs"] = batch["old_logprobs"] + 0.4 * torch.randn(logp.shape, generator=g)
     rows = torch.arange(batch["tokens"].shape[0])
     out = {
         "seed": seed,
@@ -154,9 +182,10 @@ def reference_worker(
         "direct_entropy_err": float((ent.double() - ent_direct).abs().max()),
         "results": {},
     }
-    for rule, scope in keys:
-        result, _, grads = _run_case(chunks, batch, rows, Case(rule, 1, scope))
-        out["results"][(rule, scope)] = (result.loss, grads)
+    for rule, scope, mode in keys:
+        case = Case(rule, 1, scope, rollout_correction=mode)
+        result, _, grads = _run_case(chunks, batch, rows, case)
+        out["results"][(rule, scope, mode)] = (result.loss, grads)
     out["optimizer"] = _optimizer_step(chunks, batch, rows)
     torch.save(out, out_path)
     collectives.destroy_process_group()
@@ -218,7 +247,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
             models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"], layout.attention)
         rows = case_rows(batch, layout, case, dp_rank)
         result, calls, grads = _run_case(models[case.per_token_loss], batch, rows, case)
-        loss_ref, grads_ref = ref["results"][(case.rule, case.scope)]
+        loss_ref, grads_ref = ref["results"][(case.rule, case.scope, case.rollout_correction)]
         report.append(
             dict(
                 case=asdict(case),
@@ -227,6 +256,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
                 loss=result.loss,
                 loss_ref=loss_ref,
                 reducer_calls=collectives.all_gather_object(calls),
+                fraction_corrected=_fraction_corrected(batch, case),
             )
         )
     rows = case_rows(batch, layout, OPTIMIZER_CASE, dp_rank)
