@@ -203,6 +203,9 @@ class RolloutSection:
     sleep: bool = False  # vLLM sleep mode between rollout and update (CUDA only)
     gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION  # CUDA only; see above
     refit_bucket_mb: int = 256  # MiB of weights per in-memory refit bucket
+    # the engine's weights and arithmetic: auto = bfloat16 on GPUs, float32 on CPU; bfloat16 on CPU
+    # gives the train/rollout log-prob gap GPU runs have (what loss.rollout_correction corrects)
+    dtype: str = "auto"
 
 
 @dataclass
@@ -396,6 +399,7 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
         f"the local backend's (the {recipe.backend} backend has none); use none",
     )
     _need(r.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
+    _need(r.dtype in ("auto", "float32", "bfloat16"), "rollout.dtype", "auto, float32 or bfloat16")
     _need(r.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
     _need(
         0 < r.gpu_memory_utilization < 1,

@@ -129,3 +129,15 @@ def test_rollout_keys_are_validated():
         _recipe("rollout.engine_tp=0")
     with pytest.raises(RecipeError, match=r"rollout\.refit_bucket_mb: must be >= 1"):
         _recipe("rollout.refit_bucket_mb=0")
+
+
+def test_rollout_dtype_picks_the_engine_and_refit_dtype():
+    from megatron_ba.recipe import RecipeError
+    from megatron_ba.train.rollouts import _engine_dtype
+
+    auto = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    assert _engine_dtype(_recipe()) == auto
+    assert _engine_dtype(_recipe("rollout.dtype=bfloat16")) == torch.bfloat16
+    assert _engine_dtype(_recipe("rollout.dtype=float32")) == torch.float32
+    with pytest.raises(RecipeError, match=r"rollout\.dtype: auto, float32 or bfloat16"):
+        _recipe("rollout.dtype=fp16")

@@ -104,12 +104,14 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
         sleep_mode: bool = False,
         device: torch.device | None = None,
         gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """device: the trainer rank's CUDA device, where a colocated engine must run (its
         process sees only that device and the next engine_tp - 1); None on CPU.
         gpu_memory_utilization: the engine's share of the GPU (weights + KV cache), leaving the
         rest to training on the same GPU (CUDA only; the recipe's
-        `rollout.gpu_memory_utilization`, whose default the layout planner assumes)."""
+        `rollout.gpu_memory_utilization`, whose default the layout planner assumes).
+        dtype: the engine's weights and arithmetic (None: bf16 on CUDA, fp32 on CPU)."""
         cuda = torch.cuda.is_available()
         if tensor_parallel_size != 1 and not cuda:
             raise ValueError(
@@ -142,7 +144,7 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
                 f"model_dir: {model_dir!r} is not a Hugging Face model folder (no config.json)"
             )
         self.sleep_mode, self.asleep = sleep_mode, False
-        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
         self._refitting = False  # between the first bucket of a refit and finish_refit
         self._shared = None  # the bucket buffer (weight_buckets.SharedBucket), made at first use
         t = time.perf_counter()
@@ -150,7 +152,7 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
         with _visible_devices(device, tensor_parallel_size, in_process):
             self.llm = LLM(
                 model=model_dir,
-                dtype="bfloat16" if cuda else "float32",
+                dtype=str(self.dtype).removeprefix("torch."),
                 enforce_eager=True,
                 tensor_parallel_size=tensor_parallel_size,
                 enable_sleep_mode=sleep_mode,

@@ -193,7 +193,7 @@ class Rollouts:
 
         t = time.perf_counter()
         if self.refit is None:
-            dtype = self.engine.dtype if self.engine is not None else _engine_dtype()
+            dtype = self.engine.dtype if self.engine is not None else _engine_dtype(self.recipe)
             self.refit = WeightRefit(
                 policy.chunks,
                 policy.spec,
@@ -232,8 +232,11 @@ def _check_device_keys(recipe: Recipe) -> None:
         )
 
 
-def _engine_dtype() -> torch.dtype:
-    """The engines' weight dtype: bf16 on GPUs, fp32 on CPU (vllm_engine.VLLMEngine.dtype)."""
+def _engine_dtype(recipe: Recipe) -> torch.dtype:
+    """The engines' weight dtype: `rollout.dtype`, auto being bf16 on GPUs and fp32 on CPU (the
+    ranks without an engine refit in the same dtype as the ones with one)."""
+    if recipe.rollout.dtype != "auto":
+        return getattr(torch, recipe.rollout.dtype)
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
@@ -250,6 +253,7 @@ def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
         sleep_mode=r.sleep,
         device=device,
         gpu_memory_utilization=r.gpu_memory_utilization,
+        dtype=_engine_dtype(recipe),
     )
 
 
