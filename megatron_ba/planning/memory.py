@@ -20,9 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
+from megatron_ba.planning.gpus import GIB, overhead_bytes, parallel_groups
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
-
-GIB = 1024**3
 
 
 def load_model(name_or_path: str) -> ModelShape:
@@ -58,6 +57,10 @@ class Precision:
 PRECISION = Precision()
 
 
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("auto", "none", "states")
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int
@@ -65,10 +68,27 @@ class Layout:
     cp: int
     dp: int
     micro_batch_tokens: int  # tokens of one micro-batch of one model replica, before CP splits it
-    recompute: bool = False  # full recomputation: keep each layer's input, redo the layer
+    # "none", "selective" (megatron-core's core-attention recompute: with flash attention it
+    # keeps what "none" keeps) or "full" (keep each layer's input, redo the layer); True / False
+    # are "full" / "none".
+    recompute: bool | str = False
     chunked_logprobs: bool = True  # megatron_ba.megatron.vocab_parallel's chunked path
     logprob_chunk: int = 1024  # its tokens per chunk
     sequence_parallel: bool = True  # with tp > 1: the norms' activations sharded over TP too
+    ep: int = 1  # expert parallelism (MoE; expert tensor parallelism 1)
+    distributed_optimizer: bool = True  # optimiser states sharded over DP x CP
+    # What the trainer keeps on the GPU while a colocated engine generates: "auto" (its weights
+    # while the engine sleeps, everything when it stays awake), "none" (nothing is offloaded:
+    # weights, gradients, optimiser stay: verl's offload off), "states" (weights, gradients and
+    # optimiser go to the CPU between phases and come back for the update: verl's offload on).
+    offload: str = "auto"
+    cpu_adam: float = 0.0  # the fraction of the optimiser megatron's hybrid CPU Adam keeps on CPU
+
+    @property
+    def recompute_mode(self) -> str:
+        if isinstance(self.recompute, bool):
+            return "full" if self.recompute else "none"
+        return self.recompute
 
 
 @dataclass(frozen=True)
@@ -99,26 +119,43 @@ class MemoryEstimate:
     generate_phase: float  # what the trainer keeps while vLLM generates, + vLLM's reservation
     peak: float
     worst_stage: int
+    overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation (planning.gpus)
+    total: float = 0.0  # peak + overhead: what the GPU must hold
+    peak_phase: str = "train"  # "train" or "generate"
 
     def breakdown_gib(self) -> dict[str, float]:
-        return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "worst_stage"}
+        skip = ("worst_stage", "peak_phase")
+        return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k not in skip}
 
     @property
     def peak_gib(self) -> float:
         return self.peak / GIB
 
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
 
-def stage_params(shape: ModelShape, pp: int, stage: int) -> int:
+
+def stage_layers(shape: ModelShape, pp: int) -> int:
+    """Layers of the fullest pipeline stage (megatron-core gives the remainder to the first and
+    last stages when pp does not divide them; the fullest stage has ceil(L / pp))."""
+    return -(-shape.num_layers // pp)
+
+
+def stage_params(shape: ModelShape, pp: int, stage: int, experts: bool | None = None) -> int:
     """Parameters held by pipeline `stage`: its layers, the embedding on the first, the output
-    layer (or, tied, its copy of the embedding) and the final norm on the last."""
-    n = shape.num_layers // pp * shape.layer_params()
+    layer (or, tied, its copy of the embedding) and the final norm on the last. experts: True
+    for only the routed experts' parameters, False for all the others, None for both."""
+    layers = stage_layers(shape, pp)
+    n_exp = layers * shape.layer_expert_params()
+    n = layers * shape.layer_dense_params()
     if stage == 0:
         n += shape.embedding_params()
     if stage == pp - 1:
         n += shape.hidden_size + (
             shape.head_params() or (shape.embedding_params() if pp > 1 else 0)
         )
-    return n
+    return {True: n_exp, False: n, None: n + n_exp}[experts]
 
 
 def estimate(
@@ -130,25 +167,54 @@ def estimate(
     precision: Precision = PRECISION,
 ) -> MemoryEstimate:
     """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks)."""
-    if shape.num_layers % layout.pp:
-        raise ValueError(f"pp={layout.pp} does not divide the {shape.num_layers} layers")
+    if layout.pp > shape.num_layers:
+        raise ValueError(f"--pp {layout.pp}: more stages than the {shape.num_layers} layers")
+    check_layout(shape, layout)
     best = None
     for stage in range(layout.pp):
         est = _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, precision)
-        if best is None or est.peak > best.peak:
+        if best is None or est.total > best.total:
             best = est
     return best
 
 
-def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
-    t, p, c, d = layout.tp, layout.pp, layout.cp, layout.dp
-    params = stage_params(shape, p, stage) / t  # TP shards every matrix (vocab-parallel too)
-    weights = params * prec.param_bytes
-    grads = params * prec.grad_bytes
-    optimizer = params * prec.optimizer_bytes / (d * c)
+def check_layout(shape: ModelShape, layout: Layout) -> None:
+    """ValueError naming the flag when expert parallelism or an option does not fit the model."""
+    if layout.ep > 1 and not shape.is_moe:
+        raise ValueError(f"--ep {layout.ep}: {shape.name} is dense (no experts to split)")
+    if shape.is_moe and shape.num_experts % layout.ep:
+        raise ValueError(f"--ep {layout.ep}: does not divide the {shape.num_experts} experts")
+    if (layout.tp * layout.cp * layout.dp) % layout.ep:
+        raise ValueError(
+            f"--ep {layout.ep}: must divide tp x cp x dp = "
+            f"{layout.tp * layout.cp * layout.dp} (the ranks of one pipeline stage)"
+        )
+    if layout.recompute_mode not in RECOMPUTE:
+        raise ValueError(f"--recompute: one of {', '.join(RECOMPUTE)}, got {layout.recompute!r}")
+    if layout.offload not in OFFLOAD:
+        raise ValueError(f"--offload: one of {', '.join(OFFLOAD)}, got {layout.offload!r}")
+    if not 0 <= layout.cpu_adam <= 1:
+        raise ValueError(f"--offload cpu-adam=F: F must be in [0, 1], got {layout.cpu_adam}")
 
+
+def _states(shape, layout, stage, prec):
+    """Weights, gradients and the optimiser's GPU part of one stage, per GPU."""
+    t, c, d, e = layout.tp, layout.cp, layout.dp, layout.ep
+    dense = stage_params(shape, layout.pp, stage, experts=False) / t  # TP shards every matrix
+    experts = stage_params(shape, layout.pp, stage, experts=True) / e  # expert TP 1
+    params = dense + experts
+    if layout.distributed_optimizer:  # experts' data-parallel group: t c d / e ranks
+        opt_params = dense / (d * c) + experts * e / (t * c * d)
+    else:
+        opt_params = params
+    optimizer = opt_params * prec.optimizer_bytes * (1 - layout.cpu_adam)
+    return params * prec.param_bytes, params * prec.grad_bytes, optimizer
+
+
+def _activations(shape, layout, stage, prec):
+    t, p, c = layout.tp, layout.pp, layout.cp
     tokens = layout.micro_batch_tokens / c  # CP splits every sequence across c ranks
-    layers = shape.num_layers // p
+    layers = stage_layers(shape, p)
     # 1F1B: stage s has min(p - s, micro-batches) forwards in flight before its first backward;
     # the planner assumes at least p micro-batches per step (it proposes enough).
     in_flight = p - stage
@@ -161,35 +227,46 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
         shape.hidden_size * prec.act_bytes * tokens / (t if layout.sequence_parallel else 1)
     )
     full_recompute = in_flight * layers * kept_inputs + per_layer  # + one layer being redone
-    activations = full_recompute if layout.recompute else no_recompute
+    return no_recompute, full_recompute, tokens
 
-    logits_naive = logits_chunked = 0.0
-    if stage == p - 1:
-        v_local = shape.vocab_size / t
-        # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
-        # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
-        # "Vocab-parallel log-prob": 5935 MiB extra at T 16,384 x V/TP 18,992).
-        logits_naive = tokens * v_local * (prec.logits_bytes + 20)
-        # chunked: the bf16 logits and their gradient, two fp32 chunk buffers of C x V/t (742 MiB
-        # extra measured at C 1024 there: 594 MiB gradient + 2 x 1024 x 18,992 x 4 bytes).
-        chunk = min(layout.logprob_chunk, tokens)
-        logits_chunked = tokens * v_local * 2 * prec.logits_bytes + 2 * chunk * v_local * 4
+
+def _logits(shape, layout, stage, tokens, prec):
+    if stage != layout.pp - 1:
+        return 0.0, 0.0
+    v_local = shape.vocab_size / layout.tp
+    # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
+    # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
+    # "Vocab-parallel log-prob": 5935 MiB extra at T 16,384 x V/TP 18,992).
+    naive = tokens * v_local * (prec.logits_bytes + 20)
+    # chunked: the bf16 logits and their gradient, two fp32 chunk buffers of C x V/t (742 MiB
+    # extra measured at C 1024 there: 594 MiB gradient + 2 x 1024 x 18,992 x 4 bytes).
+    chunk = min(layout.logprob_chunk, tokens)
+    chunked = tokens * v_local * 2 * prec.logits_bytes + 2 * chunk * v_local * 4
+    return naive, chunked
+
+
+def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
+    weights, grads, optimizer = _states(shape, layout, stage, prec)
+    no_recompute, full_recompute, tokens = _activations(shape, layout, stage, prec)
+    activations = full_recompute if layout.recompute_mode == "full" else no_recompute
+    logits_naive, logits_chunked = _logits(shape, layout, stage, tokens, prec)
     logits = logits_chunked if layout.chunked_logprobs else logits_naive
 
     gpu = gpu_mem_gib * GIB
     reserved = vllm.gpu_util * gpu if vllm is not None else 0.0
     # vLLM's engine shards the whole model over the same tp (every stage's weights: vLLM does not
     # pipeline here), and keeps what its reservation leaves for the KV cache.
-    vllm_weights = shape.total_params() / t * prec.param_bytes
+    vllm_weights = shape.total_params() / layout.tp * prec.param_bytes
     kv_cache = max(0.0, reserved - vllm_weights) if vllm is not None else 0.0
     vllm_train = 0.0 if (vllm is None or vllm.sleeps) else reserved
     train_phase = weights + grads + optimizer + activations + logits + vllm_train
-    if vllm is None:
-        generate_phase = 0.0
-    elif vllm.sleeps:
-        generate_phase = weights + reserved
-    else:
-        generate_phase = weights + grads + optimizer + reserved
+    kept = {"none": weights + grads + optimizer, "states": 0.0}.get(layout.offload)
+    if kept is None:  # auto
+        kept = weights if (vllm is None or vllm.sleeps) else weights + grads + optimizer
+    generate_phase = 0.0 if vllm is None else kept + reserved
+    peak = max(train_phase, generate_phase)
+    groups = parallel_groups(layout.tp, layout.pp, layout.cp, layout.dp, layout.ep)
+    overhead = overhead_bytes(activations + logits if peak == train_phase else 0.0, groups)
     return MemoryEstimate(
         weights=weights,
         grads=grads,
@@ -204,8 +281,11 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
         vllm_kv_cache=kv_cache,
         train_phase=train_phase,
         generate_phase=generate_phase,
-        peak=max(train_phase, generate_phase),
+        peak=peak,
         worst_stage=stage,
+        overhead=overhead,
+        total=peak + overhead,
+        peak_phase="train" if train_phase >= generate_phase else "generate",
     )
 
 
