@@ -160,7 +160,8 @@ def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len
 def _fit_micro_batch(shape, base: Layout, seq_len, budget, gpu_mem_gib, vllm, max_mbs, fixed):
     """The largest micro-batch size (1..max_mbs) whose estimate is within budget, or 0; with
     `fixed` (tokens of a micro-batch) only that one."""
-    kv_per_seq = kv_cache_bytes_per_token(shape, base.tp) * seq_len
+    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or base.tp
+    kv_per_seq = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
 
     def est(mbs):
         tokens = fixed if fixed else mbs * seq_len

@@ -83,6 +83,7 @@ class Layout:
     # optimiser go to the CPU between phases and come back for the update: verl's offload on).
     offload: str = "auto"
     cpu_adam: float = 0.0  # the fraction of the optimiser megatron's hybrid CPU Adam keeps on CPU
+    reference: bool = False  # a reference policy's bf16 weights stay on the GPU (KL loss)
 
     @property
     def recompute_mode(self) -> str:
@@ -100,6 +101,7 @@ class VLLMShare:
 
     gpu_util: float = VLLM_GPU_MEMORY_UTILIZATION  # the recipe's rollout.gpu_memory_utilization
     sleeps: bool = True  # the recipe's rollout.sleep
+    tp: int | None = None  # the engine's tensor parallelism (None: the trainer's tp)
 
 
 @dataclass
@@ -119,6 +121,7 @@ class MemoryEstimate:
     generate_phase: float  # what the trainer keeps while vLLM generates, + vLLM's reservation
     peak: float
     worst_stage: int
+    reference: float = 0.0  # a reference policy's weights kept on the GPU
     overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation (planning.gpus)
     total: float = 0.0  # peak + overhead: what the GPU must hold
     peak_phase: str = "train"  # "train" or "generate"
@@ -256,14 +259,16 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
     reserved = vllm.gpu_util * gpu if vllm is not None else 0.0
     # vLLM's engine shards the whole model over the same tp (every stage's weights: vLLM does not
     # pipeline here), and keeps what its reservation leaves for the KV cache.
-    vllm_weights = shape.total_params() / layout.tp * prec.param_bytes
+    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or layout.tp
+    vllm_weights = shape.total_params() / vllm_tp * prec.param_bytes
     kv_cache = max(0.0, reserved - vllm_weights) if vllm is not None else 0.0
     vllm_train = 0.0 if (vllm is None or vllm.sleeps) else reserved
-    train_phase = weights + grads + optimizer + activations + logits + vllm_train
+    reference = weights if layout.reference else 0.0  # sharded as the policy
+    train_phase = weights + grads + optimizer + activations + logits + vllm_train + reference
     kept = {"none": weights + grads + optimizer, "states": 0.0}.get(layout.offload)
     if kept is None:  # auto
         kept = weights if (vllm is None or vllm.sleeps) else weights + grads + optimizer
-    generate_phase = 0.0 if vllm is None else kept + reserved
+    generate_phase = 0.0 if vllm is None else kept + reserved + reference
     peak = max(train_phase, generate_phase)
     groups = parallel_groups(layout.tp, layout.pp, layout.cp, layout.dp, layout.ep)
     overhead = overhead_bytes(activations + logits if peak == train_phase else 0.0, groups)
@@ -283,6 +288,7 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
         generate_phase=generate_phase,
         peak=peak,
         worst_stage=stage,
+        reference=reference,
         overhead=overhead,
         total=peak + overhead,
         peak_phase="train" if train_phase >= generate_phase else "generate",
