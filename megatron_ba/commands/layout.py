@@ -20,7 +20,7 @@ import sys
 
 from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
 from megatron_ba.planning.gpus import GPU_MEMORY_GIB, gpu_memory_gib
-from megatron_ba.planning.memory import RECOMPUTE, VLLMShare, load_model
+from megatron_ba.planning.memory import LOGPROBS, RECOMPUTE, VLLMShare, load_model
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
@@ -80,6 +80,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="T",
         help="dynamic batching / packing: tokens per micro-batch on each GPU",
+    )
+    p.add_argument(
+        "--logprobs",
+        choices=LOGPROBS,
+        default="chunked",
+        help=(
+            "the log-prob / loss path over the vocabulary: chunked (megatron-ba's, default), "
+            "megatron (megatron-core's vocab-parallel cross entropy, fp32 softmax), naive"
+        ),
     )
     p.add_argument(
         "--no-distributed-optimizer",
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         offload=offload,
         cpu_adam=cpu_adam,
         distributed_optimizer=not args.no_distributed_optimizer,
+        logprobs=args.logprobs,
     )
     try:
         plan = propose(

@@ -66,7 +66,7 @@ class Plan:
         if lo.recompute_mode != "none":
             out.append(f"parallel.recompute={lo.recompute_mode}")
         auto = lo.micro_batch_tokens > AUTO_CHUNK_ABOVE and lo.logprob_chunk == AUTO_CHUNK
-        if lo.chunked_logprobs and not auto:
+        if lo.logprob_mode == "chunked" and not auto:
             out.append(f"parallel.logprob_chunk_size={lo.logprob_chunk}")
         if self.vllm is not None:
             out.append(f"rollout.gpu_memory_utilization={self.vllm.gpu_util}")
@@ -96,6 +96,7 @@ class Plan:
             "cpu_adam": lo.cpu_adam,
             "distributed_optimizer": lo.distributed_optimizer,
             "chunked_logprobs": lo.chunked_logprobs,
+            "logprobs": lo.logprob_mode,
             "fits": self.fits,
             "memory_gib_per_gpu": round(self.estimate.total_gib, 2),
             "peak_phase": self.estimate.peak_phase,
@@ -138,6 +139,7 @@ class Settings:
     offload: str = "auto"
     cpu_adam: float = 0.0
     distributed_optimizer: bool = True
+    logprobs: str = "chunked"
 
 
 def _divisors(n: int) -> list[int]:
@@ -195,6 +197,7 @@ def _base_layout(tp, pp, cp, dp, seq_len, recompute, settings: Settings) -> Layo
         distributed_optimizer=settings.distributed_optimizer,
         offload=settings.offload,
         cpu_adam=settings.cpu_adam,
+        logprobs=settings.logprobs,
     )
 
 

@@ -1,7 +1,7 @@
 """GPUs by name, the memory a run needs beyond its tensors, and the fits / OOM verdict.
 
     gpu_memory_gib("H100")        # 79.11: what torch reports as the GPU's total capacity
-    overhead_bytes(est)           # CUDA context, NCCL buffers, allocator fragmentation
+    overhead_bytes(peak_bytes)    # CUDA context, NCCL buffers, allocator fragmentation
     verdict(est, gpu_mem_gib=79.11)
 
 The capacities are the "total capacity" torch's out-of-memory message prints for each part (its
@@ -10,12 +10,14 @@ The capacities are the "total capacity" torch's out-of-memory message prints for
 (verl-project/verl issue 5840), A100 / A800 80 GB 79.15 GiB (vLLM's and PyTorch users'
 messages for the 80 GB part).
 
-The overhead terms are physical, the same for every run (never fitted to one case):
-* CUDA context and library workspaces (cuBLAS, cuDNN, flash attention): CONTEXT_GIB per process;
-* NCCL's communicator buffers: NCCL_GIB_PER_GROUP for each parallel group of more than one rank
-  (data, tensor, pipeline, context, expert), NCCL's default of a few MiB per channel and peer;
-* the caching allocator's fragmentation: FRAGMENTATION of the memory that changes shape from
-  micro-batch to micro-batch (activations and logits), which the allocator cannot always reuse.
+The overhead terms are physical, the same for every run (never fitted to one case), read off
+two out-of-memory messages of megatron-core trainer processes that print the split:
+* memory outside PyTorch's allocator (CUDA context, NCCL's communicator buffers, cuBLAS / TE
+  workspaces): NON_TORCH_GIB per process. THUDM/slime issue 1767 (H100): 48.84 GiB in use by the
+  trainer, 44.61 allocated by PyTorch, 0.40 reserved and unallocated: 3.83 GiB outside;
+  issue 1951 (H200): 88.83 in use, 82.55 allocated, 2.06 reserved: 4.22 GiB outside. Their mean.
+* the caching allocator's reserved-but-unallocated memory: FRAGMENTATION of what PyTorch holds
+  (the same messages: 0.40 of 45.0 GiB, 2.06 of 84.6 GiB; the larger, 2.4 %, rounded up).
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ GIB = 1024**3
 
 GPU_MEMORY_GIB = {"H100": 79.11, "H200": 139.81, "H20": 95.08, "A100": 79.15, "A800": 79.15}
 
-CONTEXT_GIB = 1.0
-NCCL_GIB_PER_GROUP = 0.25
-FRAGMENTATION = 0.10
+NON_TORCH_GIB = (3.83 + 4.22) / 2
+FRAGMENTATION = 0.025
 
 
 def gpu_memory_gib(name: str) -> float:
@@ -37,11 +38,6 @@ def gpu_memory_gib(name: str) -> float:
     raise ValueError(f"--gpu {name}: one of {', '.join(GPU_MEMORY_GIB)}, or give --gpu-mem GIB")
 
 
-def parallel_groups(tp: int, pp: int, cp: int, dp: int, ep: int = 1) -> int:
-    """How many of the data, tensor, pipeline, context and expert groups have > 1 rank."""
-    return sum(size > 1 for size in (dp, tp, pp, cp, ep))
-
-
-def overhead_bytes(dynamic_bytes: float, groups: int) -> float:
-    """CONTEXT_GIB + NCCL_GIB_PER_GROUP per group + FRAGMENTATION of `dynamic_bytes`."""
-    return (CONTEXT_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + FRAGMENTATION * dynamic_bytes
+def overhead_bytes(torch_bytes: float) -> float:
+    """NON_TORCH_GIB + FRAGMENTATION of the `torch_bytes` PyTorch's allocator holds."""
+    return NON_TORCH_GIB * GIB + FRAGMENTATION * torch_bytes

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
-from megatron_ba.planning.gpus import GIB, overhead_bytes, parallel_groups
+from megatron_ba.planning.gpus import GIB, overhead_bytes
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
@@ -58,6 +58,7 @@ PRECISION = Precision()
 
 
 RECOMPUTE = ("none", "selective", "full")
+LOGPROBS = ("chunked", "megatron", "naive")
 OFFLOAD = ("auto", "none", "states")
 
 
@@ -84,6 +85,14 @@ class Layout:
     offload: str = "auto"
     cpu_adam: float = 0.0  # the fraction of the optimiser megatron's hybrid CPU Adam keeps on CPU
     reference: bool = False  # a reference policy's bf16 weights stay on the GPU (KL loss)
+    # The log-prob / loss path over the vocabulary: "chunked" (this project's), "megatron"
+    # (megatron-core's vocab-parallel cross entropy: an fp32 softmax), "naive" (autograd's
+    # log_softmax of fp32 logits); chunked_logprobs=False means "naive".
+    logprobs: str = "chunked"
+
+    @property
+    def logprob_mode(self) -> str:
+        return self.logprobs if self.chunked_logprobs else "naive"
 
     @property
     def recompute_mode(self) -> str:
@@ -194,6 +203,8 @@ def check_layout(shape: ModelShape, layout: Layout) -> None:
         )
     if layout.recompute_mode not in RECOMPUTE:
         raise ValueError(f"--recompute: one of {', '.join(RECOMPUTE)}, got {layout.recompute!r}")
+    if layout.logprob_mode not in LOGPROBS:
+        raise ValueError(f"--logprobs: one of {', '.join(LOGPROBS)}, got {layout.logprobs!r}")
     if layout.offload not in OFFLOAD:
         raise ValueError(f"--offload: one of {', '.join(OFFLOAD)}, got {layout.offload!r}")
     if not 0 <= layout.cpu_adam <= 1:
@@ -234,8 +245,9 @@ def _activations(shape, layout, stage, prec):
 
 
 def _logits(shape, layout, stage, tokens, prec):
+    """(naive, chunked, megatron) bytes of the log-prob path on this stage."""
     if stage != layout.pp - 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     v_local = shape.vocab_size / layout.tp
     # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
     # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
@@ -245,15 +257,20 @@ def _logits(shape, layout, stage, tokens, prec):
     # extra measured at C 1024 there: 594 MiB gradient + 2 x 1024 x 18,992 x 4 bytes).
     chunk = min(layout.logprob_chunk, tokens)
     chunked = tokens * v_local * 2 * prec.logits_bytes + 2 * chunk * v_local * 4
-    return naive, chunked
+    # megatron-core's vocab_parallel_cross_entropy: the bf16 logits, their fp32 softmax kept for
+    # the backward (which turns it into the gradient in place), the bf16 gradient it returns.
+    megatron = tokens * v_local * (prec.logits_bytes + 4 + prec.logits_bytes)
+    return naive, chunked, megatron
 
 
 def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
     weights, grads, optimizer = _states(shape, layout, stage, prec)
     no_recompute, full_recompute, tokens = _activations(shape, layout, stage, prec)
     activations = full_recompute if layout.recompute_mode == "full" else no_recompute
-    logits_naive, logits_chunked = _logits(shape, layout, stage, tokens, prec)
-    logits = logits_chunked if layout.chunked_logprobs else logits_naive
+    logits_naive, logits_chunked, logits_megatron = _logits(shape, layout, stage, tokens, prec)
+    logits = {"naive": logits_naive, "chunked": logits_chunked, "megatron": logits_megatron}[
+        layout.logprob_mode
+    ]
 
     gpu = gpu_mem_gib * GIB
     reserved = vllm.gpu_util * gpu if vllm is not None else 0.0
@@ -270,8 +287,8 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
         kept = weights if (vllm is None or vllm.sleeps) else weights + grads + optimizer
     generate_phase = 0.0 if vllm is None else kept + reserved + reference
     peak = max(train_phase, generate_phase)
-    groups = parallel_groups(layout.tp, layout.pp, layout.cp, layout.dp, layout.ep)
-    overhead = overhead_bytes(activations + logits if peak == train_phase else 0.0, groups)
+    # vLLM's reservation is its own pool, outside PyTorch's caching allocator
+    overhead = overhead_bytes(peak - (reserved if peak == generate_phase else vllm_train))
     return MemoryEstimate(
         weights=weights,
         grads=grads,

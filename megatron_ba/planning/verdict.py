@@ -2,7 +2,8 @@
 
     v = assess(shape, layout, gpu_mem_gib=79.11, vllm=VLLMShare(0.6), seq_len=10240)
     v.fits, v.estimate.total_gib, v.reason
-    remedies(shape, layout, gpu_mem_gib=79.11, vllm=..., seq_len=..., world=32)  # ["--recompute full", ...]
+    remedies(shape, layout, gpu_mem_gib=79.11, vllm=..., seq_len=..., gpus_per_node=8)
+    # -> [("--recompute full", "parallel.recompute=full", 61.2), ...]
 
 The verdict is the one `megatron-ba layout --json` reports as "fits", the public-record test
 (tests/test_public_record.py) checks against runs that ran or went out of memory, and the Slurm
