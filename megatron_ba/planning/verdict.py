@@ -90,18 +90,30 @@ def remedies(
     seq_len: int,
     gpus_per_node: int,
 ) -> list[tuple[str, str, float]]:
-    """The single changes of `layout` under which it fits: (flag, recipe key, GiB per GPU), in
-    the order tried: full recompute, CP x2, TP x2, PP x2 (each taken from DP), half the
-    micro-batch (only while it still holds a whole sequence)."""
+    """The single changes under which the layout fits: (flag, recipe key, GiB per GPU), in the
+    order tried: full recompute, CP x2, TP x2, PP x2 (each taken from DP), half the micro-batch
+    (while it still holds a whole sequence), then the smallest colocated vLLM engine TP (a
+    power of two within the node) whose share holds its weights and one sequence's KV cache."""
     world = layout.tp * layout.pp * layout.cp * layout.dp
+    tries = [(flag, key, new, vllm) for flag, key, new in _changes(layout, world, gpus_per_node)]
+    if vllm is not None:
+        engine_tp = 2 * (vllm.tp or layout.tp)
+        while engine_tp <= gpus_per_node:
+            new_vllm = replace(vllm, tp=engine_tp)
+            tries.append(
+                (f"vLLM TP {engine_tp}", f"rollout.engine_tp={engine_tp}", layout, new_vllm)
+            )
+            engine_tp *= 2
     out = []
-    for flag, key, new in _changes(layout, world, gpus_per_node):
+    for flag, key, new, new_vllm in tries:
         if new.micro_batch_tokens < seq_len or new.pp > shape.num_layers:
             continue
         try:
-            v = assess(shape, new, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len)
+            v = assess(shape, new, gpu_mem_gib=gpu_mem_gib, vllm=new_vllm, seq_len=seq_len)
         except ValueError:
             continue  # e.g. expert parallelism no longer divides the new tp x cp x dp
         if v.fits:
             out.append((flag, key, round(v.estimate.total_gib, 1)))
+            if new_vllm is not vllm:
+                break  # the smallest engine TP that fits
     return out
