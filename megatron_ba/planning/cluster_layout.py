@@ -160,8 +160,15 @@ def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len
 
 
 def _fit_micro_batch(shape, base: Layout, seq_len, budget, gpu_mem_gib, vllm, max_mbs, fixed):
-    """The largest micro-batch size (1..max_mbs) whose estimate is within budget, or 0; with
-    `fixed` (tokens of a micro-batch) only that one."""
+    """The largest micro-batch size (1..max_mbs) that fits, or 0; with `fixed` (tokens of a
+    micro-batch) only that one. Fits: the tensors' peak within `budget` (the GPU less the
+    headroom, which stands for what the estimate leaves out and its error) and the whole
+    estimate, overheads included, within the GPU."""
+    gpu = gpu_mem_gib * GIB
+
+    def over(e):
+        return e.peak > budget or e.total > gpu
+
     vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or base.tp
     kv_per_seq = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
 
@@ -171,13 +178,13 @@ def _fit_micro_batch(shape, base: Layout, seq_len, budget, gpu_mem_gib, vllm, ma
         return lo, estimate(shape, lo, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
 
     lo, e = est(1)
-    if e.total > budget or (vllm is not None and e.vllm_kv_cache < kv_per_seq):
+    if over(e) or (vllm is not None and e.vllm_kv_cache < kv_per_seq):
         return 0, lo, e  # the trainer does not fit, or vLLM cannot hold one sequence's KV cache
     good = (max(1, lo.micro_batch_tokens // seq_len), lo, e)
     mbs = 2
     while mbs <= max_mbs and not fixed:  # memory grows linearly in the micro-batch: doubling
         lo, e = est(mbs)
-        if e.total > budget:
+        if over(e):
             break
         good = (mbs, lo, e)
         mbs *= 2
