@@ -68,8 +68,9 @@ ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp4"] = ASSUMED["nemorl-903-qwen-1.5b-sft-
 
 # Verdicts the planner gets wrong, and why it cannot get them right.
 _CONTESTED = (
-    "contested in the record itself: verl's docs/perf/device_tuning.rst lists this very script "
-    "as a tested minimum configuration, and the reporter ran out of memory in the optimizer step "
+    "contested in the record itself: verl's device-tuning page "
+    "(verl-project/verl/docs/perf/device_tuning.rst) lists this very script as a tested minimum "
+    "configuration, and the reporter ran out of memory in the optimizer step "
     "at both lengths (a failure that does not depend on the length); the estimate follows the "
     "published settings, and what differs between the two reports (verl and vLLM versions, how "
     "much vLLM's sleep mode frees) is not a setting the record gives"
