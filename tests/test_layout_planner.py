@@ -279,7 +279,7 @@ def test_offload_modes_and_overheads():
     assert gone.generate_phase == 48 * GIB
     assert gone.train_phase == kept.train_phase == auto.train_phase  # all back for the update
     # overheads: outside PyTorch, and a fraction of what PyTorch holds (vLLM's pool excluded)
-    from megatron_ba.planning.gpus import FRAGMENTATION, NON_TORCH_GIB
+    from megatron_ba.planning.memory import FRAGMENTATION, NON_TORCH_GIB
 
     assert kept.peak_phase == "generate"
     torch_part = kept.generate_phase - 48 * GIB

@@ -27,9 +27,8 @@ import json
 import statistics
 from pathlib import Path
 
-from megatron_ba.planning.gpus import GIB, gpu_memory_gib
-from megatron_ba.planning.memory import Layout, VLLMShare, load_model
-from megatron_ba.planning.verdict import assess
+from megatron_ba.planning.memory import GIB, Layout, VLLMShare, load_model
+from megatron_ba.planning.verdict import assess, gpu_memory_gib
 
 FIXTURE = Path(__file__).parent / "fixtures" / "public_runs.json"
 CASES = json.loads(FIXTURE.read_text())["cases"]

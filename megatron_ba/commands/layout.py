@@ -19,8 +19,8 @@ import json
 import sys
 
 from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
-from megatron_ba.planning.gpus import GPU_MEMORY_GIB, gpu_memory_gib
 from megatron_ba.planning.memory import LOGPROBS, RECOMPUTE, VLLMShare, load_model
+from megatron_ba.planning.verdict import GPU_MEMORY_GIB, gpu_memory_gib
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 

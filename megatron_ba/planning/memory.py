@@ -7,10 +7,12 @@
 The model is the megatron-core mixed-precision recipe the local backend and NeMo use: bf16
 weights, fp32 gradient buffers (grads are reduced in fp32), and the distributed optimiser's fp32
 master copy plus Adam's two moments, sharded over the data-parallel ranks (including CP, which
-megatron-core folds into the optimiser's sharding group). Everything is bytes per GPU on the
-worst pipeline stage. The figures are estimates with named assumptions (docs/cluster-planning.md
-compares them with layouts that are known to run); fragmentation, NCCL buffers and the CUDA
-context are not modelled here but kept as headroom by the layout search (cluster_layout.py).
+megatron-core folds into the optimiser's sharding group; a mixture of experts' routed experts
+over expert parallelism and their own data-parallel group). Everything is bytes per GPU on the
+worst pipeline stage, in two phases (training; generation by a colocated vLLM), plus the
+overheads (NON_TORCH_GIB, FRAGMENTATION below: memory outside PyTorch, the allocator's reserve).
+The figures are estimates with named assumptions; docs/cluster-planning.md checks their verdicts against public
+runs that ran or went out of memory (tests/test_public_record.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
-from megatron_ba.planning.gpus import GIB, overhead_bytes
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
@@ -55,6 +56,27 @@ class Precision:
 
 
 PRECISION = Precision()
+
+
+GIB = 1024**3
+
+# The overhead terms are physical, the same for every run (never fitted to one case), read off
+# two out-of-memory messages of megatron-core trainer processes that print the split:
+# * memory outside PyTorch's allocator (CUDA context, NCCL's communicator buffers, cuBLAS / TE
+#   workspaces): NON_TORCH_GIB per process, the mean of the two.
+#   https://github.com/THUDM/slime/issues/1767 (H100): 48.84 GiB in use by the trainer, 44.61
+#   allocated by PyTorch, 0.40 reserved and unallocated: 3.83 GiB outside;
+#   https://github.com/THUDM/slime/issues/1951 (H200): 88.83 in use, 82.55 allocated, 2.06
+#   reserved: 4.22 GiB outside.
+# * the caching allocator's reserved-but-unallocated memory: FRAGMENTATION of what PyTorch holds
+#   (the same messages: 0.40 of 45.0 GiB, 2.06 of 84.6 GiB; the larger, 2.4 %, rounded up).
+NON_TORCH_GIB = (3.83 + 4.22) / 2
+FRAGMENTATION = 0.025
+
+
+def overhead_bytes(torch_bytes: float) -> float:
+    """NON_TORCH_GIB + FRAGMENTATION of the `torch_bytes` PyTorch's allocator holds."""
+    return NON_TORCH_GIB * GIB + FRAGMENTATION * torch_bytes
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -131,7 +153,7 @@ class MemoryEstimate:
     peak: float
     worst_stage: int
     reference: float = 0.0  # a reference policy's weights kept on the GPU
-    overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation (planning.gpus)
+    overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation (overhead_bytes)
     total: float = 0.0  # peak + overhead: what the GPU must hold
     peak_phase: str = "train"  # "train" or "generate"
 

@@ -2,13 +2,14 @@
 
     v = assess(shape, layout, gpu_mem_gib=79.11, vllm=VLLMShare(0.6), seq_len=10240)
     v.fits, v.estimate.total_gib, v.reason
+    gpu_memory_gib("H100")        # 79.11: what torch reports as the GPU's total capacity
     remedies(shape, layout, gpu_mem_gib=79.11, vllm=..., seq_len=..., gpus_per_node=8)
     # -> [("--recompute full", "parallel.recompute=full", 61.2), ...]
 
 The verdict is the one `megatron-ba layout --json` reports as "fits", the public-record test
 (tests/test_public_record.py) checks against runs that ran or went out of memory, and the Slurm
 launcher's fit check (planning/launch.py) applies before it submits anything: the per-GPU
-estimate, overheads included (planning/gpus.py), within the GPU's whole memory, and a colocated
+estimate, overheads included (planning/memory.py), within the GPU's whole memory, and a colocated
 vLLM's reservation, after its weights, holding one sequence's KV cache.
 """
 
@@ -17,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron_ba.model_shape import ModelShape
-from megatron_ba.planning.gpus import GIB
 from megatron_ba.planning.memory import (
+    GIB,
     PRECISION,
     Layout,
     MemoryEstimate,
@@ -26,6 +27,26 @@ from megatron_ba.planning.memory import (
     estimate,
     kv_cache_bytes_per_token,
 )
+
+# gpu_memory_gib("H100")        # 79.11: what torch reports as the GPU's total capacity
+#     overhead_bytes(peak_bytes)    # CUDA context, NCCL buffers, allocator fragmentation
+#     verdict(est, gpu_mem_gib=79.11)
+#
+# The capacities are the "total capacity" torch's out-of-memory message prints for each part (its
+# 80 GB, 141 GB, 96 GB are GB of 10^9 bytes, less what the driver keeps):
+# * H100 80 GB: 79.11 GiB (https://github.com/THUDM/slime/issues/1767)
+# * H200: 139.81 GiB (https://github.com/THUDM/slime/issues/1951)
+# * H20: 95.08 GiB (https://github.com/verl-project/verl/issues/5840)
+# * A100 / A800 80 GB: 79.15 GiB (vLLM's and PyTorch users' messages for the 80 GB part)
+GPU_MEMORY_GIB = {"H100": 79.11, "H200": 139.81, "H20": 95.08, "A100": 79.15, "A800": 79.15}
+
+
+def gpu_memory_gib(name: str) -> float:
+    """The capacity of a GPU named in GPU_MEMORY_GIB (case-insensitive); ValueError otherwise."""
+    for key, gib in GPU_MEMORY_GIB.items():
+        if key.lower() == name.strip().lower():
+            return gib
+    raise ValueError(f"--gpu {name}: one of {', '.join(GPU_MEMORY_GIB)}, or give --gpu-mem GIB")
 
 
 @dataclass
