@@ -11,8 +11,8 @@ megatron-core folds into the optimiser's sharding group; a mixture of experts' r
 over expert parallelism and their own data-parallel group). Everything is bytes per GPU on the
 worst pipeline stage, in two phases (training; generation by a colocated vLLM), plus the
 overheads (NON_TORCH_GIB, FRAGMENTATION below: memory outside PyTorch, the allocator's reserve).
-The figures are estimates with named assumptions; docs/cluster-planning.md checks their verdicts against public
-runs that ran or went out of memory (tests/test_public_record.py).
+The figures are estimates with named assumptions; docs/cluster-planning.md checks their verdicts
+against public runs that ran or went out of memory (tests/test_public_record.py).
 """
 
 from __future__ import annotations
