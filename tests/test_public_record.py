@@ -63,6 +63,8 @@ ASSUMED = {
 ASSUMED["nemorl-pr957-qwen3-32b-32xh100-128k"] = {
     "max_total_seq_len": (131072, "the PR says '128k' context (128 x 1024)"),
 }
+for _case in ("swift-sft-qwen3-32b-8k-8x80gib-tp8", "swift-sft-qwen25-7b-2k-mbs16-2x80gib-tp2"):
+    ASSUMED[_case] = {"gpu": ("H100", "the header gives 80 GiB GPUs, not the model")}
 ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp4"] = ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp2"]
 
 # Verdicts the planner gets wrong, and why it cannot get them right.
@@ -82,6 +84,12 @@ EXPECTED_MISSES: dict[str, str] = {
         "(63 GiB of top-8 MoE activations); verl's dynamic batching packs the real sequences, "
         "and how full its micro-batches were (the lengths DAPO-Math prompts and responses "
         "reached) is not in the record: a conservative verdict"
+    ),
+    "swift-sft-qwen25-7b-2k-mbs16-2x80gib-tp2": (
+        "the planner charges 16 sequences of the full 2,048 tokens per micro-batch (32,768 tokens, "
+        "18.6 GiB of logits); the example trains on alpaca-gpt4 and self-cognition samples, whose "
+        "lengths (and so how full its micro-batches were) are not in the record: a conservative "
+        "verdict"
     ),
     "nemorl-903-qwen-1.5b-sft-32k-cp2": (
         "the reporter's NeMo-RL (August 2025) ran out of memory where NeMo-Aligner did not; the "
