@@ -219,6 +219,60 @@ def _fixed_tokens(settings: Settings, seq_len: int, cp: int) -> int | None:
     return None
 
 
+def _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_len, headroom):
+    for name, value in (
+        ("--nodes", nodes),
+        ("--gpus-per-node", gpus_per_node),
+        ("--max-response-len", max_response_len),
+    ):
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    if gpu_mem_gib <= 0:
+        raise ValueError(f"--gpu-mem: must be > 0 GiB, got {gpu_mem_gib}")
+    if prompt_len < 0:
+        raise ValueError(f"--prompt-len: must be >= 0, got {prompt_len}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom: must be in [0, 1), got {headroom}")
+
+
+def _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit):
+    """(every fitting (layout, estimate, mbs), the closest (layout, estimate) of all tried);
+    `fit(base, limit, fixed)` is _fit_micro_batch with the budget bound."""
+    fits, closest = [], None
+    for tp, pp, cp, dp in candidate_layouts(shape, world, gpus_per_node, seq_len):
+        if any({"tp": tp, "pp": pp, "cp": cp}[k] != v for k, v in only.items()):
+            continue
+        if sequences is not None and sequences % dp:
+            continue  # each data-parallel rank takes an equal share of the step's sequences
+        if (tp * cp * dp) % settings.ep:
+            continue
+        limit = None if sequences is None else max(1, sequences // dp)
+        for recompute in (False, True) if settings.recompute is None else (settings.recompute,):
+            base = _base_layout(tp, pp, cp, dp, seq_len, recompute, settings)
+            mbs, lo, e = fit(base, limit, _fixed_tokens(settings, seq_len, cp))
+            if closest is None or e.total < closest[1].total:
+                closest = (lo, e)
+            if mbs:
+                fits.append((lo, e, mbs))
+                break  # recomputation only when a layout cannot fit without it
+    return fits, closest
+
+
+def _alternatives(fits) -> list[dict]:
+    return [
+        {
+            "tp": a.tp,
+            "pp": a.pp,
+            "cp": a.cp,
+            "dp": a.dp,
+            "micro_batch_size": m,
+            "recompute": a.recompute,
+            "memory_gib_per_gpu": round(ae.total_gib, 2),
+        }
+        for a, ae, m in fits[1:6]
+    ]
+
+
 def propose(
     shape: ModelShape,
     *,
@@ -239,19 +293,7 @@ def propose(
     """The proposal (see the module docstring); `only` pins some of tp/pp/cp (e.g. {"tp": 2})
     to estimate a given layout instead of searching over it; `seq_len` (prompt + response)
     replaces prompt_len + max_response_len."""
-    for name, value in (
-        ("--nodes", nodes),
-        ("--gpus-per-node", gpus_per_node),
-        ("--max-response-len", max_response_len),
-    ):
-        if value < 1:
-            raise ValueError(f"{name}: must be >= 1, got {value}")
-    if gpu_mem_gib <= 0:
-        raise ValueError(f"--gpu-mem: must be > 0 GiB, got {gpu_mem_gib}")
-    if prompt_len < 0:
-        raise ValueError(f"--prompt-len: must be >= 0, got {prompt_len}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom: must be in [0, 1), got {headroom}")
+    _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_len, headroom)
     sequences = None
     if group_size is not None and prompts_per_step is not None:
         sequences = group_size * prompts_per_step
@@ -259,29 +301,13 @@ def propose(
     seq_len += -seq_len % 64  # padded as megatron_ba's batching pads (and a multiple of 2 cp)
     world = nodes * gpus_per_node
     budget = (1 - headroom) * gpu_mem_gib * GIB
-    fits, closest = [], None
     only = {k: v for k, v in (only or {}).items() if v is not None}
-    for tp, pp, cp, dp in candidate_layouts(shape, world, gpus_per_node, seq_len):
-        if any({"tp": tp, "pp": pp, "cp": cp}[k] != v for k, v in only.items()):
-            continue
-        if sequences is not None and sequences % dp:
-            continue  # each data-parallel rank takes an equal share of the step's sequences
-        limit = (
-            max_micro_batch if sequences is None else max(1, min(max_micro_batch, sequences // dp))
-        )
-        if (tp * cp * dp) % settings.ep:
-            continue
-        for recompute in (False, True) if settings.recompute is None else (settings.recompute,):
-            base = _base_layout(tp, pp, cp, dp, seq_len, recompute, settings)
-            fixed = _fixed_tokens(settings, seq_len, cp)
-            mbs, lo, e = _fit_micro_batch(
-                shape, base, seq_len, budget, gpu_mem_gib, vllm, limit, fixed
-            )
-            if closest is None or e.total < closest[1].total:
-                closest = (lo, e)
-            if mbs:
-                fits.append((lo, e, mbs))
-                break  # recomputation only when a layout cannot fit without it
+
+    def fit(base, limit, fixed):
+        most = max_micro_batch if limit is None else min(max_micro_batch, limit)
+        return _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, most, fixed)
+
+    fits, closest = _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit)
     if not fits:
         if closest is None:
             raise NoLayoutFits(
@@ -295,9 +321,9 @@ def propose(
         raise NoLayoutFits(
             f"{shape.name} at {seq_len} tokens per sequence does not fit {nodes} x "
             f"{gpus_per_node} GPUs of {gpu_mem_gib} GiB: the closest layout (tp={lo.tp} pp={lo.pp} "
-            f"cp={lo.cp}, recompute={lo.recompute}) needs {e.total_gib:.1f} GiB per GPU against "
-            f"{budget / GIB:.1f} GiB usable; add nodes, use GPUs with more memory or shorten "
-            f"--max-response-len",
+            f"cp={lo.cp}, recompute={lo.recompute_mode}) needs {e.total_gib:.1f} GiB per GPU "
+            f"({e.peak_gib:.1f} GiB of tensors against {budget / GIB:.1f} GiB usable with the "
+            f"headroom); add nodes, use GPUs with more memory or shorten --max-response-len",
             closest=plan,
         )
 
@@ -307,28 +333,5 @@ def propose(
 
     fits.sort(key=rank)
     lo, e, mbs = fits[0]
-    alternatives = [
-        {
-            "tp": a.tp,
-            "pp": a.pp,
-            "cp": a.cp,
-            "dp": a.dp,
-            "micro_batch_size": m,
-            "recompute": a.recompute,
-            "memory_gib_per_gpu": round(ae.total_gib, 2),
-        }
-        for a, ae, m in fits[1:6]
-    ]
-    return Plan(
-        shape,
-        lo,
-        e,
-        mbs,
-        seq_len,
-        sequences,
-        nodes,
-        gpus_per_node,
-        gpu_mem_gib,
-        alternatives,
-        vllm=vllm,
-    )
+    return Plan(shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
+                _alternatives(fits), vllm=vllm)  # fmt: skip
