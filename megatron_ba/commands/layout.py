@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--headroom", type=float, default=0.1, help="fraction of the GPU kept free (default 0.1)"
     )
+    _setting_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _setting_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout, recomputation, offload, batching and optimiser options."""
     for name in ("tp", "pp", "cp"):
         p.add_argument(f"--{name}", type=int, help=f"pin {name} (estimate a given layout)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE; default 1)")
@@ -95,7 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="optimiser states replicated on every data-parallel rank",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def parse_offload(text: str) -> tuple[str, float]:
