@@ -342,3 +342,18 @@ def test_launch_memory_check(tmp_path, capsys):
     # as shipped (rollout.engine_tp 1): a one-GPU vLLM engine cannot hold the 32B weights
     assert launch.main(fit) == launch.FIT_EXIT
     assert "it fits with rollout.engine_tp=2" in capsys.readouterr().err
+
+
+def test_vllm_engine_tp_is_part_of_the_verdict(capsys):
+    """A one-GPU engine cannot hold the 32B weights in 0.6 of 80 GiB: no layout fits, the
+    closest says why; with --vllm-tp 2 the shipped recipe's layout comes back."""
+    args = ["layout", "--model", "Qwen2.5-32B", "--nodes", "4", "--gpus-per-node", "8",
+            "--gpu-mem", "80", "--max-response-len", "16384", "--prompt-len", "1024",
+            "--group-size", "16", "--prompts-per-step", "128", "--json"]  # fmt: skip
+    assert cli_main([*args, "--vllm-tp", "1"]) == 1
+    out = capsys.readouterr()
+    j = json.loads(out.out)
+    assert j["fits"] is False and "cannot hold one sequence's KV cache" in j["why_not"]
+    assert cli_main([*args, "--vllm-tp", "2"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert (j["tp"], j["micro_batch_size"], j["fits"], j["why_not"]) == (4, 2, True, "")

@@ -47,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument(
+        "--vllm-tp",
+        type=int,
+        metavar="N",
+        help="the colocated vLLM engine's tensor parallelism (rollout.engine_tp; default: --tp's)",
+    )
+    p.add_argument(
         "--vllm-awake",
         action="store_true",
         help="vLLM keeps its memory while the policy trains (no sleep mode / offload)",
@@ -135,6 +141,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--micro-batch-size", args.micro_batch_size),
         ("--max-tokens-per-gpu", args.max_tokens_per_gpu),
         ("--seq-len", args.seq_len),
+        ("--vllm-tp", args.vllm_tp),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: must be >= 1, got {value}")
@@ -157,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"layout: {e}", file=sys.stderr)
         return 2
-    vllm = VLLMShare(args.vllm_gpu_util, sleeps=not args.vllm_awake) if args.vllm_gpu_util else None
+    vllm = None
+    if args.vllm_gpu_util:
+        vllm = VLLMShare(args.vllm_gpu_util, sleeps=not args.vllm_awake, tp=args.vllm_tp)
     settings = Settings(
         ep=args.ep,
         recompute=args.recompute,

@@ -29,6 +29,7 @@ from megatron_ba.planning.memory import (
     estimate,
     kv_cache_bytes_per_token,
 )
+from megatron_ba.planning.verdict import Verdict, assess
 from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep while training
@@ -98,6 +99,7 @@ class Plan:
             "chunked_logprobs": lo.chunked_logprobs,
             "logprobs": lo.logprob_mode,
             "fits": self.fits,
+            "why_not": self.verdict.reason,
             "memory_gib_per_gpu": round(self.estimate.total_gib, 2),
             "peak_phase": self.estimate.peak_phase,
             "worst_stage": self.estimate.worst_stage,
@@ -108,9 +110,17 @@ class Plan:
         }
 
     @property
+    def verdict(self) -> Verdict:
+        """planning.verdict.assess on this layout: the estimate, overheads included, within the
+        GPU's whole memory, and a colocated vLLM able to hold one sequence's KV cache."""
+        return assess(
+            self.shape, self.layout, gpu_mem_gib=self.gpu_mem_gib, vllm=self.vllm,
+            seq_len=self.seq_len,
+        )  # fmt: skip
+
+    @property
     def fits(self) -> bool:
-        """The verdict: the estimate, overheads included, within the GPU's whole memory."""
-        return self.estimate.total <= self.gpu_mem_gib * GIB
+        return self.verdict.fits
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -323,7 +333,8 @@ def propose(
             f"{gpus_per_node} GPUs of {gpu_mem_gib} GiB: the closest layout (tp={lo.tp} pp={lo.pp} "
             f"cp={lo.cp}, recompute={lo.recompute_mode}) needs {e.total_gib:.1f} GiB per GPU "
             f"({e.peak_gib:.1f} GiB of tensors against {budget / GIB:.1f} GiB usable with the "
-            f"headroom); add nodes, use GPUs with more memory or shorten --max-response-len",
+            f"headroom{'; ' + plan.verdict.reason if plan.verdict.reason else ''}); add nodes, use "
+            f"GPUs with more memory or shorten --max-response-len",
             closest=plan,
         )
 
