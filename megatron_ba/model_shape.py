@@ -58,6 +58,13 @@ class ModelShape:
     qk_layernorm: bool = False
     kv_channels: int | None = None
     tie_word_embeddings: bool = False
+    # Mixture of experts (0 experts: dense). Every layer's MLP is then a router over
+    # `num_experts` SwiGLU experts of `moe_ffn_hidden_size`, `moe_top_k` per token, plus a
+    # shared expert of `shared_expert_ffn_hidden_size` (0: none; Qwen2-MoE has one, Qwen3-MoE not).
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_top_k: int = 0
+    shared_expert_ffn_hidden_size: int = 0
     name: str = field(default="model", compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +84,10 @@ class ModelShape:
             raise ValueError(
                 f"kv_channels: must be an integer >= 1 or None, got {self.kv_channels!r}"
             )
+        if self.num_experts and not (self.moe_ffn_hidden_size >= 1 and self.moe_top_k >= 1):
+            raise ValueError(
+                f"num_experts={self.num_experts}: needs moe_ffn_hidden_size and moe_top_k >= 1"
+            )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_query_groups: {self.num_query_groups} must divide num_attention_heads "
@@ -91,7 +102,12 @@ class ModelShape:
         if missing:
             raise ValueError(f"--model {name}: config.json lacks {', '.join(missing)}")
         heads = int(cfg["num_attention_heads"])
-        qwen3 = cfg.get("model_type") == "qwen3"
+        qwen3 = str(cfg.get("model_type", "")).startswith("qwen3")
+        experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
+        if experts and not cfg.get("moe_intermediate_size"):
+            raise ValueError(
+                f"--model {name}: config.json has experts but no moe_intermediate_size"
+            )
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -107,6 +123,10 @@ class ModelShape:
             qk_layernorm=qwen3,
             kv_channels=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_experts=experts,
+            moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
+            moe_top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            shared_expert_ffn_hidden_size=_shared_ffn(cfg) if experts else 0,
             name=name,
         )
 
@@ -127,8 +147,17 @@ class ModelShape:
         if problems:
             raise ValueError("layout: " + "; ".join(problems))
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     # -- parameter counts -------------------------------------------------------------------
     def layer_params(self) -> int:
+        return self.layer_dense_params() + self.layer_expert_params()
+
+    def layer_dense_params(self) -> int:
+        """A layer's parameters outside the routed experts: attention, norms, the dense MLP (or,
+        for MoE, the router and the shared expert with its gate)."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
         attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections
@@ -136,8 +165,17 @@ class ModelShape:
             attn += q + 2 * kv
         if self.qk_layernorm:
             attn += 2 * d
-        mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
+        if self.is_moe:
+            mlp = h * self.num_experts  # the router
+            if self.shared_expert_ffn_hidden_size:
+                mlp += 3 * h * self.shared_expert_ffn_hidden_size + h  # + its sigmoid gate
+        else:
+            mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
         return attn + mlp + 2 * h  # + the two RMSNorms
+
+    def layer_expert_params(self) -> int:
+        """A layer's routed experts (sharded over expert parallelism): gate, up, down each."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
@@ -165,7 +203,21 @@ class ModelShape:
         backward needs both) and SwiGLU's output (the down projection's input)."""
         h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
-        return 4 * h + (q + 2 * kv) + q + 2 * f + f
+        if not self.is_moe:
+            return 4 * h + (q + 2 * kv) + q + 2 * f + f
+        # MoE: the router's logits, each of the top-k copies of the token as dispatched (the
+        # experts' input) and as returned (before the weighted sum), and per copy the expert's
+        # gate, up and SwiGLU outputs; the shared expert as a dense MLP.
+        k, fe, fs = self.moe_top_k, self.moe_ffn_hidden_size, self.shared_expert_ffn_hidden_size
+        return 4 * h + (q + 2 * kv) + q + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
+
+
+def _shared_ffn(cfg: dict) -> int:
+    """The shared expert's width: Qwen2-MoE's shared_expert_intermediate_size, or DeepSeek's
+    n_shared_experts x moe_intermediate_size."""
+    if cfg.get("shared_expert_intermediate_size"):
+        return int(cfg["shared_expert_intermediate_size"])
+    return int(cfg.get("n_shared_experts") or 0) * int(cfg.get("moe_intermediate_size") or 0)
 
 
 def _qwen3(name: str, **fields) -> ModelShape:
@@ -201,6 +253,49 @@ PRESETS: dict[str, ModelShape] = {
         kv_channels=128,
     ),
     "Qwen2.5-32B": ModelShape(152064, 5120, 64, 40, 8, 27648, name="Qwen2.5-32B"),
+    # The models of the public runs the planner is checked against (tests/fixtures/
+    # public_runs.json; docs/cluster-planning.md), from each config.json on the hub. The -Instruct
+    # and -Base variants have the same shape.
+    "Qwen2.5-7B": ModelShape(152064, 3584, 28, 28, 4, 18944, name="Qwen2.5-7B"),
+    "Qwen2.5-14B": ModelShape(152064, 5120, 48, 40, 8, 13824, name="Qwen2.5-14B"),
+    "Qwen2.5-72B": ModelShape(152064, 8192, 80, 64, 8, 29568, name="Qwen2.5-72B"),
+    "Qwen3-4B": _qwen3(
+        "Qwen3-4B",
+        vocab_size=151936,
+        hidden_size=2560,
+        num_layers=36,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=9728,
+        kv_channels=128,
+        tie_word_embeddings=True,
+    ),
+    "Qwen3-30B-A3B": _qwen3(
+        "Qwen3-30B-A3B",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        ffn_hidden_size=6144,
+        kv_channels=128,
+        num_experts=128,
+        moe_ffn_hidden_size=768,
+        moe_top_k=8,
+    ),
+    "Qwen3-235B-A22B": _qwen3(
+        "Qwen3-235B-A22B",
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=94,
+        num_attention_heads=64,
+        num_query_groups=4,
+        ffn_hidden_size=12288,
+        kv_channels=128,
+        num_experts=128,
+        moe_ffn_hidden_size=1536,
+        moe_top_k=8,
+    ),
     # The benchmarks' and the GPU check's real-sized shapes, from the public config.json
     # (Qwen2.5-0.5B and -1.5B tie the output layer to the embedding).
     "qwen2.5-0.5b": ModelShape(
@@ -249,7 +344,8 @@ PRESETS: dict[str, ModelShape] = {
 def preset(name: str) -> ModelShape:
     """A preset by name (case-insensitive; a hub id's `Qwen/` prefix is ignored)."""
     key = name.split("/")[-1].lower()
-    for preset_name, shape in PRESETS.items():
-        if preset_name.lower() == key:
-            return shape
+    for suffix in ("", "-instruct", "-base"):
+        for preset_name, shape in PRESETS.items():
+            if preset_name.lower() + suffix == key:
+                return shape
     raise KeyError(f"no preset {name!r}; presets: {', '.join(PRESETS)}")

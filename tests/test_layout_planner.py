@@ -117,8 +117,12 @@ def test_pipeline_stages_by_hand():
     per_layer = Q7.layer_activation_elements() * 2 * 8192
     assert e.worst_stage == 0
     assert e.activations_no_recompute == 2 * 14 * per_layer
-    with pytest.raises(ValueError, match="does not divide"):
-        estimate(Q7, Layout(1, 3, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
+    # pp not dividing the layers: megatron-core gives the remainder to the end stages; the
+    # fullest stage holds ceil(L / pp) layers (28 over 3: 10)
+    uneven = estimate(Q7, Layout(1, 3, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
+    assert uneven.activations_no_recompute == 3 * 10 * Q7.layer_activation_elements() * 2 * 1024
+    with pytest.raises(ValueError, match="--pp 29"):
+        estimate(Q7, Layout(1, 29, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
 
 
 def test_vllm_share():
@@ -206,3 +210,150 @@ def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):
     policy = types.SimpleNamespace(spec=types.SimpleNamespace(max_position_embeddings=64))
     rollouts._vllm_engine(recipe, ROOT, policy, None)
     assert seen["gpu_memory_utilization"] == 0.45
+
+
+QWEN3_30B_A3B_CONFIG = {  # Qwen/Qwen3-30B-A3B's config.json, the keys the planner reads
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+
+
+def test_moe_shape_from_config_and_preset(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    shape = load_model(str(tmp_path / "config.json"))
+    assert shape == ModelShape(**{**PRESETS["Qwen3-30B-A3B"].__dict__, "name": shape.name})
+    attn = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128  # q, k, v, o, q/k norms
+    assert shape.layer_dense_params() == attn + 2048 * 128 + 2 * 2048  # + router, two norms
+    assert shape.layer_expert_params() == 128 * 3 * 2048 * 768
+    assert round(shape.total_params() / 1e9, 2) == 30.53  # the card: 30.5B
+    assert round(PRESETS["Qwen3-235B-A22B"].total_params() / 1e9, 1) == 235.1  # card: 235B
+    shared = {**QWEN3_30B_A3B_CONFIG, "shared_expert_intermediate_size": 5632}
+    (tmp_path / "config.json").write_text(json.dumps(shared))
+    with_shared = load_model(str(tmp_path))
+    assert with_shared.layer_dense_params() == shape.layer_dense_params() + 3 * 2048 * 5632 + 2048
+    del shared["moe_intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(shared))
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        load_model(str(tmp_path))
+
+
+def test_expert_parallelism_shards_experts_and_their_optimizer():
+    moe = PRESETS["Qwen3-30B-A3B"]
+    lo = Layout(tp=2, pp=1, cp=1, dp=8, micro_batch_tokens=4096, ep=8)
+    e = estimate(moe, lo, gpu_mem_gib=80, vllm=None)
+    dense = stage_params(moe, 1, 0, experts=False) / 2
+    experts = stage_params(moe, 1, 0, experts=True) / 8
+    assert e.weights == (dense + experts) * 2
+    assert e.grads == (dense + experts) * 4
+    # dense states over DP x CP = 8; experts over their data-parallel group, tp cp dp / ep = 2
+    assert e.optimizer == (dense / 8 + experts / 2) * 12
+    hybrid = estimate(moe, Layout(2, 1, 1, 8, 4096, ep=8, cpu_adam=0.75), gpu_mem_gib=80)
+    assert hybrid.optimizer == e.optimizer / 4
+    replicated = estimate(moe, Layout(2, 1, 1, 8, 4096, ep=8, distributed_optimizer=False),
+                          gpu_mem_gib=80)  # fmt: skip
+    assert replicated.optimizer == (dense + experts) * 12
+    with pytest.raises(ValueError, match="--ep 3"):
+        estimate(moe, Layout(2, 1, 1, 8, 4096, ep=3), gpu_mem_gib=80)
+    with pytest.raises(ValueError, match=r"--ep 2: .* dense"):
+        estimate(Q7, Layout(2, 1, 1, 8, 4096, ep=2), gpu_mem_gib=80)
+
+
+def test_offload_modes_and_overheads():
+    lo = Layout(tp=2, pp=1, cp=1, dp=4, micro_batch_tokens=10240)
+    share = VLLMShare(0.6, sleeps=True, tp=1)
+    auto = estimate(Q7, lo, gpu_mem_gib=80, vllm=share)
+    kept = estimate(Q7, Layout(**{**lo.__dict__, "offload": "none"}), gpu_mem_gib=80, vllm=share)
+    gone = estimate(Q7, Layout(**{**lo.__dict__, "offload": "states"}), gpu_mem_gib=80, vllm=share)
+    assert auto.generate_phase == auto.weights + 48 * GIB  # the weights stay while vLLM sleeps
+    assert kept.generate_phase == kept.weights + kept.grads + kept.optimizer + 48 * GIB
+    assert gone.generate_phase == 48 * GIB
+    assert gone.train_phase == kept.train_phase == auto.train_phase  # all back for the update
+    # overheads: outside PyTorch, and a fraction of what PyTorch holds (vLLM's pool excluded)
+    from megatron_ba.planning.memory import FRAGMENTATION, NON_TORCH_GIB
+
+    assert kept.peak_phase == "generate"
+    torch_part = kept.generate_phase - 48 * GIB
+    assert kept.total == pytest.approx(kept.peak + NON_TORCH_GIB * GIB + FRAGMENTATION * torch_part)
+    # a reference policy's weights stay in both phases
+    ref = estimate(Q7, Layout(**{**lo.__dict__, "reference": True}), gpu_mem_gib=80, vllm=share)
+    assert ref.generate_phase == auto.generate_phase + auto.weights
+    # selective recomputation keeps what none keeps (flash attention saves no scores)
+    sel = estimate(Q7, Layout(**{**lo.__dict__, "recompute": "selective"}), gpu_mem_gib=80)
+    assert sel.activations == auto.activations_no_recompute
+
+
+def test_layout_command_new_flags(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B_CONFIG))
+    base = ["layout", "--nodes", "2", "--gpus-per-node", "8", "--json"]
+    args = [*base, "--model-config", str(tmp_path), "--gpu", "H100", "--seq-len", "1536",
+            "--tp", "4", "--pp", "2", "--ep", "8", "--recompute", "full", "--micro-batch-size",
+            "4", "--offload", "none,cpu-adam=0.5"]  # fmt: skip
+    assert cli_main(args) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert (j["tp"], j["pp"], j["ep"], j["dp"], j["recompute_mode"]) == (4, 2, 8, 2, "full")
+    assert j["micro_batch_tokens"] == 4 * 1536 and j["cpu_adam"] == 0.5 and j["fits"] is True
+    assert j["gpu_mem_gib"] == 79.11 and j["peak_phase"] in ("train", "generate")
+    # a layout that cannot fit: exit 1, the closest printed with fits false
+    big = [*base, "--model", "Qwen2.5-72B", "--gpu-mem", "80", "--seq-len", "8192", "--tp", "1",
+           "--pp", "1", "--cp", "1", "--vllm-gpu-util", "0"]  # fmt: skip
+    assert cli_main(big) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["fits"] is False and "does not fit" in out.err
+    for bad, message in (
+        (["--gpu", "V100"], "--gpu V100"),
+        (["--gpu", "H100", "--gpu-mem", "80"], "--gpu or --gpu-mem"),
+        (["--offload", "disk"], "--offload disk"),
+        (["--offload", "cpu-adam=2"], "F must be in"),
+        (["--ep", "0"], "--ep: must be >= 1"),
+    ):
+        gpu = [] if "--gpu" in bad else ["--gpu", "H100"]
+        cmd = [*base, "--model", "Qwen3-30B-A3B", "--seq-len", "1024", *gpu, *bad]
+        assert cli_main(cmd) == 2, bad
+        assert message in capsys.readouterr().err
+
+
+def test_launch_memory_check(tmp_path, capsys):
+    """The launcher's verdict on a recipe: the shipped 32B recipe at 80 GiB per GPU, through
+    python -m megatron_ba.planning.launch fit with the checkpoint's config.json."""
+    from megatron_ba.planning import launch
+
+    s = PRESETS["Qwen2.5-32B"]
+    cfg = {"model_type": "qwen2", "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
+           "num_attention_heads": s.num_attention_heads, "intermediate_size": s.ffn_hidden_size,
+           "num_key_value_heads": s.num_query_groups, "vocab_size": s.vocab_size}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    recipe = str(ROOT / "recipes/qwen2.5-32b-dapo17k-16k.yaml")
+    fit = ["fit", recipe, f"model.pretrained={tmp_path}", "--nodes", "4", "--gpus-per-node", "8",
+           "--gpu-mem", "80"]  # fmt: skip
+    assert launch.main([*fit, "rollout.engine_tp=4"]) == 0
+    assert "RECIPE_TP=4" in capsys.readouterr().out
+    assert launch.main([*fit, "rollout.engine_tp=4", "parallel.recompute=none"]) == launch.FIT_EXIT
+    assert "it fits with parallel.recompute=full" in capsys.readouterr().err
+    # as shipped (rollout.engine_tp 1): a one-GPU vLLM engine cannot hold the 32B weights
+    assert launch.main(fit) == launch.FIT_EXIT
+    assert "it fits with rollout.engine_tp=2" in capsys.readouterr().err
+
+
+def test_vllm_engine_tp_is_part_of_the_verdict(capsys):
+    """A one-GPU engine cannot hold the 32B weights in 0.6 of 80 GiB: no layout fits, the
+    closest says why; with --vllm-tp 2 the shipped recipe's layout comes back."""
+    args = ["layout", "--model", "Qwen2.5-32B", "--nodes", "4", "--gpus-per-node", "8",
+            "--gpu-mem", "80", "--max-response-len", "16384", "--prompt-len", "1024",
+            "--group-size", "16", "--prompts-per-step", "128", "--json"]  # fmt: skip
+    assert cli_main([*args, "--vllm-tp", "1"]) == 1
+    out = capsys.readouterr()
+    j = json.loads(out.out)
+    assert j["fits"] is False and "cannot hold one sequence's KV cache" in j["why_not"]
+    assert cli_main([*args, "--vllm-tp", "2"]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert (j["tp"], j["micro_batch_size"], j["fits"], j["why_not"]) == (4, 2, True, "")

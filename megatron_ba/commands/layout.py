@@ -2,12 +2,14 @@
 
     megatron-ba layout --model Qwen2.5-Math-7B --nodes 4 --gpus-per-node 8 --gpu-mem 80 \\
         --max-response-len 3584 --group-size 16 --prompts-per-step 32
-    megatron-ba layout --model path/to/config.json --nodes 8 --gpus-per-node 8 --gpu-mem 80 \\
-        --max-response-len 12288 --json
+    megatron-ba layout --model-config path/to/config.json --nodes 2 --gpus-per-node 8 \\
+        --gpu H100 --seq-len 10240 --tp 4 --pp 2 --ep 8 --recompute full --json
 
-Models: the presets Qwen2.5-Math-7B, Qwen3-1.7B, Qwen2.5-32B, or any HF config.json (or a folder
-holding one). The estimate's terms and assumptions: megatron_ba/planning/memory.py; how it
-compares with layouts known to run: docs/cluster-planning.md.
+Models: the presets of megatron_ba.model_shape.PRESETS (dense and MoE), or any HF config.json
+(or a folder holding one) through --model or --model-config. The estimate's terms and
+assumptions: megatron_ba/planning/memory.py; its verdicts against public runs that ran or went
+out of memory: docs/cluster-planning.md. Exit status: 0 a layout fits, 1 none does (with
+--json the closest is printed, "fits" false), 2 a bad option.
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ import argparse
 import json
 import sys
 
-from megatron_ba.planning.cluster_layout import NoLayoutFits, propose
-from megatron_ba.planning.memory import VLLMShare, load_model
+from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
+from megatron_ba.planning.memory import LOGPROBS, RECOMPUTE, VLLMShare, load_model
+from megatron_ba.planning.verdict import GPU_MEMORY_GIB, gpu_memory_gib
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name or HF config.json (or its folder)")
+    p.add_argument("--model", help="preset name or HF config.json (or its folder)")
+    p.add_argument("--model-config", metavar="PATH", help="an HF config.json (dense or MoE)")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--gpu-mem", type=float, required=True, metavar="GIB", help="GiB per GPU")
-    p.add_argument("--max-response-len", type=int, required=True, help="tokens per response")
+    p.add_argument("--gpu-mem", type=float, metavar="GIB", help="GiB per GPU")
+    p.add_argument("--gpu", help=f"GPU model, for its memory: {', '.join(GPU_MEMORY_GIB)}")
+    p.add_argument("--max-response-len", type=int, help="tokens per response")
     p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default 512)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (prompt + response; SFT)")
     p.add_argument("--group-size", type=int, help="responses per prompt (grpo.group_size)")
     p.add_argument("--prompts-per-step", type=int, help="prompts per step (grpo.prompts_per_step)")
     p.add_argument(
@@ -36,8 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=VLLM_GPU_MEMORY_UTILIZATION,
         help=(
             "colocated vLLM's share of the GPU while it generates (the recipe's "
-            f"rollout.gpu_memory_utilization; default {VLLM_GPU_MEMORY_UTILIZATION}; 0: no vLLM)"
+            f"rollout.gpu_memory_utilization; default {VLLM_GPU_MEMORY_UTILIZATION}; 0: no vLLM "
+            "on these GPUs: SFT or a separate engine)"
         ),
+    )
+    p.add_argument(
+        "--vllm-tp",
+        type=int,
+        metavar="N",
+        help="the colocated vLLM engine's tensor parallelism (rollout.engine_tp; default: --tp's)",
     )
     p.add_argument(
         "--vllm-awake",
@@ -47,50 +60,148 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--headroom", type=float, default=0.1, help="fraction of the GPU kept free (default 0.1)"
     )
-    for name in ("tp", "pp", "cp"):
-        p.add_argument(f"--{name}", type=int, help=f"pin {name} (estimate a given layout)")
+    _setting_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run(args: argparse.Namespace) -> int:
+def _setting_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout, recomputation, offload, batching and optimiser options."""
+    for name in ("tp", "pp", "cp"):
+        p.add_argument(f"--{name}", type=int, help=f"pin {name} (estimate a given layout)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE; default 1)")
+    p.add_argument(
+        "--recompute", choices=RECOMPUTE, help="pin activation recomputation (default: searched)"
+    )
+    p.add_argument(
+        "--offload",
+        default="auto",
+        metavar="MODE",
+        help=(
+            "none (weights, gradients, optimiser stay on the GPU while vLLM generates), states "
+            "(all three leave it between phases: verl's offload), cpu-adam[=F] (megatron's "
+            "hybrid CPU Adam keeps F of the optimiser on the CPU, default 1), or a comma list "
+            "such as states,cpu-adam=1 (default auto: the weights stay while vLLM sleeps)"
+        ),
+    )
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument(
+        "--micro-batch-size", type=int, metavar="M", help="sequences per micro-batch"
+    )
+    batch.add_argument(
+        "--max-tokens-per-gpu",
+        type=int,
+        metavar="T",
+        help="dynamic batching / packing: tokens per micro-batch on each GPU",
+    )
+    p.add_argument(
+        "--logprobs",
+        choices=LOGPROBS,
+        default="chunked",
+        help=(
+            "the log-prob / loss path over the vocabulary: chunked (megatron-ba's, default), "
+            "megatron (megatron-core's vocab-parallel cross entropy, fp32 softmax), naive"
+        ),
+    )
+    p.add_argument(
+        "--no-distributed-optimizer",
+        action="store_true",
+        help="optimiser states replicated on every data-parallel rank",
+    )
+
+
+def parse_offload(text: str) -> tuple[str, float]:
+    """--offload's value -> (the Layout's offload mode, hybrid CPU Adam's fraction)."""
+    mode, cpu_adam = "auto", 0.0
+    for part in (x.strip() for x in text.split(",")):
+        name, _, value = part.partition("=")
+        if name in ("auto", "none", "states") and not value:
+            mode = name
+        elif name == "cpu-adam":
+            try:
+                cpu_adam = float(value) if value else 1.0
+            except ValueError:
+                raise ValueError(
+                    f"--offload {text}: cpu-adam=F needs a number, got {value!r}"
+                ) from None
+            if not 0 < cpu_adam <= 1:
+                raise ValueError(f"--offload {text}: cpu-adam=F: F must be in (0, 1]")
+        else:
+            raise ValueError(
+                f"--offload {text}: each of none, states, cpu-adam[=F] (comma-separated)"
+            )
+    return mode, cpu_adam
+
+
+def _check(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for what argparse cannot check."""
     for flag, value in (
         ("--group-size", args.group_size),
         ("--prompts-per-step", args.prompts_per_step),
+        ("--ep", args.ep),
+        ("--micro-batch-size", args.micro_batch_size),
+        ("--max-tokens-per-gpu", args.max_tokens_per_gpu),
+        ("--seq-len", args.seq_len),
+        ("--vllm-tp", args.vllm_tp),
     ):
         if value is not None and value < 1:
-            print(f"layout: {flag}: must be >= 1, got {value}", file=sys.stderr)
-            return 2
+            raise ValueError(f"{flag}: must be >= 1, got {value}")
     if not 0 <= args.vllm_gpu_util < 1:
-        print(
-            f"layout: --vllm-gpu-util: must be in [0, 1), got {args.vllm_gpu_util}", file=sys.stderr
-        )
-        return 2
-    vllm = VLLMShare(args.vllm_gpu_util, sleeps=not args.vllm_awake) if args.vllm_gpu_util else None
+        raise ValueError(f"--vllm-gpu-util: must be in [0, 1), got {args.vllm_gpu_util}")
+    if (args.model is None) == (args.model_config is None):
+        raise ValueError("--model or --model-config: give exactly one")
+    if (args.gpu is None) == (args.gpu_mem is None):
+        raise ValueError("--gpu or --gpu-mem: give exactly one")
+    if (args.seq_len is None) == (args.max_response_len is None):
+        raise ValueError("--seq-len or --max-response-len: give exactly one")
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        shape = load_model(args.model)
+        _check(args)
+        offload, cpu_adam = parse_offload(args.offload)
+        gpu_mem = args.gpu_mem if args.gpu_mem is not None else gpu_memory_gib(args.gpu)
+        shape = load_model(args.model or args.model_config)
+    except ValueError as e:
+        print(f"layout: {e}", file=sys.stderr)
+        return 2
+    vllm = None
+    if args.vllm_gpu_util:
+        vllm = VLLMShare(args.vllm_gpu_util, sleeps=not args.vllm_awake, tp=args.vllm_tp)
+    settings = Settings(
+        ep=args.ep,
+        recompute=args.recompute,
+        micro_batch_size=args.micro_batch_size,
+        max_tokens_per_gpu=args.max_tokens_per_gpu,
+        offload=offload,
+        cpu_adam=cpu_adam,
+        distributed_optimizer=not args.no_distributed_optimizer,
+        logprobs=args.logprobs,
+    )
+    try:
         plan = propose(
             shape,
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
-            gpu_mem_gib=args.gpu_mem,
-            max_response_len=args.max_response_len,
-            prompt_len=args.prompt_len,
+            gpu_mem_gib=gpu_mem,
+            max_response_len=args.max_response_len or args.seq_len,
+            prompt_len=args.prompt_len if args.seq_len is None else 0,
+            seq_len=args.seq_len,
             group_size=args.group_size,
             prompts_per_step=args.prompts_per_step,
             vllm=vllm,
             headroom=args.headroom,
             only={"tp": args.tp, "pp": args.pp, "cp": args.cp},
+            settings=settings,
         )
     except NoLayoutFits as e:
         print(f"layout: {e}", file=sys.stderr)
+        if args.json and e.closest is not None:
+            print(json.dumps(e.closest.to_json(), indent=2))
         return 1
     except ValueError as e:
         print(f"layout: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
-        return 0
-    print(_text(plan))
+    print(json.dumps(plan.to_json(), indent=2) if args.json else _text(plan))
     return 0
 
 
@@ -100,17 +211,19 @@ def _text(plan) -> str:
     lines = [
         f"{j['model']} ({j['params_billion']} B parameters) on {j['nodes']} x {j['gpus_per_node']}"
         f" GPUs of {j['gpu_mem_gib']} GiB, {j['seq_len']} tokens per sequence:",
-        f"  layout: tp={j['tp']} pp={j['pp']} cp={j['cp']} dp={j['dp']}, micro-batch "
+        f"  layout: tp={j['tp']} pp={j['pp']} cp={j['cp']} dp={j['dp']} ep={j['ep']}, micro-batch "
         f"{j['micro_batch_size']} sequence(s) = {j['micro_batch_tokens']} tokens "
-        f"({j['micro_batch_tokens_per_gpu']} per GPU), recompute={j['recompute']}",
-        f"  per GPU (worst pipeline stage {j['worst_stage']}): {j['memory_gib_per_gpu']} GiB",
-        f"    weights {b['weights']}  gradients {b['grads']}  optimizer (distributed) "
-        f"{b['optimizer']}",
+        f"({j['micro_batch_tokens_per_gpu']} per GPU), recompute={j['recompute_mode']}",
+        f"  per GPU (worst pipeline stage {j['worst_stage']}, {j['peak_phase']} phase): "
+        f"{j['memory_gib_per_gpu']} GiB, fits={j['fits']}",
+        f"    weights {b['weights']}  gradients {b['grads']}  optimizer "
+        f"({'distributed' if j['distributed_optimizer'] else 'replicated'}) {b['optimizer']}",
         f"    activations {b['activations']} (no recompute {b['activations_no_recompute']}, "
         f"full recompute {b['activations_full_recompute']})",
         f"    logits {b['logits']} (naive {b['logits_naive']}, chunked {b['logits_chunked']})",
         f"    vLLM while training {b['vllm_train_phase']}; training phase {b['train_phase']}, "
         f"generation phase {b['generate_phase']} (vLLM KV cache {b['vllm_kv_cache']})",
+        f"    CUDA context, NCCL buffers, fragmentation {b['overhead']}",
         "  recipe overrides: " + " ".join(j["overrides"]),
     ]
     for a in j["alternatives"]:

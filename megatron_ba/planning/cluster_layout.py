@@ -29,6 +29,7 @@ from megatron_ba.planning.memory import (
     estimate,
     kv_cache_bytes_per_token,
 )
+from megatron_ba.planning.verdict import Verdict, assess
 from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep while training
@@ -63,10 +64,10 @@ class Plan:
         ]
         if lo.tp > 1 and lo.sequence_parallel:
             out.append("parallel.sequence_parallel=true")
-        if lo.recompute:
-            out.append("parallel.recompute=full")
+        if lo.recompute_mode != "none":
+            out.append(f"parallel.recompute={lo.recompute_mode}")
         auto = lo.micro_batch_tokens > AUTO_CHUNK_ABOVE and lo.logprob_chunk == AUTO_CHUNK
-        if lo.chunked_logprobs and not auto:
+        if lo.logprob_mode == "chunked" and not auto:
             out.append(f"parallel.logprob_chunk_size={lo.logprob_chunk}")
         if self.vllm is not None:
             out.append(f"rollout.gpu_memory_utilization={self.vllm.gpu_util}")
@@ -89,9 +90,18 @@ class Plan:
             "micro_batch_size": self.micro_batch_size,
             "micro_batch_tokens": lo.micro_batch_tokens,
             "micro_batch_tokens_per_gpu": lo.micro_batch_tokens // lo.cp,
+            "ep": lo.ep,
             "recompute": lo.recompute,
+            "recompute_mode": lo.recompute_mode,
+            "offload": lo.offload,
+            "cpu_adam": lo.cpu_adam,
+            "distributed_optimizer": lo.distributed_optimizer,
             "chunked_logprobs": lo.chunked_logprobs,
-            "memory_gib_per_gpu": round(self.estimate.peak_gib, 2),
+            "logprobs": lo.logprob_mode,
+            "fits": self.fits,
+            "why_not": self.verdict.reason,
+            "memory_gib_per_gpu": round(self.estimate.total_gib, 2),
+            "peak_phase": self.estimate.peak_phase,
             "worst_stage": self.estimate.worst_stage,
             "breakdown_gib": self.estimate.breakdown_gib(),
             "sequences_per_step": self.sequences_per_step,
@@ -99,12 +109,47 @@ class Plan:
             "alternatives": self.alternatives,
         }
 
+    @property
+    def verdict(self) -> Verdict:
+        """planning.verdict.assess on this layout: the estimate, overheads included, within the
+        GPU's whole memory, and a colocated vLLM able to hold one sequence's KV cache."""
+        return assess(
+            self.shape, self.layout, gpu_mem_gib=self.gpu_mem_gib, vllm=self.vllm,
+            seq_len=self.seq_len,
+        )  # fmt: skip
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict.fits
+
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
 
 
 class NoLayoutFits(UserError):
-    """No layout holds one sequence per micro-batch; the message says what came closest."""
+    """No layout holds one sequence per micro-batch; the message says what came closest, and
+    `closest` is that layout's Plan (its `fits` may still be true: within the GPU, not within
+    the headroom)."""
+
+    def __init__(self, message: str, closest: Plan | None = None):
+        super().__init__(message)
+        self.closest = closest
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the search does not choose: expert parallelism, recomputation (None: none, then full
+    where needed), micro-batch (sequences, or tokens per GPU; None: the largest that fits),
+    offload, hybrid CPU Adam's fraction, the distributed optimiser."""
+
+    ep: int = 1
+    recompute: str | None = None
+    micro_batch_size: int | None = None
+    max_tokens_per_gpu: int | None = None
+    offload: str = "auto"
+    cpu_adam: float = 0.0
+    distributed_optimizer: bool = True
+    logprobs: str = "chunked"
 
 
 def _divisors(n: int) -> list[int]:
@@ -124,26 +169,118 @@ def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len
                 yield tp, pp, cp, world // mp
 
 
-def _fit_micro_batch(shape, base: Layout, seq_len, budget, gpu_mem_gib, vllm, max_mbs):
-    """The largest micro-batch size (1..max_mbs) whose estimate is within budget, or 0."""
-    kv_per_seq = kv_cache_bytes_per_token(shape, base.tp) * seq_len
+def _fit_micro_batch(shape, base: Layout, seq_len, budget, gpu_mem_gib, vllm, max_mbs, fixed):
+    """The largest micro-batch size (1..max_mbs) that fits, or 0; with `fixed` (tokens of a
+    micro-batch) only that one. Fits: the tensors' peak within `budget` (the GPU less the
+    headroom, which stands for what the estimate leaves out and its error) and the whole
+    estimate, overheads included, within the GPU."""
+    gpu = gpu_mem_gib * GIB
+
+    def over(e):
+        return e.peak > budget or e.total > gpu
+
+    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or base.tp
+    kv_per_seq = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
 
     def est(mbs):
-        lo = Layout(**{**asdict(base), "micro_batch_tokens": mbs * seq_len})
+        tokens = fixed if fixed else mbs * seq_len
+        lo = Layout(**{**asdict(base), "micro_batch_tokens": tokens})
         return lo, estimate(shape, lo, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
 
     lo, e = est(1)
-    if e.peak > budget or (vllm is not None and e.vllm_kv_cache < kv_per_seq):
+    if over(e) or (vllm is not None and e.vllm_kv_cache < kv_per_seq):
         return 0, lo, e  # the trainer does not fit, or vLLM cannot hold one sequence's KV cache
-    good = (1, lo, e)
+    good = (max(1, lo.micro_batch_tokens // seq_len), lo, e)
     mbs = 2
-    while mbs <= max_mbs:  # memory grows linearly in the micro-batch: doubling then stop
+    while mbs <= max_mbs and not fixed:  # memory grows linearly in the micro-batch: doubling
         lo, e = est(mbs)
-        if e.peak > budget:
+        if over(e):
             break
         good = (mbs, lo, e)
         mbs *= 2
     return good
+
+
+def _base_layout(tp, pp, cp, dp, seq_len, recompute, settings: Settings) -> Layout:
+    return Layout(
+        tp,
+        pp,
+        cp,
+        dp,
+        seq_len,
+        recompute=recompute,
+        sequence_parallel=tp > 1,
+        ep=settings.ep,
+        distributed_optimizer=settings.distributed_optimizer,
+        offload=settings.offload,
+        cpu_adam=settings.cpu_adam,
+        logprobs=settings.logprobs,
+    )
+
+
+def _fixed_tokens(settings: Settings, seq_len: int, cp: int) -> int | None:
+    """Tokens of a micro-batch the settings fix: M whole sequences, or a token budget per GPU
+    (dynamic batching / packing: at most T tokens on each GPU, T x cp before CP splits them; at
+    least one whole sequence)."""
+    if settings.micro_batch_size:
+        return settings.micro_batch_size * seq_len
+    if settings.max_tokens_per_gpu:
+        return max(settings.max_tokens_per_gpu * cp, seq_len)
+    return None
+
+
+def _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_len, headroom):
+    for name, value in (
+        ("--nodes", nodes),
+        ("--gpus-per-node", gpus_per_node),
+        ("--max-response-len", max_response_len),
+    ):
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    if gpu_mem_gib <= 0:
+        raise ValueError(f"--gpu-mem: must be > 0 GiB, got {gpu_mem_gib}")
+    if prompt_len < 0:
+        raise ValueError(f"--prompt-len: must be >= 0, got {prompt_len}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom: must be in [0, 1), got {headroom}")
+
+
+def _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit):
+    """(every fitting (layout, estimate, mbs), the closest (layout, estimate) of all tried);
+    `fit(base, limit, fixed)` is _fit_micro_batch with the budget bound."""
+    fits, closest = [], None
+    for tp, pp, cp, dp in candidate_layouts(shape, world, gpus_per_node, seq_len):
+        if any({"tp": tp, "pp": pp, "cp": cp}[k] != v for k, v in only.items()):
+            continue
+        if sequences is not None and sequences % dp:
+            continue  # each data-parallel rank takes an equal share of the step's sequences
+        if (tp * cp * dp) % settings.ep:
+            continue
+        limit = None if sequences is None else max(1, sequences // dp)
+        for recompute in (False, True) if settings.recompute is None else (settings.recompute,):
+            base = _base_layout(tp, pp, cp, dp, seq_len, recompute, settings)
+            mbs, lo, e = fit(base, limit, _fixed_tokens(settings, seq_len, cp))
+            if closest is None or e.total < closest[1].total:
+                closest = (lo, e)
+            if mbs:
+                fits.append((lo, e, mbs))
+                break  # recomputation only when a layout cannot fit without it
+    return fits, closest
+
+
+def _alternatives(fits) -> list[dict]:
+    return [
+        {
+            "tp": a.tp,
+            "pp": a.pp,
+            "cp": a.cp,
+            "dp": a.dp,
+            "micro_batch_size": m,
+            "recompute": a.recompute,
+            "memory_gib_per_gpu": round(ae.total_gib, 2),
+        }
+        for a, ae, m in fits[1:6]
+    ]
 
 
 def propose(
@@ -160,47 +297,27 @@ def propose(
     headroom: float = 0.1,
     max_micro_batch: int = 64,
     only: dict[str, int] | None = None,
+    settings: Settings = Settings(),
+    seq_len: int | None = None,
 ) -> Plan:
     """The proposal (see the module docstring); `only` pins some of tp/pp/cp (e.g. {"tp": 2})
-    to estimate a given layout instead of searching over it."""
-    for name, value in (
-        ("--nodes", nodes),
-        ("--gpus-per-node", gpus_per_node),
-        ("--max-response-len", max_response_len),
-    ):
-        if value < 1:
-            raise ValueError(f"{name}: must be >= 1, got {value}")
-    if gpu_mem_gib <= 0:
-        raise ValueError(f"--gpu-mem: must be > 0 GiB, got {gpu_mem_gib}")
-    if prompt_len < 0:
-        raise ValueError(f"--prompt-len: must be >= 0, got {prompt_len}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom: must be in [0, 1), got {headroom}")
+    to estimate a given layout instead of searching over it; `seq_len` (prompt + response)
+    replaces prompt_len + max_response_len."""
+    _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_len, headroom)
     sequences = None
     if group_size is not None and prompts_per_step is not None:
         sequences = group_size * prompts_per_step
-    seq_len = prompt_len + max_response_len
+    seq_len = seq_len or prompt_len + max_response_len
     seq_len += -seq_len % 64  # padded as megatron_ba's batching pads (and a multiple of 2 cp)
     world = nodes * gpus_per_node
     budget = (1 - headroom) * gpu_mem_gib * GIB
-    fits, closest = [], None
     only = {k: v for k, v in (only or {}).items() if v is not None}
-    for tp, pp, cp, dp in candidate_layouts(shape, world, gpus_per_node, seq_len):
-        if any({"tp": tp, "pp": pp, "cp": cp}[k] != v for k, v in only.items()):
-            continue
-        if sequences is not None and sequences % dp:
-            continue  # each data-parallel rank takes an equal share of the step's sequences
-        limit = (
-            max_micro_batch if sequences is None else max(1, min(max_micro_batch, sequences // dp))
-        )
-        for recompute in (False, True):
-            base = Layout(tp, pp, cp, dp, seq_len, recompute=recompute, sequence_parallel=tp > 1)
-            mbs, lo, e = _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, limit)
-            if closest is None or e.peak < closest[1].peak:
-                closest = (lo, e)
-            if mbs:
-                fits.append((lo, e, mbs))
-                break  # recomputation only when a layout cannot fit without it
+
+    def fit(base, limit, fixed):
+        most = max_micro_batch if limit is None else min(max_micro_batch, limit)
+        return _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, most, fixed)
+
+    fits, closest = _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit)
     if not fits:
         if closest is None:
             raise NoLayoutFits(
@@ -208,42 +325,24 @@ def propose(
                 f"(tp must divide {gpus_per_node} and the {shape.num_query_groups} KV heads)"
             )
         lo, e = closest
+        mbs = max(1, lo.micro_batch_tokens // seq_len)
+        plan = Plan(shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
+                    vllm=vllm)  # fmt: skip
         raise NoLayoutFits(
             f"{shape.name} at {seq_len} tokens per sequence does not fit {nodes} x "
             f"{gpus_per_node} GPUs of {gpu_mem_gib} GiB: the closest layout (tp={lo.tp} pp={lo.pp} "
-            f"cp={lo.cp}, recompute={lo.recompute}) needs {e.peak_gib:.1f} GiB per GPU against "
-            f"{budget / GIB:.1f} GiB usable; add nodes, use GPUs with more memory or shorten "
-            f"--max-response-len"
+            f"cp={lo.cp}, recompute={lo.recompute_mode}) needs {e.total_gib:.1f} GiB per GPU "
+            f"({e.peak_gib:.1f} GiB of tensors against {budget / GIB:.1f} GiB usable with the "
+            f"headroom{'; ' + plan.verdict.reason if plan.verdict.reason else ''}); add nodes, use "
+            f"GPUs with more memory or shorten --max-response-len",
+            closest=plan,
         )
 
     def rank(item):
         lo, _, mbs = item
-        return (lo.tp * lo.pp * lo.cp, lo.pp, lo.cp, lo.recompute, -mbs)
+        return (lo.tp * lo.pp * lo.cp, lo.pp, lo.cp, lo.recompute_mode != "none", -mbs)
 
     fits.sort(key=rank)
     lo, e, mbs = fits[0]
-    alternatives = [
-        {
-            "tp": a.tp,
-            "pp": a.pp,
-            "cp": a.cp,
-            "dp": a.dp,
-            "micro_batch_size": m,
-            "recompute": a.recompute,
-            "memory_gib_per_gpu": round(ae.peak_gib, 2),
-        }
-        for a, ae, m in fits[1:6]
-    ]
-    return Plan(
-        shape,
-        lo,
-        e,
-        mbs,
-        seq_len,
-        sequences,
-        nodes,
-        gpus_per_node,
-        gpu_mem_gib,
-        alternatives,
-        vllm=vllm,
-    )
+    return Plan(shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
+                _alternatives(fits), vllm=vllm)  # fmt: skip

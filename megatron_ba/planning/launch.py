@@ -12,17 +12,28 @@ or host list it cannot read exits 2 (slurm/lib.sh tells the two apart). `--gpus-
 means "not given and no GPU here": the CPU default, one gloo process per model-parallel rank.
 `--write-recipe PATH` saves the resolved recipe. `hosts` expands a Slurm host list (the fallback
 when `scontrol show hostnames` cannot run, e.g. a DRY_RUN away from any cluster).
+
+On GPUs it also asks the memory planner (planning/verdict.py, the verdict `megatron-ba layout`
+reports as "fits") whether the recipe's layout fits each GPU, for a recipe that trains a
+checkpoint whose config.json it can read: GPU memory from `--gpu-mem GIB`, else the environment's
+MBA_GPU_MEM_GIB, else `nvidia-smi` on this node (none of them: the check is skipped, and says so).
+A layout that does not fit exits 3 naming the single changes that would make it fit (e.g.
+"parallel.recompute=full (61.2 GiB)" or "parallel.cp=2").
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ba.planning.memory import Layout, VLLMShare, load_model
+from megatron_ba.planning.verdict import assess, remedies
 from megatron_ba.recipe import RecipeError, load_recipe
 
 
@@ -106,6 +117,67 @@ def _split_top_level(text: str) -> list[str]:
     return [x for x in out if x]
 
 
+def gpu_memory_here(given: float | None) -> float | None:
+    """GiB per GPU: `given`, else MBA_GPU_MEM_GIB, else nvidia-smi's first GPU, else None."""
+    if given is not None:
+        return given
+    if os.environ.get("MBA_GPU_MEM_GIB"):
+        return float(os.environ["MBA_GPU_MEM_GIB"])
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    first = out.stdout.strip().splitlines()[:1]
+    return float(first[0]) / 1024 if out.returncode == 0 and first else None  # MiB -> GiB
+
+
+def recipe_layout(recipe, dp: int) -> tuple[Layout, VLLMShare | None, int]:
+    """The planner's view of a recipe: its layout, colocated vLLM share, sequence length."""
+    p, g = recipe.parallel, recipe.grpo
+    seq_len = (recipe.data.max_prompt_tokens or 512) + g.max_new_tokens
+    tokens = p.max_tokens_per_microbatch or p.micro_batch_size * seq_len
+    layout = Layout(
+        p.tp, p.pp, p.cp, dp, tokens, recompute=p.recompute, sequence_parallel=p.sequence_parallel
+    )
+    r = recipe.rollout
+    vllm = None
+    if r.engine == "vllm":
+        vllm = VLLMShare(r.gpu_memory_utilization, sleeps=r.sleep, tp=r.engine_tp)
+    return layout, vllm, seq_len
+
+
+def check_memory(recipe, dp: int, gpus_per_node: int, gpu_mem_gib: float) -> str | None:
+    """None when the recipe's layout fits GPUs of `gpu_mem_gib`, else what to change (FitError
+    text); a recipe without a readable checkpoint config.json is not checked (None)."""
+    config = Path(recipe.model.pretrained or "", "config.json")
+    if not recipe.model.pretrained or not config.is_file():
+        return None
+    shape = load_model(str(config))
+    layout, vllm, seq_len = recipe_layout(recipe, dp)
+    v = assess(shape, layout, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len)
+    if v.fits:
+        return None
+    fixes = remedies(
+        shape,
+        layout,
+        gpu_mem_gib=gpu_mem_gib,
+        vllm=vllm,
+        seq_len=seq_len,
+        gpus_per_node=gpus_per_node,
+    )
+    say = ", or ".join(f"{key} ({gib} GiB)" for _, key, gib in fixes)
+    hint = f"it fits with {say}" if fixes else "no single change of the layout or vLLM's TP fits"
+    return (
+        f"the layout does not fit GPUs of {gpu_mem_gib:.1f} GiB: {v.reason}; {hint} "
+        f"(megatron-ba layout --help: the estimate)"
+    )
+
+
 def _fit(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -127,6 +199,19 @@ def _fit(args: argparse.Namespace) -> int:
     except FitError as e:
         print(f"launch: {args.recipe}: {e}", file=sys.stderr)
         return FIT_EXIT
+    gpu_mem = gpu_memory_here(args.gpu_mem) if args.gpus_per_node else None
+    if args.gpus_per_node and gpu_mem is None:
+        print("launch: GPU memory unknown (no --gpu-mem, MBA_GPU_MEM_GIB or nvidia-smi): the "
+              "memory check is skipped", file=sys.stderr)  # fmt: skip
+    elif gpu_mem is not None:
+        try:
+            problem = check_memory(recipe, fit["dp"], gpus, gpu_mem)
+        except ValueError as e:
+            print(f"launch: {args.recipe}: {e}", file=sys.stderr)
+            return 2
+        if problem:
+            print(f"launch: {args.recipe}: {problem}", file=sys.stderr)
+            return FIT_EXIT
     if args.write_recipe:
         Path(args.write_recipe).parent.mkdir(parents=True, exist_ok=True)
         recipe.dump(args.write_recipe)
@@ -170,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostlist", help="a Slurm host list, expanded into RECIPE_HOSTS")
     ap.add_argument("--gpus-per-node", type=int, default=0, help="0: CPU, tp*pp*cp processes")
     ap.add_argument("--write-recipe", help="save the resolved recipe here")
+    ap.add_argument("--gpu-mem", type=float, metavar="GIB", help="GiB per GPU (memory check)")
     args = ap.parse_intermixed_args(argv[1:])
     if args.nodes is None and args.hostlist is None:
         ap.error("give --nodes or --hostlist")

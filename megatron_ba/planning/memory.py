@@ -7,10 +7,12 @@
 The model is the megatron-core mixed-precision recipe the local backend and NeMo use: bf16
 weights, fp32 gradient buffers (grads are reduced in fp32), and the distributed optimiser's fp32
 master copy plus Adam's two moments, sharded over the data-parallel ranks (including CP, which
-megatron-core folds into the optimiser's sharding group). Everything is bytes per GPU on the
-worst pipeline stage. The figures are estimates with named assumptions (docs/cluster-planning.md
-compares them with layouts that are known to run); fragmentation, NCCL buffers and the CUDA
-context are not modelled here but kept as headroom by the layout search (cluster_layout.py).
+megatron-core folds into the optimiser's sharding group; a mixture of experts' routed experts
+over expert parallelism and their own data-parallel group). Everything is bytes per GPU on the
+worst pipeline stage, in two phases (training; generation by a colocated vLLM), plus the
+overheads (NON_TORCH_GIB, FRAGMENTATION below: memory outside PyTorch, the allocator's reserve).
+The figures are estimates with named assumptions; docs/cluster-planning.md checks their verdicts
+against public runs that ran or went out of memory (tests/test_public_record.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
-
-GIB = 1024**3
 
 
 def load_model(name_or_path: str) -> ModelShape:
@@ -58,6 +58,32 @@ class Precision:
 PRECISION = Precision()
 
 
+GIB = 1024**3
+
+# The overhead terms are physical, the same for every run (never fitted to one case), read off
+# two out-of-memory messages of megatron-core trainer processes that print the split:
+# * memory outside PyTorch's allocator (CUDA context, NCCL's communicator buffers, cuBLAS / TE
+#   workspaces): NON_TORCH_GIB per process, the mean of the two.
+#   https://github.com/THUDM/slime/issues/1767 (H100): 48.84 GiB in use by the trainer, 44.61
+#   allocated by PyTorch, 0.40 reserved and unallocated: 3.83 GiB outside;
+#   https://github.com/THUDM/slime/issues/1951 (H200): 88.83 in use, 82.55 allocated, 2.06
+#   reserved: 4.22 GiB outside.
+# * the caching allocator's reserved-but-unallocated memory: FRAGMENTATION of what PyTorch holds
+#   (the same messages: 0.40 of 45.0 GiB, 2.06 of 84.6 GiB; the larger, 2.4 %, rounded up).
+NON_TORCH_GIB = (3.83 + 4.22) / 2
+FRAGMENTATION = 0.025
+
+
+def overhead_bytes(torch_bytes: float) -> float:
+    """NON_TORCH_GIB + FRAGMENTATION of the `torch_bytes` PyTorch's allocator holds."""
+    return NON_TORCH_GIB * GIB + FRAGMENTATION * torch_bytes
+
+
+RECOMPUTE = ("none", "selective", "full")
+LOGPROBS = ("chunked", "megatron", "naive")
+OFFLOAD = ("auto", "none", "states")
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int
@@ -65,10 +91,36 @@ class Layout:
     cp: int
     dp: int
     micro_batch_tokens: int  # tokens of one micro-batch of one model replica, before CP splits it
-    recompute: bool = False  # full recomputation: keep each layer's input, redo the layer
+    # "none", "selective" (megatron-core's core-attention recompute: with flash attention it
+    # keeps what "none" keeps) or "full" (keep each layer's input, redo the layer); True / False
+    # are "full" / "none".
+    recompute: bool | str = False
     chunked_logprobs: bool = True  # megatron_ba.megatron.vocab_parallel's chunked path
     logprob_chunk: int = 1024  # its tokens per chunk
     sequence_parallel: bool = True  # with tp > 1: the norms' activations sharded over TP too
+    ep: int = 1  # expert parallelism (MoE; expert tensor parallelism 1)
+    distributed_optimizer: bool = True  # optimiser states sharded over DP x CP
+    # What the trainer keeps on the GPU while a colocated engine generates: "auto" (its weights
+    # while the engine sleeps, everything when it stays awake), "none" (nothing is offloaded:
+    # weights, gradients, optimiser stay: verl's offload off), "states" (weights, gradients and
+    # optimiser go to the CPU between phases and come back for the update: verl's offload on).
+    offload: str = "auto"
+    cpu_adam: float = 0.0  # the fraction of the optimiser megatron's hybrid CPU Adam keeps on CPU
+    reference: bool = False  # a reference policy's bf16 weights stay on the GPU (KL loss)
+    # The log-prob / loss path over the vocabulary: "chunked" (this project's), "megatron"
+    # (megatron-core's vocab-parallel cross entropy: an fp32 softmax), "naive" (autograd's
+    # log_softmax of fp32 logits); chunked_logprobs=False means "naive".
+    logprobs: str = "chunked"
+
+    @property
+    def logprob_mode(self) -> str:
+        return self.logprobs if self.chunked_logprobs else "naive"
+
+    @property
+    def recompute_mode(self) -> str:
+        if isinstance(self.recompute, bool):
+            return "full" if self.recompute else "none"
+        return self.recompute
 
 
 @dataclass(frozen=True)
@@ -80,6 +132,7 @@ class VLLMShare:
 
     gpu_util: float = VLLM_GPU_MEMORY_UTILIZATION  # the recipe's rollout.gpu_memory_utilization
     sleeps: bool = True  # the recipe's rollout.sleep
+    tp: int | None = None  # the engine's tensor parallelism (None: the trainer's tp)
 
 
 @dataclass
@@ -99,26 +152,44 @@ class MemoryEstimate:
     generate_phase: float  # what the trainer keeps while vLLM generates, + vLLM's reservation
     peak: float
     worst_stage: int
+    reference: float = 0.0  # a reference policy's weights kept on the GPU
+    overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation (overhead_bytes)
+    total: float = 0.0  # peak + overhead: what the GPU must hold
+    peak_phase: str = "train"  # "train" or "generate"
 
     def breakdown_gib(self) -> dict[str, float]:
-        return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k != "worst_stage"}
+        skip = ("worst_stage", "peak_phase")
+        return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k not in skip}
 
     @property
     def peak_gib(self) -> float:
         return self.peak / GIB
 
+    @property
+    def total_gib(self) -> float:
+        return self.total / GIB
 
-def stage_params(shape: ModelShape, pp: int, stage: int) -> int:
+
+def stage_layers(shape: ModelShape, pp: int) -> int:
+    """Layers of the fullest pipeline stage (megatron-core gives the remainder to the first and
+    last stages when pp does not divide them; the fullest stage has ceil(L / pp))."""
+    return -(-shape.num_layers // pp)
+
+
+def stage_params(shape: ModelShape, pp: int, stage: int, experts: bool | None = None) -> int:
     """Parameters held by pipeline `stage`: its layers, the embedding on the first, the output
-    layer (or, tied, its copy of the embedding) and the final norm on the last."""
-    n = shape.num_layers // pp * shape.layer_params()
+    layer (or, tied, its copy of the embedding) and the final norm on the last. experts: True
+    for only the routed experts' parameters, False for all the others, None for both."""
+    layers = stage_layers(shape, pp)
+    n_exp = layers * shape.layer_expert_params()
+    n = layers * shape.layer_dense_params()
     if stage == 0:
         n += shape.embedding_params()
     if stage == pp - 1:
         n += shape.hidden_size + (
             shape.head_params() or (shape.embedding_params() if pp > 1 else 0)
         )
-    return n
+    return {True: n_exp, False: n, None: n + n_exp}[experts]
 
 
 def estimate(
@@ -130,25 +201,56 @@ def estimate(
     precision: Precision = PRECISION,
 ) -> MemoryEstimate:
     """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks)."""
-    if shape.num_layers % layout.pp:
-        raise ValueError(f"pp={layout.pp} does not divide the {shape.num_layers} layers")
+    if layout.pp > shape.num_layers:
+        raise ValueError(f"--pp {layout.pp}: more stages than the {shape.num_layers} layers")
+    check_layout(shape, layout)
     best = None
     for stage in range(layout.pp):
         est = _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, precision)
-        if best is None or est.peak > best.peak:
+        if best is None or est.total > best.total:
             best = est
     return best
 
 
-def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
-    t, p, c, d = layout.tp, layout.pp, layout.cp, layout.dp
-    params = stage_params(shape, p, stage) / t  # TP shards every matrix (vocab-parallel too)
-    weights = params * prec.param_bytes
-    grads = params * prec.grad_bytes
-    optimizer = params * prec.optimizer_bytes / (d * c)
+def check_layout(shape: ModelShape, layout: Layout) -> None:
+    """ValueError naming the flag when expert parallelism or an option does not fit the model."""
+    if layout.ep > 1 and not shape.is_moe:
+        raise ValueError(f"--ep {layout.ep}: {shape.name} is dense (no experts to split)")
+    if shape.is_moe and shape.num_experts % layout.ep:
+        raise ValueError(f"--ep {layout.ep}: does not divide the {shape.num_experts} experts")
+    if (layout.tp * layout.cp * layout.dp) % layout.ep:
+        raise ValueError(
+            f"--ep {layout.ep}: must divide tp x cp x dp = "
+            f"{layout.tp * layout.cp * layout.dp} (the ranks of one pipeline stage)"
+        )
+    if layout.recompute_mode not in RECOMPUTE:
+        raise ValueError(f"--recompute: one of {', '.join(RECOMPUTE)}, got {layout.recompute!r}")
+    if layout.logprob_mode not in LOGPROBS:
+        raise ValueError(f"--logprobs: one of {', '.join(LOGPROBS)}, got {layout.logprobs!r}")
+    if layout.offload not in OFFLOAD:
+        raise ValueError(f"--offload: one of {', '.join(OFFLOAD)}, got {layout.offload!r}")
+    if not 0 <= layout.cpu_adam <= 1:
+        raise ValueError(f"--offload cpu-adam=F: F must be in [0, 1], got {layout.cpu_adam}")
 
+
+def _states(shape, layout, stage, prec):
+    """Weights, gradients and the optimiser's GPU part of one stage, per GPU."""
+    t, c, d, e = layout.tp, layout.cp, layout.dp, layout.ep
+    dense = stage_params(shape, layout.pp, stage, experts=False) / t  # TP shards every matrix
+    experts = stage_params(shape, layout.pp, stage, experts=True) / e  # expert TP 1
+    params = dense + experts
+    if layout.distributed_optimizer:  # experts' data-parallel group: t c d / e ranks
+        opt_params = dense / (d * c) + experts * e / (t * c * d)
+    else:
+        opt_params = params
+    optimizer = opt_params * prec.optimizer_bytes * (1 - layout.cpu_adam)
+    return params * prec.param_bytes, params * prec.grad_bytes, optimizer
+
+
+def _activations(shape, layout, stage, prec):
+    t, p, c = layout.tp, layout.pp, layout.cp
     tokens = layout.micro_batch_tokens / c  # CP splits every sequence across c ranks
-    layers = shape.num_layers // p
+    layers = stage_layers(shape, p)
     # 1F1B: stage s has min(p - s, micro-batches) forwards in flight before its first backward;
     # the planner assumes at least p micro-batches per step (it proposes enough).
     in_flight = p - stage
@@ -161,35 +263,54 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
         shape.hidden_size * prec.act_bytes * tokens / (t if layout.sequence_parallel else 1)
     )
     full_recompute = in_flight * layers * kept_inputs + per_layer  # + one layer being redone
-    activations = full_recompute if layout.recompute else no_recompute
+    return no_recompute, full_recompute, tokens
 
-    logits_naive = logits_chunked = 0.0
-    if stage == p - 1:
-        v_local = shape.vocab_size / t
-        # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
-        # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
-        # "Vocab-parallel log-prob": 5935 MiB extra at T 16,384 x V/TP 18,992).
-        logits_naive = tokens * v_local * (prec.logits_bytes + 20)
-        # chunked: the bf16 logits and their gradient, two fp32 chunk buffers of C x V/t (742 MiB
-        # extra measured at C 1024 there: 594 MiB gradient + 2 x 1024 x 18,992 x 4 bytes).
-        chunk = min(layout.logprob_chunk, tokens)
-        logits_chunked = tokens * v_local * 2 * prec.logits_bytes + 2 * chunk * v_local * 4
-    logits = logits_chunked if layout.chunked_logprobs else logits_naive
+
+def _logits(shape, layout, stage, tokens, prec):
+    """(naive, chunked, megatron) bytes of the log-prob path on this stage."""
+    if stage != layout.pp - 1:
+        return 0.0, 0.0, 0.0
+    v_local = shape.vocab_size / layout.tp
+    # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
+    # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
+    # "Vocab-parallel log-prob": 5935 MiB extra at T 16,384 x V/TP 18,992).
+    naive = tokens * v_local * (prec.logits_bytes + 20)
+    # chunked: the bf16 logits and their gradient, two fp32 chunk buffers of C x V/t (742 MiB
+    # extra measured at C 1024 there: 594 MiB gradient + 2 x 1024 x 18,992 x 4 bytes).
+    chunk = min(layout.logprob_chunk, tokens)
+    chunked = tokens * v_local * 2 * prec.logits_bytes + 2 * chunk * v_local * 4
+    # megatron-core's vocab_parallel_cross_entropy: the bf16 logits, their fp32 softmax kept for
+    # the backward (which turns it into the gradient in place), the bf16 gradient it returns.
+    megatron = tokens * v_local * (prec.logits_bytes + 4 + prec.logits_bytes)
+    return naive, chunked, megatron
+
+
+def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
+    weights, grads, optimizer = _states(shape, layout, stage, prec)
+    no_recompute, full_recompute, tokens = _activations(shape, layout, stage, prec)
+    activations = full_recompute if layout.recompute_mode == "full" else no_recompute
+    logits_naive, logits_chunked, logits_megatron = _logits(shape, layout, stage, tokens, prec)
+    logits = {"naive": logits_naive, "chunked": logits_chunked, "megatron": logits_megatron}[
+        layout.logprob_mode
+    ]
 
     gpu = gpu_mem_gib * GIB
     reserved = vllm.gpu_util * gpu if vllm is not None else 0.0
     # vLLM's engine shards the whole model over the same tp (every stage's weights: vLLM does not
     # pipeline here), and keeps what its reservation leaves for the KV cache.
-    vllm_weights = shape.total_params() / t * prec.param_bytes
+    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or layout.tp
+    vllm_weights = shape.total_params() / vllm_tp * prec.param_bytes
     kv_cache = max(0.0, reserved - vllm_weights) if vllm is not None else 0.0
     vllm_train = 0.0 if (vllm is None or vllm.sleeps) else reserved
-    train_phase = weights + grads + optimizer + activations + logits + vllm_train
-    if vllm is None:
-        generate_phase = 0.0
-    elif vllm.sleeps:
-        generate_phase = weights + reserved
-    else:
-        generate_phase = weights + grads + optimizer + reserved
+    reference = weights if layout.reference else 0.0  # sharded as the policy
+    train_phase = weights + grads + optimizer + activations + logits + vllm_train + reference
+    kept = {"none": weights + grads + optimizer, "states": 0.0}.get(layout.offload)
+    if kept is None:  # auto
+        kept = weights if (vllm is None or vllm.sleeps) else weights + grads + optimizer
+    generate_phase = 0.0 if vllm is None else kept + reserved + reference
+    peak = max(train_phase, generate_phase)
+    # vLLM's reservation is its own pool, outside PyTorch's caching allocator
+    overhead = overhead_bytes(peak - (reserved if peak == generate_phase else vllm_train))
     return MemoryEstimate(
         weights=weights,
         grads=grads,
@@ -204,8 +325,12 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
         vllm_kv_cache=kv_cache,
         train_phase=train_phase,
         generate_phase=generate_phase,
-        peak=max(train_phase, generate_phase),
+        peak=peak,
         worst_stage=stage,
+        reference=reference,
+        overhead=overhead,
+        total=peak + overhead,
+        peak_phase="train" if train_phase >= generate_phase else "generate",
     )
 
 

@@ -1,0 +1,140 @@
+"""Does a given layout fit, and if not, what single change would make it fit.
+
+    v = assess(shape, layout, gpu_mem_gib=79.11, vllm=VLLMShare(0.6), seq_len=10240)
+    v.fits, v.estimate.total_gib, v.reason
+    gpu_memory_gib("H100")        # 79.11: what torch reports as the GPU's total capacity
+    remedies(shape, layout, gpu_mem_gib=79.11, vllm=..., seq_len=..., gpus_per_node=8)
+    # -> [("--recompute full", "parallel.recompute=full", 61.2), ...]
+
+The verdict is the one `megatron-ba layout --json` reports as "fits", the public-record test
+(tests/test_public_record.py) checks against runs that ran or went out of memory, and the Slurm
+launcher's fit check (planning/launch.py) applies before it submits anything: the per-GPU
+estimate, overheads included (planning/memory.py), within the GPU's whole memory, and a colocated
+vLLM's reservation, after its weights, holding one sequence's KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megatron_ba.model_shape import ModelShape
+from megatron_ba.planning.memory import (
+    GIB,
+    PRECISION,
+    Layout,
+    MemoryEstimate,
+    VLLMShare,
+    estimate,
+    kv_cache_bytes_per_token,
+)
+
+# gpu_memory_gib("H100")        # 79.11: what torch reports as the GPU's total capacity
+#     overhead_bytes(peak_bytes)    # CUDA context, NCCL buffers, allocator fragmentation
+#     verdict(est, gpu_mem_gib=79.11)
+#
+# The capacities are the "total capacity" torch's out-of-memory message prints for each part (its
+# 80 GB, 141 GB, 96 GB are GB of 10^9 bytes, less what the driver keeps):
+# * H100 80 GB: 79.11 GiB (https://github.com/THUDM/slime/issues/1767)
+# * H200: 139.81 GiB (https://github.com/THUDM/slime/issues/1951)
+# * H20: 95.08 GiB (https://github.com/verl-project/verl/issues/5840)
+# * A100 / A800 80 GB: 79.15 GiB (vLLM's and PyTorch users' messages for the 80 GB part)
+GPU_MEMORY_GIB = {"H100": 79.11, "H200": 139.81, "H20": 95.08, "A100": 79.15, "A800": 79.15}
+
+
+def gpu_memory_gib(name: str) -> float:
+    """The capacity of a GPU named in GPU_MEMORY_GIB (case-insensitive); ValueError otherwise."""
+    for key, gib in GPU_MEMORY_GIB.items():
+        if key.lower() == name.strip().lower():
+            return gib
+    raise ValueError(f"--gpu {name}: one of {', '.join(GPU_MEMORY_GIB)}, or give --gpu-mem GIB")
+
+
+@dataclass
+class Verdict:
+    fits: bool
+    estimate: MemoryEstimate
+    reason: str  # why not, in words ("" when it fits)
+
+
+def assess(
+    shape: ModelShape,
+    layout: Layout,
+    *,
+    gpu_mem_gib: float,
+    vllm: VLLMShare | None,
+    seq_len: int,
+) -> Verdict:
+    """The verdict on one layout (module docstring)."""
+    e = estimate(shape, layout, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
+    if e.total > gpu_mem_gib * GIB:
+        return Verdict(
+            False,
+            e,
+            f"needs {e.total_gib:.1f} GiB per GPU ({e.peak_phase} phase, stage "
+            f"{e.worst_stage}) of {gpu_mem_gib:g} GiB",
+        )
+    if vllm is not None:
+        vllm_tp = vllm.tp or layout.tp
+        need = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
+        if e.vllm_kv_cache < need:
+            weights = shape.total_params() / vllm_tp * PRECISION.param_bytes / GIB
+            return Verdict(
+                False,
+                e,
+                f"vLLM's {vllm.gpu_util:g} of the GPU, after its {weights:.1f} GiB of weights, "
+                f"cannot hold one sequence's KV cache ({need / GIB:.2f} GiB)",
+            )
+    return Verdict(True, e, "")
+
+
+def _changes(layout: Layout, world: int, gpus_per_node: int):
+    """(flag, recipe key, changed layout) for each single change that lowers memory."""
+    lo = layout
+    if lo.recompute_mode != "full":
+        yield "--recompute full", "parallel.recompute=full", replace(lo, recompute="full")
+    for name in ("cp", "tp", "pp"):
+        value = getattr(lo, name)
+        if lo.dp % 2 == 0 and (name != "tp" or 2 * value <= gpus_per_node):
+            new = replace(lo, **{name: 2 * value, "dp": lo.dp // 2})
+            yield f"--{name} {2 * value}", f"parallel.{name}={2 * value}", new
+    if lo.micro_batch_tokens > 1:
+        half = replace(lo, micro_batch_tokens=lo.micro_batch_tokens // 2)
+        yield "half the micro-batch", "parallel.micro_batch_size (halved)", half
+
+
+def remedies(
+    shape: ModelShape,
+    layout: Layout,
+    *,
+    gpu_mem_gib: float,
+    vllm: VLLMShare | None,
+    seq_len: int,
+    gpus_per_node: int,
+) -> list[tuple[str, str, float]]:
+    """The single changes under which the layout fits: (flag, recipe key, GiB per GPU), in the
+    order tried: full recompute, CP x2, TP x2, PP x2 (each taken from DP), half the micro-batch
+    (while it still holds a whole sequence), then the smallest colocated vLLM engine TP (a
+    power of two within the node) whose share holds its weights and one sequence's KV cache."""
+    world = layout.tp * layout.pp * layout.cp * layout.dp
+    tries = [(flag, key, new, vllm) for flag, key, new in _changes(layout, world, gpus_per_node)]
+    if vllm is not None:
+        engine_tp = 2 * (vllm.tp or layout.tp)
+        while engine_tp <= gpus_per_node:
+            new_vllm = replace(vllm, tp=engine_tp)
+            tries.append(
+                (f"vLLM TP {engine_tp}", f"rollout.engine_tp={engine_tp}", layout, new_vllm)
+            )
+            engine_tp *= 2
+    out = []
+    for flag, key, new, new_vllm in tries:
+        if new.micro_batch_tokens < seq_len or new.pp > shape.num_layers:
+            continue
+        try:
+            v = assess(shape, new, gpu_mem_gib=gpu_mem_gib, vllm=new_vllm, seq_len=seq_len)
+        except ValueError:
+            continue  # e.g. expert parallelism no longer divides the new tp x cp x dp
+        if v.fits:
+            out.append((flag, key, round(v.estimate.total_gib, 1)))
+            if new_vllm is not vllm:
+                break  # the smallest engine TP that fits
+    return out

@@ -1,0 +1,219 @@
+"""The planner against the public record: runs on megatron-core that ran or went out of memory.
+
+    python -m pytest tests/test_public_record.py -q -s      # prints the table and the summary
+
+tests/fixtures/public_runs.json holds each published GRPO / DAPO / SFT run with its exact source
+(repository, path, commit; or issue) and null where the source is silent. For each, the planner's
+verdict (megatron_ba.planning.verdict.assess: the estimate with overheads within the GPU's
+memory, and a colocated vLLM able to hold one sequence's KV cache) must equal the outcome, or the
+case must be in EXPECTED_MISSES with the reason (something the planner cannot know). Where a
+peak memory is published, the median |error| of the estimate must be <= 15 %.
+
+What a null becomes, each rule stated once (never a value per case): the framework's documented
+default (FRAMEWORK_DEFAULTS), or megatron-core's (cp, pp, ep 1, no recomputation, the distributed
+optimiser), or one sequence per micro-batch (the least memory any batching gives, so a predicted
+OOM stays an OOM under any other); what a case's source does not say at all (a GPU, a model id)
+is in ASSUMED with why.
+
+The check can fail: with the outcome of vmp-grpo-qwen25-7b-tp2-nooffload flipped to "ran" in a
+copy of the fixture, test_every_verdict_is_right_or_an_expected_miss fails (run while this test
+was written; test_a_flipped_outcome_fails repeats it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from pathlib import Path
+
+from megatron_ba.planning.memory import GIB, Layout, VLLMShare, load_model
+from megatron_ba.planning.verdict import assess, gpu_memory_gib
+
+FIXTURE = Path(__file__).parent / "fixtures" / "public_runs.json"
+CASES = json.loads(FIXTURE.read_text())["cases"]
+
+# What each framework does where a case is silent, from its default configuration:
+# verl's verl/trainer/config/ppo_megatron_trainer.yaml (028af31: param/grad/optimizer offload
+# false, rollout gpu_memory_utilization 0.5; use_fused_kernels false: megatron-core's
+# vocab-parallel log-prob); NeMo-RL (optimiser and gradients leave the GPU before generation,
+# the weights stay: the planner's "auto"; vLLM 0.6); SkyRL as NeMo-RL; ms-swift's `megatron sft`
+# (megatron-core's cross entropy).
+FRAMEWORK_DEFAULTS = {
+    "verl": {"offload": "none", "vllm_util": 0.5, "logprobs": "megatron"},
+    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "megatron"},
+    "SkyRL": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
+    "ms-swift": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
+}
+
+# What a source does not state at all, and what the test takes instead.
+ASSUMED = {
+    "nemorl-903-qwen-1.5b-sft-32k-cp2": {
+        "model": ("Qwen2.5-1.5B", "the issue says 'Qwen-1.5B'"),
+        "gpu": ("H100", "not stated; NeMo-RL's published runs are on H100 80 GB"),
+        "gpus_per_node": (8, "not stated; 8 on every NeMo-RL cluster recipe"),
+    },
+    "swift-sft-qwen25-72b-8k-8gpu-cpuadam": {
+        "gpu": ("H100", "not stated; an 80 GB part holds the published 65 GiB"),
+    },
+    "swift-sft-qwen3-30b-a3b-8k-4gpu-ep4-cpuadam": {
+        "gpu": ("H100", "not stated; an 80 GB part holds the published 75 GiB"),
+    },
+}
+ASSUMED["nemorl-pr957-qwen3-32b-32xh100-128k"] = {
+    "max_total_seq_len": (131072, "the PR says '128k' context (128 x 1024)"),
+}
+for _case in ("swift-sft-qwen3-32b-8k-8x80gib-tp8", "swift-sft-qwen25-7b-2k-mbs16-2x80gib-tp2"):
+    ASSUMED[_case] = {"gpu": ("H100", "the header gives 80 GiB GPUs, not the model")}
+ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp4"] = ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp2"]
+
+# Verdicts the planner gets wrong, and why it cannot get them right.
+_CONTESTED = (
+    "contested in the record itself: verl's device-tuning page "
+    "(verl-project/verl/docs/perf/device_tuning.rst) lists this very script as a tested minimum "
+    "configuration, and the reporter ran out of memory in the optimizer step "
+    "at both lengths (a failure that does not depend on the length); the estimate follows the "
+    "published settings, and what differs between the two reports (verl and vLLM versions, how "
+    "much vLLM's sleep mode frees) is not a setting the record gives"
+)
+EXPECTED_MISSES: dict[str, str] = {
+    "verl-3124-qwen25-32b-8xh20-tp8-offload": _CONTESTED,
+    "verl-3124-qwen25-32b-8xh20-tp8-offload-1k2k": _CONTESTED,
+    "verl-dpsk-qwen3-30b-a3b-8xh20-ep8-cpuadam": (
+        "the planner fills every micro-batch to the 10,240-token budget without recomputation "
+        "(63 GiB of top-8 MoE activations); verl's dynamic batching packs the real sequences, "
+        "and how full its micro-batches were (the lengths DAPO-Math prompts and responses "
+        "reached) is not in the record: a conservative verdict"
+    ),
+    "swift-sft-qwen25-7b-2k-mbs16-2x80gib-tp2": (
+        "the planner charges 16 sequences of the full 2,048 tokens per micro-batch (32,768 tokens, "
+        "18.6 GiB of logits); the example trains on alpaca-gpt4 and self-cognition samples, whose "
+        "lengths (and so how full its micro-batches were) are not in the record: a conservative "
+        "verdict"
+    ),
+    "nemorl-903-qwen-1.5b-sft-32k-cp2": (
+        "the reporter's NeMo-RL (August 2025) ran out of memory where NeMo-Aligner did not; the "
+        "log-prob path that version used is not in the record: with megatron-core's "
+        "cross entropy (the default here) the estimate is 64.0 GiB, with `--logprobs naive` "
+        "(fp32 log-softmax through autograd) 97.2 GiB, and the CP 4 case 55.1 GiB (right both ways)"
+    ),
+}
+
+
+def _field(case: dict, key: str):
+    if key in ASSUMED.get(case["id"], {}):
+        return ASSUMED[case["id"]][key][0]
+    return case[key]
+
+
+def planner_inputs(case: dict) -> dict:
+    """The planner's view of a case: shape, layout, GPU memory, vLLM share, sequence length."""
+    framework = case["framework"].split()[0]
+    defaults = FRAMEWORK_DEFAULTS[framework]
+    shape = load_model(_field(case, "model").split()[0])
+    gpu = gpu_memory_gib(_field(case, "gpu").split()[0].split("-")[0])
+    tp, pp, cp, ep = (case[k] or 1 for k in ("tp", "pp", "cp", "ep"))
+    world = case["nodes"] * _field(case, "gpus_per_node")
+    seq_len = _field(case, "max_total_seq_len") or case["max_prompt_len"] + case["max_response_len"]
+    if case["max_tokens_per_gpu"]:
+        per_gpu = case["max_tokens_per_gpu"]
+        if framework == "NeMo-RL":  # train_mb_tokens counts a CP group's tokens
+            per_gpu //= cp
+        tokens = max(per_gpu * cp, seq_len)
+    else:
+        tokens = (case["micro_batch_size"] or 1) * seq_len
+    offloaded = case["param_offload"] or case["optimizer_offload"]
+    offload = defaults["offload"] if offloaded is None else ("states" if offloaded else "none")
+    layout = Layout(
+        tp,
+        pp,
+        cp,
+        world // (tp * pp * cp),
+        tokens,
+        recompute=case["recompute"] or "none",
+        sequence_parallel=tp > 1,
+        ep=ep,
+        distributed_optimizer=case["distributed_optimizer"] is not False,
+        offload=offload,
+        cpu_adam=case["optimizer_cpu_offload_fraction"] or 0.0,
+        reference=bool(case["reference_model_on_gpu"]),
+        # verl's fused kernels never hold the full logits: at most what the chunked path holds
+        logprobs="chunked" if case["fused_logprob_kernels"] else defaults["logprobs"],
+    )
+    vllm = None
+    if case["task"] != "SFT":
+        util = case["colocated_vllm_gpu_memory_utilization"] or defaults["vllm_util"]
+        vllm = VLLMShare(util, sleeps=True, tp=case["rollout_tp"]) if util else None
+    return {"shape": shape, "layout": layout, "gpu_mem_gib": gpu, "vllm": vllm, "seq_len": seq_len}
+
+
+def published_gib(case: dict) -> float | None:
+    """The published peak in GiB (a "GB" figure read as 10^9 bytes)."""
+    if case["peak_mem_gib"] is None:
+        return None
+    scale = 1e9 / GIB if case["peak_mem_unit_stated"] == "GB" else 1.0
+    return case["peak_mem_gib"] * scale
+
+
+def evaluate(cases: list[dict]) -> list[dict]:
+    rows = []
+    for case in cases:
+        v = assess(**planner_inputs(case))
+        right = v.fits == (case["outcome"] == "ran")
+        peak = published_gib(case)
+        error = None if peak is None else (v.estimate.total_gib - peak) / peak
+        rows.append({"case": case, "verdict": v, "right": right, "error": error})
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    right = sum(r["right"] for r in rows)
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    return (
+        f"{right} of {len(rows)} verdicts right, median |error| "
+        f"{100 * statistics.median(errors):.1f} % on the {len(errors)} with a published peak"
+    )
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        c, v = r["case"], r["verdict"]
+        say = "fits" if v.fits else "OOM"
+        err = "" if r["error"] is None else f" err {100 * r['error']:+.0f}%"
+        mark = "ok" if r["right"] else "MISS"
+        lines.append(
+            f"{mark:4} {c['id']:52} {c['outcome']:4} -> {say:4} "
+            f"{v.estimate.total_gib:7.1f} GiB ({v.estimate.peak_phase}){err}"
+        )
+    return "\n".join(lines)
+
+
+def test_record_is_large_enough_and_sourced():
+    assert len(CASES) >= 25
+    assert sum(c["outcome"] == "oom" for c in CASES) >= 8
+    assert sum(bool(c["moe"]) for c in CASES) >= 6
+    assert len({c["id"] for c in CASES}) == len(CASES)
+    for c in CASES:
+        assert c["source"] and c["outcome"] in ("ran", "oom"), c["id"]
+
+
+def test_every_verdict_is_right_or_an_expected_miss():
+    rows = evaluate(CASES)
+    print("\n" + table(rows) + "\n" + summary(rows))
+    misses = {r["case"]["id"] for r in rows if not r["right"]}
+    assert misses == set(EXPECTED_MISSES), f"unexpected: {misses ^ set(EXPECTED_MISSES)}"
+
+
+def test_median_error_on_published_peaks():
+    errors = [abs(r["error"]) for r in evaluate(CASES) if r["error"] is not None]
+    assert len(errors) >= 4
+    assert statistics.median(errors) <= 0.15
+
+
+def test_a_flipped_outcome_fails():
+    flipped = copy.deepcopy(CASES)
+    case = next(c for c in flipped if c["id"] == "vmp-grpo-qwen25-7b-tp2-nooffload")
+    case["outcome"] = "ran"
+    misses = {r["case"]["id"] for r in evaluate(flipped) if not r["right"]}
+    assert misses != set(EXPECTED_MISSES)
