@@ -335,12 +335,12 @@ def test_launch_memory_check(tmp_path, capsys):
     recipe = str(ROOT / "recipes/qwen2.5-32b-dapo17k-16k.yaml")
     fit = ["fit", recipe, f"model.pretrained={tmp_path}", "--nodes", "4", "--gpus-per-node", "8",
            "--gpu-mem", "80"]  # fmt: skip
-    assert launch.main([*fit, "rollout.engine_tp=4"]) == 0
+    assert launch.main(fit) == 0  # as shipped: rollout.engine_tp 4, what the planner proposes
     assert "RECIPE_TP=4" in capsys.readouterr().out
-    assert launch.main([*fit, "rollout.engine_tp=4", "parallel.recompute=none"]) == launch.FIT_EXIT
+    assert launch.main([*fit, "parallel.recompute=none"]) == launch.FIT_EXIT
     assert "it fits with parallel.recompute=full" in capsys.readouterr().err
-    # as shipped (rollout.engine_tp 1): a one-GPU vLLM engine cannot hold the 32B weights
-    assert launch.main(fit) == launch.FIT_EXIT
+    # a one-GPU vLLM engine cannot hold the 32B weights in its share
+    assert launch.main([*fit, "rollout.engine_tp=1"]) == launch.FIT_EXIT
     assert "it fits with rollout.engine_tp=2" in capsys.readouterr().err
 
 

@@ -54,7 +54,7 @@ class Plan:
         assumes: sequence parallelism, full recomputation, chunked log-probs (the key only where
         `parallel.logprob_chunk_size: null`'s auto rule would not chunk: micro-batches of at most
         recipe.AUTO_CHUNK_ABOVE tokens, or a chunk other than its AUTO_CHUNK), and the
-        colocated vLLM engine's share of the GPU and sleep mode."""
+        colocated vLLM engine's share of the GPU, sleep mode and tensor parallelism."""
         lo = self.layout
         out = [
             f"parallel.tp={lo.tp}",
@@ -72,6 +72,11 @@ class Plan:
         if self.vllm is not None:
             out.append(f"rollout.gpu_memory_utilization={self.vllm.gpu_util}")
             out.append(f"rollout.sleep={str(self.vllm.sleeps).lower()}")
+            # the engine's weights are split as the estimate assumed (one GPU's engine must hold
+            # a whole copy otherwise: 61 GiB for a 32B model, more than its share)
+            engine_tp = self.vllm.tp or lo.tp
+            if engine_tp > 1:
+                out.append(f"rollout.engine_tp={engine_tp}")
         return out
 
     def to_json(self) -> dict:
