@@ -1,0 +1,160 @@
+"""Hugging Face Qwen3-MoE <-> megatron-core conversion: names, fused layouts, configs, commands.
+
+    python -m pytest tests/test_moe_conversion.py
+
+Checkpoints are tiny random `Qwen3MoeForCausalLM`s saved by transformers
+(tests/test_moe_model.build_variant: "renorm", every layer sparse; "plain", layer 1 dense).
+
+- HF -> full-shape megatron state dict -> HF is bit-identical (every tensor and dtype), and the
+  megatron names and shapes are exactly the model builder's (full_parameter_shapes);
+- negative control: the same round trip with experts 0 and 1 of one layer exchanged on the
+  megatron side fails the check on exactly those six tensors (run: it fails as it should);
+- config.json: spec -> config reproduces the source with it as base, and from scratch is read
+  back by transformers to the same spec; unsupported settings are refused by field name;
+- `megatron-ba convert` HF -> distributed checkpoint -> HF (subprocesses) is bit-identical,
+  config.json and tokenizer included; `megatron-ba tiny-model --family qwen3_moe` writes a
+  checkpoint of the "tiny-moe" preset's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from megatron_ba.conversion import (
+    HFCheckpoint,
+    hf_config_from_spec,
+    hf_named_tensors,
+    megatron_state_dict_from_hf,
+    spec_from_hf_config,
+    spec_from_hf_dir,
+)
+from megatron_ba.megatron.model import full_parameter_shapes
+from megatron_ba.model_shape import PRESETS
+from tests.test_moe_model import VARIANTS, build_variant
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe-hf")
+    return {v: build_variant(root, v) for v in VARIANTS}
+
+
+def round_trip_mismatches(src: Path, full: dict[str, torch.Tensor], spec) -> list[str]:
+    """HF names whose tensor (values or dtype) differs after megatron -> HF, or is missing."""
+    ckpt = HFCheckpoint(src)
+    back = dict(hf_named_tensors(full, spec))
+    bad = sorted(set(back) ^ set(ckpt.keys()))
+    for k in ckpt.keys():
+        a = ckpt.get(k)
+        if k in back and not (back[k].dtype == a.dtype and torch.equal(back[k], a)):
+            bad.append(k)
+    return bad
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hf_megatron_hf_is_bit_identical(ckpts, variant):
+    spec = spec_from_hf_dir(ckpts[variant])
+    full = megatron_state_dict_from_hf(ckpts[variant], spec)
+    assert {k: tuple(v.shape) for k, v in full.items()} == full_parameter_shapes(spec)
+    assert round_trip_mismatches(ckpts[variant], full, spec) == []
+    router = full["decoder.layers.0.mlp.router.weight"]
+    assert torch.equal(router, HFCheckpoint(ckpts[variant]).get("model.layers.0.mlp.gate.weight"))
+
+
+def test_swapped_experts_fail_the_round_trip(ckpts):
+    """Negative control (run, and it fails the check as it must): experts 0 and 1 of layer 0
+    exchanged in the megatron state dict come back under each other's HF names."""
+    spec = spec_from_hf_dir(ckpts["renorm"])
+    full = megatron_state_dict_from_hf(ckpts["renorm"], spec)
+    p = "decoder.layers.0.mlp.experts.local_experts."
+    for rest in ("linear_fc1.weight", "linear_fc2.weight"):
+        full[f"{p}0.{rest}"], full[f"{p}1.{rest}"] = full[f"{p}1.{rest}"], full[f"{p}0.{rest}"]
+    names = [
+        f"model.layers.0.mlp.experts.{e}.{w}_proj.weight"
+        for e in (0, 1)
+        for w in ("down", "gate", "up")
+    ]
+    assert round_trip_mismatches(ckpts["renorm"], full, spec) == sorted(names)
+
+
+def test_spec_fields_from_config(ckpts):
+    renorm, plain = spec_from_hf_dir(ckpts["renorm"]), spec_from_hf_dir(ckpts["plain"])
+    assert (renorm.family, renorm.num_experts, renorm.moe_router_topk) == ("qwen3_moe", 8, 2)
+    assert renorm.moe_norm_topk_prob and renorm.moe_layer_pattern is None
+    assert not plain.moe_norm_topk_prob and plain.moe_layer_pattern == (1, 0)
+    assert [plain.is_moe_layer(i) for i in range(2)] == [True, False]
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in full_parameter_shapes(plain)
+    # transformers 5 writes the expert count as num_local_experts
+    assert HFCheckpoint(ckpts["renorm"]).config()["num_local_experts"] == 8
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_from_spec_reproduces_the_source(ckpts, variant, tmp_path):
+    from transformers import AutoConfig
+
+    src = HFCheckpoint(ckpts[variant]).config()
+    spec = spec_from_hf_config(src)
+    assert hf_config_from_spec(spec, base=src) == src
+    fresh = hf_config_from_spec(spec)
+    (tmp_path / "config.json").write_text(json.dumps(fresh))
+    assert spec_from_hf_config(AutoConfig.from_pretrained(tmp_path).to_dict()) == spec
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+        ({"mlp_only_layers": [0, 1]}, "mlp_only_layers"),
+        ({"num_experts_per_tok": 9}, "moe_router_topk"),
+        ({"num_local_experts": None}, "num_experts"),
+        ({"num_experts": 4}, "disagree"),
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(ckpts, change, match):
+    cfg = HFCheckpoint(ckpts["renorm"]).config() | change
+    with pytest.raises(ValueError, match=match):
+        spec_from_hf_config(cfg)
+
+
+def _cli(*args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ba.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_convert_command_round_trip_is_bit_identical(tmp_path):
+    from megatron_ba.commands import tiny_model
+    from tests.conversion_agreement import compare_folders
+
+    hf = tmp_path / "tiny-moe"
+    tiny_model.run(argparse.Namespace(out=hf, family="qwen3_moe", seed=1))
+    spec = spec_from_hf_dir(hf)
+    shape = PRESETS["tiny-moe"]
+    assert (spec.num_experts, spec.moe_router_topk, spec.head_dim) == (8, 2, 32)
+    assert spec.moe_ffn_hidden_size == shape.moe_ffn_hidden_size
+    ckpt, back = tmp_path / "dist", tmp_path / "back"
+    _cli("convert", str(hf), str(ckpt))
+    _cli("convert", str(ckpt), str(back), "--to", "hf")
+    same = compare_folders(hf, back)
+    # per layer 8 attention and norm tensors, the router, 3 per expert; embedding, final norm
+    assert same["same_keys"] and same["num_tensors"] == 2 * (8 + 1 + 3 * 8) + 2
+    assert same["unequal_tensors"] == [] and same["config_diff"] == []
+    assert same["side_files_equal"]
