@@ -201,3 +201,14 @@ def test_convert_command_round_trip_is_bit_identical(tmp_path):
     assert same["same_keys"] and same["num_tensors"] == 2 * (8 + 1 + 3 * 8) + 2
     assert same["unequal_tensors"] == [] and same["config_diff"] == []
     assert same["side_files_equal"]
+
+
+def test_a_dense_layer_spec_is_refused_for_a_moe_spec():
+    pytest.importorskip("megatron.core")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ba.megatron.model import _check_moe_layer_spec
+
+    with pytest.raises(ValueError, match="layer_spec: a dense layer spec"):
+        _check_moe_layer_spec(get_gpt_layer_local_spec(qk_layernorm=True))
+    _check_moe_layer_spec(get_gpt_layer_local_spec(num_experts=8, qk_layernorm=True))  # accepted

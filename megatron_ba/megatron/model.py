@@ -154,6 +154,23 @@ def moe_layer_spec(config, *, transformer_engine: bool = False):
     )
 
 
+def _check_moe_layer_spec(layer_spec) -> None:
+    """ValueError for a one-layer spec whose MLP is dense: megatron-core would build a dense
+    model from it whatever `num_moe_experts` says (a block spec from `moe_layer_spec` is
+    accepted as it is; it follows the config's pattern)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if not isinstance(layer_spec, ModuleSpec):
+        return
+    mlp = getattr(layer_spec.submodules, "mlp", None)
+    if getattr(mlp, "module", None) is not MoELayer:
+        raise ValueError(
+            "layer_spec: a dense layer spec for a mixture-of-experts spec (num_experts > 0); "
+            "pass moe_layer_spec(config, transformer_engine=...) or leave it unset"
+        )
+
+
 def local_layer_spec(qk_layernorm: bool = False):
     """megatron-core's Transformer-Engine-free layer spec with RMSNorm (runs on CPU).
 
@@ -189,6 +206,8 @@ def build_gpt_model(
         layer_spec = (
             moe_layer_spec(config) if spec.num_experts else local_layer_spec(spec.qk_layernorm)
         )
+    elif spec.num_experts:
+        _check_moe_layer_spec(layer_spec)
     kwargs: dict[str, Any] = {}
     if pg_collection is not None:  # megatron-core >= 0.14 only
         kwargs["pg_collection"] = pg_collection
