@@ -212,3 +212,17 @@ def test_a_dense_layer_spec_is_refused_for_a_moe_spec():
     with pytest.raises(ValueError, match="layer_spec: a dense layer spec"):
         _check_moe_layer_spec(get_gpt_layer_local_spec(qk_layernorm=True))
     _check_moe_layer_spec(get_gpt_layer_local_spec(num_experts=8, qk_layernorm=True))  # accepted
+
+
+def test_grouped_gemm_expert_names_fold_onto_sequential_ones(ckpts):
+    """Transformer Engine's grouped-GEMM experts (GPUs) name expert e's weights `weight{e}`."""
+    from megatron_ba.conversion import family_table, table_for
+
+    table = table_for(spec_from_hf_dir(ckpts["renorm"]))
+    assert table.hf_names_of("decoder.layers.1.mlp.experts.linear_fc1.weight3") == [
+        "model.layers.1.mlp.experts.3.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+    ]
+    assert family_table.canonical_name("decoder.layers.0.mlp.experts.linear_fc2.weight12") == (
+        "decoder.layers.0.mlp.experts.local_experts.12.linear_fc2.weight"
+    )

@@ -68,6 +68,12 @@ OUTPUT_LAYER = "output_layer.weight"
 EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
+# Transformer Engine's grouped-GEMM experts (TEGroupedMLP, GPUs) hold expert e's matrix as
+# `mlp.experts.linear_fc1.weight{e}`: the same tensor as SequentialMLP's, another name. Read
+# only (folded by canonical_name; not run here: no Transformer Engine on CPU).
+TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.weight)(\d+)$")
+
+
 def expert_name(j: int, rest: str) -> str:
     return f"mlp.experts.local_experts.{j}.{rest}"
 
@@ -93,6 +99,9 @@ def canonical_name(name: str) -> str:
     if parts is None:
         return name
     i, rest = parts
+    grouped = TE_GROUPED_EXPERT.match(rest)
+    if grouped is not None:  # expert e's weight of a grouped GEMM -> its SequentialMLP name
+        return megatron_layer_name(i, expert_name(int(grouped.group(2)), grouped.group(1)))
     return megatron_layer_name(i, TE_SPELLINGS.get(rest, rest))
 
 
