@@ -128,6 +128,12 @@ class ModelShape:
         missing = [k for k in (*need, "vocab_size") if k not in cfg]
         if missing:
             raise ValueError(f"--model {name}: config.json lacks {', '.join(missing)}")
+        if cfg.get("model_type") == "qwen3_moe":
+            # the planner's memory and FLOP terms have no experts: refused, not read as dense
+            raise ValueError(
+                f"--model {name}: model_type qwen3_moe is not read here (the planner models "
+                "dense layers only); megatron_ba.conversion.spec_from_hf_config reads it"
+            )
         heads = int(cfg["num_attention_heads"])
         qwen3 = cfg.get("model_type") == "qwen3"
         return cls(

@@ -226,3 +226,13 @@ def test_grouped_gemm_expert_names_fold_onto_sequential_ones(ckpts):
     assert family_table.canonical_name("decoder.layers.0.mlp.experts.linear_fc2.weight12") == (
         "decoder.layers.0.mlp.experts.local_experts.12.linear_fc2.weight"
     )
+
+
+def test_parameter_counts_agree(ckpts):
+    """ModelShape's count (the planner's) equals the builder's shapes, dense layers included."""
+    from megatron_ba.megatron.model import ModelSpec
+
+    for spec in (ModelSpec.of(PRESETS["tiny-moe"]), spec_from_hf_dir(ckpts["plain"])):
+        assert spec.total_params() == spec.num_parameters()
+    ckpt = HFCheckpoint(ckpts["plain"])
+    assert spec.num_parameters() == sum(ckpt.get(k).numel() for k in ckpt.keys())

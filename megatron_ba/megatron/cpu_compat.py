@@ -12,13 +12,15 @@ returns the names of the shims it installed the first time (an empty list afterw
    schedules.py, forward_backward_no_pipelining and both pipelined schedules). Only that
    module's view of torch changes.
 
-3. Mixture of experts (megatron-core 0.16.1, `_install_moe`): `moe_utils.te_general_gemm` is
-   bound only when Transformer Engine imports, yet the router's gating linear reads it (a
-   NameError on CPU): it is set to None, the unfused torch path. The alltoall dispatcher makes a
+3. Mixture of experts (megatron-core 0.16.1; `install_moe()`, for MoE models only):
+   `moe_utils.te_general_gemm` is bound only when Transformer Engine imports, yet the router's
+   gating linear reads it (a NameError on CPU): it is set to None, the unfused torch path
+   (moe_utils.py:1192). The alltoall dispatcher makes a
    `torch.cuda.Stream()` at build time: its module sees `TorchOnCpu`, whose `cuda.Stream()` is a
    stream with nothing to wait for. Its split sizes go through `maybe_move_tensor_to_cpu(...,
    as_numpy=True)`, which converts CUDA tensors only, so on CPU they stay tensors and gloo's
-   all_to_all_single refuses them: the dispatcher's copy returns a list for CPU tensors.
+   all_to_all_single refuses them: the dispatcher's copy returns a list for CPU tensors (only
+   reached at expert parallelism > 1, which is not run here).
 
 Two more CPU needs are not patches; callers apply them (4 after initialize_model_parallel, 5 is
 merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
@@ -188,7 +190,6 @@ def install() -> list[str]:
         mcore_random._get_cuda_rng_state = _no_cuda_rng_state
         mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
         done.append("tensor_parallel.random._get/_set_cuda_rng_state")
-    done += _install_moe()
     _installed.extend(done)
     return done
 
@@ -207,8 +208,11 @@ def _split_sizes_on_cpu(move: Any) -> Any:
     return wrapper
 
 
-def _install_moe() -> list[str]:
-    """Shim 3: the MoE router and token dispatchers on CPU (the modules exist from 0.16 on)."""
+def install_moe() -> list[str]:
+    """Shim 3: the MoE router and token dispatchers on CPU (idempotent; returns the shims this
+    call installed). megatron_ba.megatron.model.transformer_config calls it for a MoE spec, so
+    that a dense run patches nothing of megatron-core's MoE modules."""
+    install()
     try:
         from megatron.core.transformer.moe import moe_utils, token_dispatcher
     except ImportError:
@@ -224,6 +228,7 @@ def _install_moe() -> list[str]:
     if move is not None and not getattr(move, "megatron_ba_shim", False):
         token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_cpu(move)
         done.append("transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu")
+    _installed.extend(done)
     return done
 
 

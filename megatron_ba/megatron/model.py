@@ -111,6 +111,8 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
         cpu_compat.install()
         kwargs.update(cpu_compat.CPU_CONFIG_OVERRIDES)
     if spec.num_experts:
+        if cpu:
+            cpu_compat.install_moe()
         kwargs.update(moe_config_fields(spec, cpu=cpu))
     kwargs.update(spec.config_overrides)
     kwargs.update(overrides)
