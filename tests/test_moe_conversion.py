@@ -14,6 +14,9 @@ Checkpoints are tiny random `Qwen3MoeForCausalLM`s saved by transformers
 - at TP=2 (two spawned gloo processes; experts TP-sharded like the dense MLP) the loaded model's
   log-probs equal transformers' (float32, measured 5.4e-7 < 1e-5) and its export is
   bit-identical to the source;
+- at EP=2 (two spawned gloo processes, TP=1, 4 experts each) each rank's logits equal
+  transformers' (< 1e-5) and the export, which gathers the experts over the EP group under
+  global numbers, is bit-identical;
 - `megatron-ba convert` HF -> distributed checkpoint -> HF (subprocesses) is bit-identical,
   config.json and tokenizer included; `megatron-ba tiny-model --family qwen3_moe` writes a
   checkpoint of the "tiny-moe" preset's shape.
@@ -167,6 +170,57 @@ def test_tp2_load_matches_transformers_and_exports_bit_identically(ckpts, tmp_pa
     ref = hf_logprobs(src, fixed_sequence(spec_from_hf_dir(src).vocab_size))
     lp = torch.load(tmp_path / "logprobs.pt")
     assert float((lp.double() - ref).abs().max()) < 1e-5
+    same = compare_folders(src, tmp_path / "export")
+    assert same["same_keys"] and same["unequal_tensors"] == [] and same["config_diff"] == []
+
+
+def ep2_worker(rank: int, port: int, hf_dir: str, out: str) -> None:
+    """Load at EP=2 (TP=1; 4 experts per rank), logits of a fixed sequence, export."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as ps
+
+    from megatron_ba.conversion import export_chunks_to_hf, load_hf_into_chunks
+    from megatron_ba.megatron import cpu_compat
+    from megatron_ba.megatron import model as mm
+    from megatron_ba.megatron.startup import setup, teardown
+    from tests.conversion_agreement import fixed_sequence
+    from tests.test_moe_model import megatron_logits
+
+    setup(tp=1, pp=1, cp=1, seed=0, rank=rank, world_size=2, port=port)
+    # startup.setup has no EP: the same world again with the experts split over both ranks
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    cpu_compat.seed_model_parallel_rng(0)
+    spec = spec_from_hf_dir(hf_dir)
+    chunks = mm.build_model_chunks(spec, ddp=False)
+    load_hf_into_chunks(chunks, hf_dir, spec)
+    logits = megatron_logits(chunks, torch.tensor([fixed_sequence(spec.vocab_size)]))
+    export_chunks_to_hf(chunks, spec, Path(out) / "export", source_dir=hf_dir)
+    torch.save(logits, Path(out) / f"logits-{rank}.pt")
+    teardown()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ep2_load_matches_transformers_and_exports_bit_identically(ckpts, tmp_path):
+    """Expert parallelism 2: each rank loads its own half of the experts (global numbers
+    e = rank * 4 + j) and the export gathers them back. Control (run by editing
+    experts.global_name to keep the local number): the export's gather then finds expert 0 on
+    both ranks and the test fails ("held by two stages")."""
+    from megatron_ba.parallel.world import free_port, spawn
+    from tests.conversion_agreement import compare_folders, fixed_sequence
+    from tests.test_moe_model import hf_logits
+
+    src = ckpts["plain"]
+    spawn(ep2_worker, 2, (free_port(), str(src), str(tmp_path)))
+    ids = torch.tensor([fixed_sequence(spec_from_hf_dir(src).vocab_size)])
+    ref = hf_logits(src, ids, torch.float32)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"logits-{rank}.pt")
+        assert float((got.double() - ref.double()).abs().max()) < 1e-5, rank
     same = compare_folders(src, tmp_path / "export")
     assert same["same_keys"] and same["unequal_tensors"] == [] and same["config_diff"] == []
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.conversion import family_table, hf_folder
+from megatron_ba.conversion import experts, family_table, hf_folder
 from megatron_ba.conversion.families import hf_config_from_spec, spec_from_hf_dir, table_for
 from megatron_ba.conversion.hf_config import DTYPE_NAMES
 from megatron_ba.parallel import collectives
@@ -53,22 +53,6 @@ def check_checkpoint_names(ckpt: hf_folder.HFCheckpoint, spec) -> None:
         )
 
 
-def check_expert_layout(spec) -> None:
-    """ValueError under expert parallelism: this rank's experts are numbered locally
-    (`local_experts.0..E/ep-1`), and the full-shape names here are global expert numbers, so
-    loading or exporting would put expert e of one EP rank where expert e of rank 0 belongs."""
-    if not getattr(spec, "num_experts", 0):
-        return
-    from megatron.core import parallel_state
-
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    if ep > 1:
-        raise ValueError(
-            f"expert_model_parallel_size: {ep}; Hugging Face conversion of experts is "
-            "implemented at expert parallelism 1 only (convert at EP=1)"
-        )
-
-
 def load_hf_into_chunks(chunks: list[torch.nn.Module], model_dir: str | Path, spec=None):
     """Load a Hugging Face folder into this rank's model chunks (streaming); return the spec.
 
@@ -77,12 +61,14 @@ def load_hf_into_chunks(chunks: list[torch.nn.Module], model_dir: str | Path, sp
     """
 
     spec = spec if spec is not None else spec_from_hf_dir(model_dir)
-    check_expert_layout(spec)
     ckpt = hf_folder.HFCheckpoint(model_dir)
     check_checkpoint_names(ckpt, spec)
     table = table_for(spec)
     load_full_tensors(
-        chunks, lambda name: family_table.megatron_tensor(table, spec, name, ckpt.get)
+        chunks,
+        experts.global_reader(
+            lambda name: family_table.megatron_tensor(table, spec, name, ckpt.get), spec
+        ),
     )
     return spec
 
@@ -170,11 +156,12 @@ def export_chunks_to_hf(
     chunks: list[torch.nn.Module], spec, out_dir: str | Path, **kwargs
 ) -> Path | None:
     """Write this model (every rank's chunks) as a Hugging Face folder; see `write_hf_folder`
-    for the options. A collective over the TP and PP groups; global rank 0 writes (other
+    for the options. A collective over the TP, PP (and, for experts, EP) groups; global rank 0
+    writes (other
     data-parallel replicas take part in their own groups and write nothing)."""
 
-    check_expert_layout(spec)
-    stream = iter_full_tensors(chunks)
+    # under expert parallelism every EP rank takes part in each expert's gather
+    stream = experts.gather_experts(iter_full_tensors(chunks), spec)
     if not _is_writer():
         for _ in stream:  # take part in every gather, keep nothing
             pass
