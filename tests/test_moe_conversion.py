@@ -103,6 +103,11 @@ def test_spec_fields_from_config(ckpts):
     assert "decoder.layers.1.mlp.linear_fc1.weight" in full_parameter_shapes(plain)
     # transformers 5 writes the expert count as num_local_experts
     assert HFCheckpoint(ckpts["renorm"]).config()["num_local_experts"] == 8
+    # the spec a distributed checkpoint stores (JSON: the pattern comes back as a list)
+    from megatron_ba.conversion.dist_checkpoint import spec_from_json, spec_to_json
+
+    stored = json.loads(json.dumps(spec_to_json(plain)))
+    assert spec_from_json(stored) == plain and spec_from_json(stored).moe_layer_pattern == (1, 0)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
