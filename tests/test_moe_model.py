@@ -1,6 +1,6 @@
 """A Hugging Face Qwen3-MoE converted to a megatron-core GPTModel gives transformers' logits.
 
-    python -m pytest tests/test_moe_model.py      # one spawned process (~30 s on 2 cores)
+    python -m pytest tests/test_moe_model.py      # one spawned process (~1 min on 2 busy cores)
 
 Two tiny random `Qwen3MoeForCausalLM` checkpoints saved by transformers (8 experts, top-2):
 "renorm" (`norm_topk_prob=True`, every layer sparse, as the released Qwen3-MoE models) and
