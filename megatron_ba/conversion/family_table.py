@@ -64,7 +64,8 @@ SPELLINGS = ("local", "transformer_engine")
 
 OUTPUT_LAYER = "output_layer.weight"
 # A SequentialMLP expert's parameter in a MoE layer: `mlp.experts.local_experts.{j}.{rest}`, with
-# j the global expert number in a full-shape name (expert parallelism is not converted here).
+# j the global expert number in a full-shape name (conversion/experts.py renumbers a rank's
+# local experts under expert parallelism).
 EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 

@@ -157,8 +157,7 @@ def export_chunks_to_hf(
 ) -> Path | None:
     """Write this model (every rank's chunks) as a Hugging Face folder; see `write_hf_folder`
     for the options. A collective over the TP, PP (and, for experts, EP) groups; global rank 0
-    writes (other
-    data-parallel replicas take part in their own groups and write nothing)."""
+    writes (other data-parallel replicas take part in their own groups and write nothing)."""
 
     # under expert parallelism every EP rank takes part in each expert's gather
     stream = experts.gather_experts(iter_full_tensors(chunks), spec)
