@@ -57,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "tiny-model": (
         "megatron_ba.commands.tiny_model",
-        "write a tiny random Qwen3 / Qwen2 Hugging Face checkpoint and tokenizer (offline)",
+        "write a tiny random Qwen3 / Qwen2 / Qwen3-MoE HF checkpoint and tokenizer (offline)",
     ),
     "nemo-tiny-model": (
         "megatron_ba.commands.nemo_tiny_model",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FAMILIES = ("qwen2", "qwen3")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 _POSITIVE = (
     "vocab_size",
     "hidden_size",
@@ -66,6 +66,15 @@ class ModelShape:
     moe_top_k: int = 0
     shared_expert_ffn_hidden_size: int = 0
     name: str = field(default="model", compare=False)
+    # Mixture of experts (Qwen3-MoE; 0 experts: dense). moe_layer_pattern: 1 (MoE) or 0 (dense
+    # MLP of ffn_hidden_size) per layer, None: every layer MoE. moe_norm_topk_prob: the top-k
+    # routing weights are renormalised to sum to 1 (HF norm_topk_prob).
+    num_experts: int = 0
+    moe_router_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_layer_pattern: tuple[int, ...] | None = None
+    moe_aux_loss_coeff: float = 0.0
 
     def __post_init__(self) -> None:
         for key in _POSITIVE:
@@ -93,6 +102,35 @@ class ModelShape:
                 f"num_query_groups: {self.num_query_groups} must divide num_attention_heads "
                 f"({self.num_attention_heads})"
             )
+        if self.moe_layer_pattern is not None:  # a JSON list read back from a checkpoint
+            object.__setattr__(self, "moe_layer_pattern", tuple(self.moe_layer_pattern))
+        if self.num_experts:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(
+                f"moe_router_topk: must be in [1, num_experts={self.num_experts}], "
+                f"got {self.moe_router_topk}"
+            )
+        if not (isinstance(self.moe_ffn_hidden_size, int) and self.moe_ffn_hidden_size >= 1):
+            raise ValueError(
+                f"moe_ffn_hidden_size: must be an integer >= 1, got {self.moe_ffn_hidden_size!r}"
+            )
+        pattern = self.moe_layer_pattern
+        if pattern is not None and (
+            len(pattern) != self.num_layers or set(pattern) - {0, 1} or 1 not in pattern
+        ):
+            raise ValueError(
+                f"moe_layer_pattern: one 0 (dense) or 1 (MoE) per layer ({self.num_layers}), "
+                f"at least one 1; got {pattern}"
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) has experts instead of a dense MLP."""
+        if not self.num_experts:
+            return False
+        return self.moe_layer_pattern is None or self.moe_layer_pattern[index] == 1
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "model") -> ModelShape:
@@ -101,6 +139,12 @@ class ModelShape:
         missing = [k for k in (*need, "vocab_size") if k not in cfg]
         if missing:
             raise ValueError(f"--model {name}: config.json lacks {', '.join(missing)}")
+        if cfg.get("model_type") == "qwen3_moe":
+            # the planner's memory and FLOP terms have no experts: refused, not read as dense
+            raise ValueError(
+                f"--model {name}: model_type qwen3_moe is not read here (the planner models "
+                "dense layers only); megatron_ba.conversion.spec_from_hf_config reads it"
+            )
         heads = int(cfg["num_attention_heads"])
         qwen3 = str(cfg.get("model_type", "")).startswith("qwen3")
         experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
@@ -139,7 +183,10 @@ class ModelShape:
     def check_layout(self, tp: int, pp: int) -> None:
         """ValueError naming what does not divide, for a TP x PP layout of this model."""
         problems = []
-        for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        keys = ["num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"]
+        if self.num_experts:
+            keys.append("moe_ffn_hidden_size")  # experts are TP-sharded like the dense MLP
+        for key in keys:
             if getattr(self, key) % tp:
                 problems.append(f"{key}={getattr(self, key)} is not a multiple of tp={tp}")
         if self.num_layers % pp:
@@ -186,9 +233,17 @@ class ModelShape:
         it there)."""
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
+    def moe_mlp_params(self) -> int:
+        """A MoE layer's router and experts (what replaces the dense MLP's 3 h f)."""
+        h = self.hidden_size
+        return self.num_experts * (h + 3 * h * self.moe_ffn_hidden_size)
+
     def total_params(self) -> int:
+        moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        mlp_swap = moe * (self.moe_mlp_params() - 3 * self.hidden_size * self.ffn_hidden_size)
         return (
             self.num_layers * self.layer_params()
+            + mlp_swap
             + self.embedding_params()
             + self.head_params()
             + self.hidden_size  # final norm
@@ -221,7 +276,8 @@ def _shared_ffn(cfg: dict) -> int:
 
 
 def _qwen3(name: str, **fields) -> ModelShape:
-    return ModelShape(family="qwen3", qkv_bias=False, qk_layernorm=True, name=name, **fields)
+    defaults = {"family": "qwen3", "qkv_bias": False, "qk_layernorm": True}
+    return ModelShape(name=name, **{**defaults, **fields})
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -337,6 +393,25 @@ PRESETS: dict[str, ModelShape] = {
         max_position_embeddings=1024,
         kv_channels=32,
         tie_word_embeddings=True,
+    ),
+    # A CPU Qwen3-MoE (megatron_ba.testing.tiny_hf.build_tiny_qwen3_moe; `megatron-ba tiny-model
+    # --family qwen3_moe`): 8 experts, top-2, head_dim 32 for vLLM's CPU attention.
+    "tiny-moe": _qwen3(
+        "tiny-moe",
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        max_position_embeddings=1024,
+        kv_channels=32,
+        tie_word_embeddings=True,
+        family="qwen3_moe",
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_aux_loss_coeff=0.001,
     ),
 }
 

@@ -2,6 +2,7 @@
 
     megatron-ba tiny-model runs/tiny-qwen3     # Qwen3: what recipes/tiny-hf-cpu.yaml loads
     megatron-ba tiny-model runs/tiny-qwen2 --family qwen2   # Qwen2: QKV bias, tied
+    megatron-ba tiny-model runs/tiny-moe --family qwen3_moe  # Qwen3-MoE: 8 experts, top-2
 
 Saved by `transformers` itself (save_pretrained): config.json, model.safetensors, a byte-level BPE
 tokenizer with a ChatML chat template, generation_config.json. Nothing is downloaded; the
@@ -13,12 +14,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_ba.testing.tiny_hf import build_tiny_qwen2, build_tiny_qwen3
+from megatron_ba.testing.tiny_hf import build_tiny_qwen2, build_tiny_qwen3, build_tiny_qwen3_moe
+
+BUILDERS = {"qwen3": build_tiny_qwen3, "qwen2": build_tiny_qwen2, "qwen3_moe": build_tiny_qwen3_moe}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, help="the folder to write")
-    p.add_argument("--family", choices=["qwen3", "qwen2"], default="qwen3")
+    p.add_argument("--family", choices=list(BUILDERS), default="qwen3")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -26,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.out / "config.json").is_file():
         print(f"tiny-model: {args.out} already holds a model; kept")
         return 0
-    build = build_tiny_qwen3 if args.family == "qwen3" else build_tiny_qwen2
+    build = BUILDERS[args.family]
     tmp = args.out.with_name(args.out.name + ".tmp")
     build(tmp, seed=args.seed)
     tmp.rename(args.out)  # whole or absent

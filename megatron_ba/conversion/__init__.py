@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 / Qwen2.5 / Qwen3 checkpoints <-> megatron-core, table-driven per family.
+"""Hugging Face Qwen2 / Qwen2.5 / Qwen3 / Qwen3-MoE checkpoints <-> megatron-core, per family.
 
     from megatron_ba.conversion import spec_from_hf_dir, load_hf_into_chunks, export_chunks_to_hf
     spec = spec_from_hf_dir(DIR)                     # ModelSpec from config.json
@@ -7,11 +7,12 @@
     export_chunks_to_hf(chunks, spec, OUT, source_dir=DIR)
 
 Modules: `family_table` (fused QKV / gated-MLP layouts, the name-rule machinery, TE spellings),
-`qwen2` / `qwen3` (one name table and config mapping per family), `families` (dispatch on
-model_type), `hf_folder` (safetensors reading one tensor at a time, the one safetensors writer),
-`megatron_io` (chunks in and out), `dist_checkpoint` (megatron-core distributed checkpoints).
-The HF / megatron-core / vLLM log-prob check is tests/conversion_agreement.py. docs/checkpoints.md
-has the tables.
+`qwen2` / `qwen3` / `qwen3_moe` (one name table and config mapping per family), `families`
+(dispatch on model_type), `experts` (local <-> global expert numbers under expert
+parallelism), `hf_folder` (safetensors reading one tensor at a time, the one safetensors
+writer), `megatron_io` (chunks in and out), `dist_checkpoint` (megatron-core distributed
+checkpoints). The HF / megatron-core / vLLM log-prob check is tests/conversion_agreement.py;
+docs/checkpoints.md has the tables.
 """
 
 from megatron_ba.conversion.families import (

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_ba.conversion import qwen2, qwen3
+from megatron_ba.conversion import qwen2, qwen3, qwen3_moe
 from megatron_ba.conversion.family_table import FamilyTable
 
-FAMILY_MODULES = {"qwen2": qwen2, "qwen3": qwen3}  # model_type -> module
+FAMILY_MODULES = {"qwen2": qwen2, "qwen3": qwen3, "qwen3_moe": qwen3_moe}  # model_type -> module
 
 
 def _module(family: str):

@@ -20,8 +20,9 @@ tables list each parameter once. q/k layernorms are spelled the same in both spe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,6 +63,25 @@ LOCAL_TO_TE: dict[str, str] = {local: te for te, local in TE_SPELLINGS.items()}
 SPELLINGS = ("local", "transformer_engine")
 
 OUTPUT_LAYER = "output_layer.weight"
+# A SequentialMLP expert's parameter in a MoE layer: `mlp.experts.local_experts.{j}.{rest}`, with
+# j the global expert number in a full-shape name (conversion/experts.py renumbers a rank's
+# local experts under expert parallelism).
+EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+# Transformer Engine's grouped-GEMM experts (TEGroupedMLP, GPUs) hold expert e's matrix as
+# `mlp.experts.linear_fc1.weight{e}`: the same tensor as SequentialMLP's, another name. Read
+# only (folded by canonical_name; not run here: no Transformer Engine on CPU).
+TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.weight)(\d+)$")
+
+
+def expert_name(j: int, rest: str) -> str:
+    return f"mlp.experts.local_experts.{j}.{rest}"
+
+
+def _for_expert(rule: Rule, j: int) -> Rule:
+    """An expert rule (HF names with `{e}`) for expert j."""
+    return type(rule)(**{k: v.format(e=j) for k, v in vars(rule).items()})
 
 
 def hf_layer_name(index: int, rest: str) -> str:
@@ -80,6 +100,9 @@ def canonical_name(name: str) -> str:
     if parts is None:
         return name
     i, rest = parts
+    grouped = TE_GROUPED_EXPERT.match(rest)
+    if grouped is not None:  # expert e's weight of a grouped GEMM -> its SequentialMLP name
+        return megatron_layer_name(i, expert_name(int(grouped.group(2)), grouped.group(1)))
     return megatron_layer_name(i, TE_SPELLINGS.get(rest, rest))
 
 
@@ -108,6 +131,9 @@ class FamilyTable:
     layer: megatron per-layer suffix -> rule with HF per-layer suffixes.
     optional: per-layer suffix -> the spec attribute that must be true for it to exist
     (e.g. the QKV bias exists only when `spec.qkv_bias`).
+    moe_layer: in a mixture-of-experts layer (`spec.is_moe_layer(i)`), the rules that replace
+    `layer`'s dense `mlp.` ones (the router); expert: per-expert suffix (after
+    `mlp.experts.local_experts.{j}.`) -> rule whose HF names hold `{e}`, the expert number.
     """
 
     family: str
@@ -116,6 +142,8 @@ class FamilyTable:
     top: Mapping[str, Rule]
     layer: Mapping[str, Rule]
     optional: Mapping[str, str]
+    moe_layer: Mapping[str, Rule] = field(default_factory=dict)
+    expert: Mapping[str, Rule] = field(default_factory=dict)
 
     def rule(self, name: str) -> tuple[Rule, int | None]:
         """(rule, layer index or None) of a megatron name (either spelling); KeyError if none."""
@@ -125,6 +153,11 @@ class FamilyTable:
         parts = split_megatron_layer(name)
         if parts is not None and parts[1] in self.layer:
             return self.layer[parts[1]], parts[0]
+        if parts is not None and parts[1] in self.moe_layer:
+            return self.moe_layer[parts[1]], parts[0]
+        m = EXPERT.match(parts[1]) if parts is not None else None
+        if m is not None and m.group(2) in self.expert:
+            return _for_expert(self.expert[m.group(2)], int(m.group(1))), parts[0]
         raise KeyError(
             f"no {self.family} Hugging Face name for megatron parameter {name!r} "
             f"(the model has a parameter the {self.family} table does not know)"
@@ -134,14 +167,23 @@ class FamilyTable:
         """Every megatron parameter of `spec` (local spelling, global layer numbers), in order."""
         names = [EMBEDDING]
         for i in range(spec.num_layers):
-            for rest in self.layer:
-                flag = self.optional.get(rest)
-                if flag is None or getattr(spec, flag):
-                    names.append(megatron_layer_name(i, rest))
+            names += [megatron_layer_name(i, rest) for rest in self._layer_suffixes(spec, i)]
         names += [n for n in self.top if n != EMBEDDING]
         if spec.tie_word_embeddings:
             names.remove(OUTPUT_LAYER)
         return names
+
+    def _layer_suffixes(self, spec, i: int) -> list[str]:
+        moe = bool(getattr(spec, "num_experts", 0)) and spec.is_moe_layer(i)
+        out = []
+        for rest in self.layer:
+            flag = self.optional.get(rest)
+            if (flag is None or getattr(spec, flag)) and not (moe and rest.startswith("mlp.")):
+                out.append(rest)
+        if moe:
+            out += list(self.moe_layer)
+            out += [expert_name(j, r) for j in range(spec.num_experts) for r in self.expert]
+        return out
 
     def hf_names_of(self, name: str) -> list[str]:
         rule, i = self.rule(name)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.conversion import family_table, hf_folder
+from megatron_ba.conversion import experts, family_table, hf_folder
 from megatron_ba.conversion.families import hf_config_from_spec, spec_from_hf_dir, table_for
 from megatron_ba.conversion.hf_config import DTYPE_NAMES
 from megatron_ba.parallel import collectives
@@ -65,7 +65,10 @@ def load_hf_into_chunks(chunks: list[torch.nn.Module], model_dir: str | Path, sp
     check_checkpoint_names(ckpt, spec)
     table = table_for(spec)
     load_full_tensors(
-        chunks, lambda name: family_table.megatron_tensor(table, spec, name, ckpt.get)
+        chunks,
+        experts.global_reader(
+            lambda name: family_table.megatron_tensor(table, spec, name, ckpt.get), spec
+        ),
     )
     return spec
 
@@ -153,10 +156,11 @@ def export_chunks_to_hf(
     chunks: list[torch.nn.Module], spec, out_dir: str | Path, **kwargs
 ) -> Path | None:
     """Write this model (every rank's chunks) as a Hugging Face folder; see `write_hf_folder`
-    for the options. A collective over the TP and PP groups; global rank 0 writes (other
-    data-parallel replicas take part in their own groups and write nothing)."""
+    for the options. A collective over the TP, PP (and, for experts, EP) groups; global rank 0
+    writes (other data-parallel replicas take part in their own groups and write nothing)."""
 
-    stream = iter_full_tensors(chunks)
+    # under expert parallelism every EP rank takes part in each expert's gather
+    stream = experts.gather_experts(iter_full_tensors(chunks), spec)
     if not _is_writer():
         for _ in stream:  # take part in every gather, keep nothing
             pass

@@ -12,6 +12,16 @@ returns the names of the shims it installed the first time (an empty list afterw
    schedules.py, forward_backward_no_pipelining and both pipelined schedules). Only that
    module's view of torch changes.
 
+3. Mixture of experts (megatron-core 0.16.1; `install_moe()`, for MoE models only):
+   `moe_utils.te_general_gemm` is bound only when Transformer Engine imports, yet the router's
+   gating linear reads it (a NameError on CPU): it is set to None, the unfused torch path
+   (moe_utils.py:1192). The alltoall dispatcher makes a
+   `torch.cuda.Stream()` at build time: its module sees `TorchOnCpu`, whose `cuda.Stream()` is a
+   stream with nothing to wait for. Its split sizes go through `maybe_move_tensor_to_cpu(...,
+   as_numpy=True)`, which converts CUDA tensors only, so on CPU they stay tensors and gloo's
+   all_to_all_single refuses them: the dispatcher's copy returns a list for CPU tensors (only
+   reached at expert parallelism > 1, which is not run here).
+
 Two more CPU needs are not patches; callers apply them (4 after initialize_model_parallel, 5 is
 merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
 
@@ -56,8 +66,21 @@ def _cpu_current_device() -> str:
     return "cpu"
 
 
+class _NullEvent:
+    """A CUDA event that has always happened (what a `_NullStream` records)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _NullStream:
     """A CUDA stream's waiting interface with nothing to wait for (a CPU process has no streams)."""
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return _NullEvent()
 
     def wait_event(self, event: Any) -> None:
         pass
@@ -84,6 +107,10 @@ class _CudaOnCpu(types.SimpleNamespace):
     @staticmethod
     def current_device() -> str:
         return "cpu"
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _NullStream:
+        return _NullStream()
 
 
 # The tensor factories whose `device="cuda"` TorchOnCpu turns into the CPU.
@@ -163,6 +190,44 @@ def install() -> list[str]:
         mcore_random._get_cuda_rng_state = _no_cuda_rng_state
         mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
         done.append("tensor_parallel.random._get/_set_cuda_rng_state")
+    _installed.extend(done)
+    return done
+
+
+def _split_sizes_on_cpu(move: Any) -> Any:
+    """megatron-core's `maybe_move_tensor_to_cpu` that also turns CPU tensors into the list
+    `as_numpy` asks for (split sizes for all_to_all_single; see shim 3)."""
+
+    @functools.wraps(move)
+    def wrapper(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.tolist()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    wrapper.megatron_ba_shim = True
+    return wrapper
+
+
+def install_moe() -> list[str]:
+    """Shim 3: the MoE router and token dispatchers on CPU (idempotent; returns the shims this
+    call installed). megatron_ba.megatron.model.transformer_config calls it for a MoE spec, so
+    that a dense run patches nothing of megatron-core's MoE modules."""
+    install()
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return []
+    done = []
+    if getattr(moe_utils, "te_general_gemm", "absent") is not None:
+        moe_utils.te_general_gemm = None
+        done.append("transformer.moe.moe_utils.te_general_gemm")
+    if not isinstance(token_dispatcher.torch, TorchOnCpu):
+        token_dispatcher.torch = TorchOnCpu()
+        done.append("transformer.moe.token_dispatcher.torch")
+    move = getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None)
+    if move is not None and not getattr(move, "megatron_ba_shim", False):
+        token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_cpu(move)
+        done.append("transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu")
     _installed.extend(done)
     return done
 

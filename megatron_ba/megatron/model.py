@@ -6,7 +6,8 @@
     chunks = build_model_chunks(spec)                # [DDP(GPTModel)] for this rank's stage
     load_full_state_dict(chunks, full_init_state_dict(spec, seed=0))  # parallel.full_shape
 
-The architecture is megatron_ba.model_shape's (Qwen2 / Qwen3; RoPE not interleaved).
+The architecture is megatron_ba.model_shape's (Qwen2 / Qwen3 / Qwen3-MoE; RoPE not interleaved;
+MoE layers: `moe_config_fields`, `moe_layer_spec`).
 By default it is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine),
 so it runs on CPU with megatron_ba.megatron.cpu_compat installed; on GPUs pass a Transformer Engine
 layer spec (`layer_spec=`) for fused kernels and context-parallel attention
@@ -109,9 +110,67 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
     if cpu:
         cpu_compat.install()
         kwargs.update(cpu_compat.CPU_CONFIG_OVERRIDES)
+    if spec.num_experts:
+        if cpu:
+            cpu_compat.install_moe()
+        kwargs.update(moe_config_fields(spec, cpu=cpu))
     kwargs.update(spec.config_overrides)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_config_fields(spec: ModelSpec, *, cpu: bool) -> dict[str, Any]:
+    """TransformerConfig fields of a mixture-of-experts spec, routed as Hugging Face Qwen3-MoE.
+
+    HF routes with a softmax over all experts, then top-k; `norm_topk_prob` divides the k
+    weights by their sum, which equals a softmax over the k largest logits: megatron-core's
+    `moe_router_pre_softmax=False` (top-k, then softmax). Without renormalisation the weights
+    are the full softmax's top k: `moe_router_pre_softmax=True`. Both are checked against HF's
+    logits in tests/test_moe_model.py. CPU: SequentialMLP experts and the allgather dispatcher
+    (cpu_compat shim 3); GPUs: Transformer Engine grouped GEMM and the alltoall dispatcher.
+    """
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_token_dispatcher_type="allgather" if cpu else "alltoall",
+        moe_grouped_gemm=not cpu,
+    )
+
+
+def moe_layer_spec(config, *, transformer_engine: bool = False):
+    """megatron-core's decoder block spec for a MoE config: its `moe_layer_freq` pattern of
+    expert and dense layers, RMSNorm, q/k norms as the config says. transformer_engine=False:
+    local modules and SequentialMLP experts (CPU; what the conversion tables name);
+    True: Transformer Engine modules, grouped-GEMM experts when `config.moe_grouped_gemm`
+    (GPUs; untested here)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(
+        config, use_transformer_engine=transformer_engine, normalization="RMSNorm"
+    )
+
+
+def _check_moe_layer_spec(layer_spec) -> None:
+    """ValueError for a one-layer spec whose MLP is dense: megatron-core would build a dense
+    model from it whatever `num_moe_experts` says (a block spec from `moe_layer_spec` is
+    accepted as it is; it follows the config's pattern)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if not isinstance(layer_spec, ModuleSpec):
+        return
+    mlp = getattr(layer_spec.submodules, "mlp", None)
+    if getattr(mlp, "module", None) is not MoELayer:
+        raise ValueError(
+            "layer_spec: a dense layer spec for a mixture-of-experts spec (num_experts > 0); "
+            "pass moe_layer_spec(config, transformer_engine=...) or leave it unset"
+        )
 
 
 def local_layer_spec(qk_layernorm: bool = False):
@@ -138,13 +197,19 @@ def build_gpt_model(
     """This rank's pipeline stage of the model (not wrapped in DDP).
 
     layer_spec: a megatron-core ModuleSpec for the transformer layers; default `local_layer_spec()`
-    (with q/k layernorms when the spec has them). A Transformer Engine spec must be built with
-    the same `qk_layernorm`.
+    (with q/k layernorms when the spec has them), or for a MoE spec `moe_layer_spec(config)`.
+    A Transformer Engine spec must be built with the same `qk_layernorm`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = config if config is not None else transformer_config(spec)
+    if layer_spec is None:
+        layer_spec = (
+            moe_layer_spec(config) if spec.num_experts else local_layer_spec(spec.qk_layernorm)
+        )
+    elif spec.num_experts:
+        _check_moe_layer_spec(layer_spec)
     kwargs: dict[str, Any] = {}
     if pg_collection is not None:  # megatron-core >= 0.14 only
         kwargs["pg_collection"] = pg_collection
@@ -152,9 +217,7 @@ def build_gpt_model(
         kwargs["vp_stage"] = vp_stage
     return GPTModel(
         config=config,
-        transformer_layer_spec=(
-            layer_spec if layer_spec is not None else local_layer_spec(spec.qk_layernorm)
-        ),
+        transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -295,11 +358,25 @@ def full_parameter_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attention.q_layernorm.weight"] = (d,)
             shapes[p + "self_attention.k_layernorm.weight"] = (d,)
         shapes[p + "pre_mlp_layernorm.weight"] = (h,)
-        shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
-        shapes[p + "mlp.linear_fc2.weight"] = (h, f)
+        if spec.is_moe_layer(i):
+            shapes.update(_moe_shapes(spec, p + "mlp."))
+        else:
+            shapes[p + "mlp.linear_fc1.weight"] = (2 * f, h)
+            shapes[p + "mlp.linear_fc2.weight"] = (h, f)
     shapes["decoder.final_layernorm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["output_layer.weight"] = (v, h)
+    return shapes
+
+
+def _moe_shapes(spec: ModelSpec, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A MoE layer's router and SequentialMLP experts (global expert numbers)."""
+    h, f = spec.hidden_size, spec.moe_ffn_hidden_size
+    shapes = {prefix + "router.weight": (spec.num_experts, h)}
+    for j in range(spec.num_experts):
+        e = f"{prefix}experts.local_experts.{j}."
+        shapes[e + "linear_fc1.weight"] = (2 * f, h)
+        shapes[e + "linear_fc2.weight"] = (h, f)
     return shapes
 
 

@@ -1,8 +1,9 @@
-"""Tiny random Qwen2 / Qwen3 models in Hugging Face format, built offline (tests, CPU demos).
+"""Tiny random Qwen2 / Qwen3 / Qwen3-MoE Hugging Face models, built offline (tests, CPU demos).
 
     from megatron_ba.testing.tiny_hf import build_tiny_qwen2, build_tiny_qwen3
     model_dir = build_tiny_qwen2("/tmp/tiny")     # config.json, model.safetensors, tokenizer
     model_dir = build_tiny_qwen3("/tmp/tiny3")    # or: megatron-ba tiny-model /tmp/tiny3
+    model_dir = build_tiny_qwen3_moe("/tmp/moe")  # tiny-model /tmp/moe --family qwen3_moe
     # vllm: LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=1024)
 
 The tokenizer is a byte-level BPE trained here with `tokenizers` on a small built-in corpus
@@ -19,8 +20,9 @@ from pathlib import Path
 from megatron_ba.model_shape import PRESETS
 from megatron_ba.tokenization import train_bpe
 
-# The models' default shapes ("tiny-qwen2", "tiny-qwen3"; the vocabulary is the tokenizer's size).
-TINY_QWEN2, TINY_QWEN3 = PRESETS["tiny-qwen2"], PRESETS["tiny-qwen3"]
+# The models' default shapes ("tiny-qwen2", "tiny-qwen3", "tiny-moe"; the vocabulary is the
+# tokenizer's size).
+TINY_QWEN2, TINY_QWEN3, TINY_MOE = PRESETS["tiny-qwen2"], PRESETS["tiny-qwen3"], PRESETS["tiny-moe"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -68,11 +70,14 @@ def _write_tiny(out_dir: str | Path, family: str, vocab_size: int, seed: int, **
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     config_cls, model_cls = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,3 +161,31 @@ def build_tiny_qwen3(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
     )
+
+
+def build_tiny_qwen3_moe(out_dir: str | Path, *, seed: int = 0, **config) -> Path:
+    """Write a random Qwen3MoeForCausalLM of the "tiny-moe" shape (8 experts, top-2, renormalised
+    top-k weights, every layer sparse, head_dim 32, tied) and its tokenizer to `out_dir`.
+
+    config: Qwen3MoeConfig fields that replace the defaults (e.g. norm_topk_prob=False,
+    mlp_only_layers=[0]). transformers draws the router (`mlp.gate`) like the other matrices
+    (N(0, initializer_range)), so routing depends on the token."""
+    shape = TINY_MOE
+    fields = dict(
+        hidden_size=shape.hidden_size,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_query_groups,
+        max_position_embeddings=shape.max_position_embeddings,
+        num_experts=shape.num_experts,
+        num_experts_per_tok=shape.moe_router_topk,
+        moe_intermediate_size=shape.moe_ffn_hidden_size,
+        norm_topk_prob=shape.moe_norm_topk_prob,
+        router_aux_loss_coef=shape.moe_aux_loss_coeff,
+    )
+    fields.update(config)
+    if fields["head_dim"] < 32:
+        raise ValueError(f"head_dim: must be >= 32 (vLLM CPU attention), got {fields['head_dim']}")
+    return _write_tiny(out_dir, "qwen3_moe", shape.vocab_size, seed, **fields)
