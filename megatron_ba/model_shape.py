@@ -58,20 +58,17 @@ class ModelShape:
     qk_layernorm: bool = False
     kv_channels: int | None = None
     tie_word_embeddings: bool = False
-    # Mixture of experts (0 experts: dense). Every layer's MLP is then a router over
-    # `num_experts` SwiGLU experts of `moe_ffn_hidden_size`, `moe_top_k` per token, plus a
-    # shared expert of `shared_expert_ffn_hidden_size` (0: none; Qwen2-MoE has one, Qwen3-MoE not).
-    num_experts: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_top_k: int = 0
-    shared_expert_ffn_hidden_size: int = 0
     name: str = field(default="model", compare=False)
-    # Mixture of experts (Qwen3-MoE; 0 experts: dense). moe_layer_pattern: 1 (MoE) or 0 (dense
-    # MLP of ffn_hidden_size) per layer, None: every layer MoE. moe_norm_topk_prob: the top-k
-    # routing weights are renormalised to sum to 1 (HF norm_topk_prob).
+    # Mixture of experts (0 experts: dense). A MoE layer's MLP is a router over `num_experts`
+    # SwiGLU experts of `moe_ffn_hidden_size`, `moe_router_topk` per token, plus a shared expert
+    # of `shared_expert_ffn_hidden_size` (0: none; Qwen2-MoE has one, Qwen3-MoE not; the planner
+    # counts it, the model build refuses it). moe_layer_pattern: 1 (MoE) or 0 (dense MLP of
+    # ffn_hidden_size) per layer, None: every layer MoE. moe_norm_topk_prob: the top-k routing
+    # weights are renormalised to sum to 1 (HF norm_topk_prob).
     num_experts: int = 0
     moe_router_topk: int = 0
     moe_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] | None = None
     moe_aux_loss_coeff: float = 0.0
@@ -92,10 +89,6 @@ class ModelShape:
         elif not (isinstance(self.kv_channels, int) and self.kv_channels >= 1):
             raise ValueError(
                 f"kv_channels: must be an integer >= 1 or None, got {self.kv_channels!r}"
-            )
-        if self.num_experts and not (self.moe_ffn_hidden_size >= 1 and self.moe_top_k >= 1):
-            raise ValueError(
-                f"num_experts={self.num_experts}: needs moe_ffn_hidden_size and moe_top_k >= 1"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
@@ -139,12 +132,6 @@ class ModelShape:
         missing = [k for k in (*need, "vocab_size") if k not in cfg]
         if missing:
             raise ValueError(f"--model {name}: config.json lacks {', '.join(missing)}")
-        if cfg.get("model_type") == "qwen3_moe":
-            # the planner's memory and FLOP terms have no experts: refused, not read as dense
-            raise ValueError(
-                f"--model {name}: model_type qwen3_moe is not read here (the planner models "
-                "dense layers only); megatron_ba.conversion.spec_from_hf_config reads it"
-            )
         heads = int(cfg["num_attention_heads"])
         qwen3 = str(cfg.get("model_type", "")).startswith("qwen3")
         experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0)
@@ -163,13 +150,13 @@ class ModelShape:
             rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=bool(cfg.get("attention_bias", not qwen3)),
-            family="qwen3" if qwen3 else "qwen2",
+            family=_family(cfg, qwen3),
             qk_layernorm=qwen3,
             kv_channels=int(cfg["head_dim"]) if cfg.get("head_dim") else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             num_experts=experts,
             moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or 0) if experts else 0,
-            moe_top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            moe_router_topk=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
             shared_expert_ffn_hidden_size=_shared_ffn(cfg) if experts else 0,
             name=name,
         )
@@ -239,8 +226,12 @@ class ModelShape:
         return self.num_experts * (h + 3 * h * self.moe_ffn_hidden_size)
 
     def total_params(self) -> int:
-        moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
-        mlp_swap = moe * (self.moe_mlp_params() - 3 * self.hidden_size * self.ffn_hidden_size)
+        # layer_params() counts every layer of a MoE model as a MoE layer; the layers that
+        # moe_layer_pattern makes dense hold a dense MLP (no router, experts or shared expert)
+        dense = sum(not self.is_moe_layer(i) for i in range(self.num_layers)) if self.is_moe else 0
+        h, fs = self.hidden_size, self.shared_expert_ffn_hidden_size
+        moe_mlp = self.moe_mlp_params() + (3 * h * fs + h if fs else 0)
+        mlp_swap = dense * (3 * h * self.ffn_hidden_size - moe_mlp)
         return (
             self.num_layers * self.layer_params()
             + mlp_swap
@@ -263,7 +254,11 @@ class ModelShape:
         # MoE: the router's logits, each of the top-k copies of the token as dispatched (the
         # experts' input) and as returned (before the weighted sum), and per copy the expert's
         # gate, up and SwiGLU outputs; the shared expert as a dense MLP.
-        k, fe, fs = self.moe_top_k, self.moe_ffn_hidden_size, self.shared_expert_ffn_hidden_size
+        k, fe, fs = (
+            self.moe_router_topk,
+            self.moe_ffn_hidden_size,
+            self.shared_expert_ffn_hidden_size,
+        )
         return 4 * h + (q + 2 * kv) + q + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
 
 
@@ -273,6 +268,12 @@ def _shared_ffn(cfg: dict) -> int:
     if cfg.get("shared_expert_intermediate_size"):
         return int(cfg["shared_expert_intermediate_size"])
     return int(cfg.get("n_shared_experts") or 0) * int(cfg.get("moe_intermediate_size") or 0)
+
+
+def _family(cfg: dict, qwen3: bool) -> str:
+    if cfg.get("model_type") == "qwen3_moe":
+        return "qwen3_moe"
+    return "qwen3" if qwen3 else "qwen2"
 
 
 def _qwen3(name: str, **fields) -> ModelShape:
@@ -328,6 +329,7 @@ PRESETS: dict[str, ModelShape] = {
     ),
     "Qwen3-30B-A3B": _qwen3(
         "Qwen3-30B-A3B",
+        family="qwen3_moe",
         vocab_size=151936,
         hidden_size=2048,
         num_layers=48,
@@ -337,10 +339,11 @@ PRESETS: dict[str, ModelShape] = {
         kv_channels=128,
         num_experts=128,
         moe_ffn_hidden_size=768,
-        moe_top_k=8,
+        moe_router_topk=8,
     ),
     "Qwen3-235B-A22B": _qwen3(
         "Qwen3-235B-A22B",
+        family="qwen3_moe",
         vocab_size=151936,
         hidden_size=4096,
         num_layers=94,
@@ -350,7 +353,7 @@ PRESETS: dict[str, ModelShape] = {
         kv_channels=128,
         num_experts=128,
         moe_ffn_hidden_size=1536,
-        moe_top_k=8,
+        moe_router_topk=8,
     ),
     # The benchmarks' and the GPU check's real-sized shapes, from the public config.json
     # (Qwen2.5-0.5B and -1.5B tie the output layer to the embedding).
