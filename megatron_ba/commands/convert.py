@@ -85,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     spec.check_layout(args.tp, args.pp)
     ctx = setup(tp=args.tp, pp=args.pp, cp=1, seed=0)
     try:
-        # Every weight is overwritten by the load: skip megatron-core's random initialisation.
-        config = mm.transformer_config(spec, perform_initialization=False)
+        # Every weight is overwritten by the load, but megatron-core's initialisation is kept:
+        # it is what marks each tensor-parallel weight with its partition dim, which the load
+        # needs to shard (without it `--tp 2` fails on the embedding's shape).
+        config = mm.transformer_config(spec)
         chunks = mm.build_model_chunks(spec, ddp=False, config=config)
         if args.to == "megatron":
             load_hf_into_chunks(chunks, src, spec)
