@@ -53,7 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "convert": (
         "megatron_ba.commands.convert",
-        "Hugging Face Qwen2/Qwen3 folder <-> megatron-core distributed checkpoint",
+        "Hugging Face Qwen2/Qwen3/Qwen3-MoE folder <-> megatron-core distributed checkpoint",
     ),
     "tiny-model": (
         "megatron_ba.commands.tiny_model",
