@@ -2,13 +2,14 @@
 
     overrides = recipe_to_verl_overrides(recipe, nodes=1, gpus_per_node=8, run_dir="runs/x")
     environment = verl_environment(recipe)   # MEGATRON_BA_SCOPE / _NEUTRAL_EPS where needed
-    command = verl_command(recipe, ...)      # python -m megatron_ba.integrations.verl.main_ppo ...
+    verl_command("python", overrides, environment)  # python -m ...verl.main_ppo --config-name ...
 
 `megatron-ba train RECIPE backend=verl --print-overrides` prints the overrides; without the flag
 it prints the command and execs it. The keys are those of verl's own config
 (verl/trainer/config/ppo_megatron_trainer.yaml). What verl cannot honour is refused with the
 recipe key named (`refuse_unsupported`, called when a recipe with `backend: verl` loads): a key of
-LOCAL_ONLY at a value other than its default, and the values `_refuse_values` names (the
+LOCAL_ONLY (verl_recipe_keys.py, with the table of where every other key goes) at a value
+other than its default, and the values `_refuse_values` names (the
 arithmetic task, a hub id for data.path, the builtin rollout engine, ...).
 
 This module imports neither verl nor torch: the recipe loader calls it in any environment.
@@ -16,56 +17,16 @@ This module imports neither verl nor torch: the recipe loader calls it in any en
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
+
+from megatron_ba.integrations.verl_recipe_keys import LOCAL_ONLY
 
 PLAN_RULES = ("balanced", "balanced_mass", "group_token_mean")  # the estimator + loss pairs
 ENTRY = ["-m", "megatron_ba.integrations.verl.main_ppo", "--config-name", "ppo_megatron_trainer"]
-ACTOR = "actor_rollout_ref.actor"
-ROLLOUT = "actor_rollout_ref.rollout"
+ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 # recipe `loss.dual_clip: null` (no dual clip): verl's losses always apply clip_ratio_c; at this
 # bound -c A never binds (a ratio above 1e9 would be needed)
 NO_DUAL_CLIP = 1.0e9
-
-_SHAPE = "the checkpoint's config.json decides the model under verl; leave it out"
-_ARITHMETIC = "the arithmetic task's (verl trains on the data.path file)"
-_WARMSTART = (
-    "the local backend's warm start of a fresh tiny model (verl starts from model.pretrained)"
-)
-# Keys verl has no counterpart for: accepted only at the schema's default value.
-LOCAL_ONLY: dict[str, str] = {
-    **{f"model.{k}": _SHAPE for k in (
-        "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-        "ffn_hidden_size", "max_position_embeddings", "rope_theta", "norm_eps")},
-    "model.init_std": _WARMSTART,
-    "model.attention": "the local spec's core attention (verl's megatron uses its own)",
-    "tokenizer.vocab_size": "the trained BPE's (verl uses the checkpoint's tokenizer)",
-    "data.on_conflict": "how this project's loader reads the release (verl reads every row)",
-    "data.eval_prompts": "prompts held out of data.path; verl validates on eval.benchmarks files",
-    **{f"data.{k}": _ARITHMETIC for k in ("min_terms", "max_terms", "sloppy_restates", "seed")},
-    "reward.timeout_s": "this project's math-verify workers' limit (verl scores with its own)",
-    **{f"warmstart.{k}": _WARMSTART for k in (
-        "steps", "batch_size", "lr", "correct_fraction", "seed")},
-    "grpo.drop_zero_variance": "verl's GRPO has no such option",
-    "grpo.dynamic_sampling": "verl's filter_groups belongs to its DAPO recipe, not to main_ppo",
-    "grpo.max_sampling_rounds": "dynamic sampling's (not available under verl)",
-    "loss.max_length": "dr_grpo's constant (dr_grpo is not translated)",
-    "loss.reg_rule": "verl aggregates KL and entropy by loss_agg_mode (token-mean: token, batch)",
-    "loss.reg_scope": "verl aggregates KL and entropy by loss_agg_mode (token-mean: token, batch)",
-    "loss.rollout_correction.cap": "the local backend's rollout correction",
-    "loss.rollout_correction.low": "the local backend's rollout correction",
-    "loss.rollout_correction.high": "the local backend's rollout correction",
-    "parallel.logprob_chunk_size": "the local backend's vocab-parallel log-softmax",
-    "rollout.in_process": "the local backend's engine placement (verl places its own)",
-    "rollout.kv_cache_gb": "vLLM's CPU KV cache (verl runs on GPUs)",
-    "rollout.threads": "the local trainer's torch threads",
-    "rollout.refit_bucket_mb": "the local backend's refit (verl syncs weights itself)",
-    "optimizer.eps": "verl's megatron optimizer config has no eps (megatron-core's Adam: 1e-8)",
-    "eval.template": "verl uses the benchmark files' prompts as they are",
-    "logging.wandb.entity": "verl's trainer has no key for it (set WANDB_ENTITY)",
-}  # fmt: skip
-# Display options of this project's console: verl logs through trainer.logger whatever they say.
-DISPLAY_ONLY = ("logging.progress", "logging.plots")
 
 
 def _get(obj, dotted: str):
@@ -91,10 +52,11 @@ def refuse_unsupported(recipe) -> None:
     default = Recipe()
     for key, why in LOCAL_ONLY.items():
         value = _get(recipe, key)
-        if value != _get(default, key):
+        usual = _get(default, key)
+        if value != usual:
+            fix = "leave it out" if usual is None else f"use the default {usual!r}"
             raise ValueError(
-                f"{key}: not available on the verl backend ({why}); got {value!r}, "
-                f"use the default {_get(default, key)!r}"
+                f"{key}: not available on the verl backend ({why}); got {value!r}, {fix}"
             )
     _refuse_values(recipe)
 
@@ -342,18 +304,3 @@ def verl_command(python: str, overrides: list[str], environment: dict[str, str])
     """The shell command that runs verl with `overrides` (the environment as a prefix)."""
     words = [f"{k}={v}" for k, v in environment.items()] + [python, *ENTRY, *overrides]
     return shlex.join(words)
-
-
-def schema_keys() -> list[str]:
-    """Every leaf key of the recipe schema, dotted (for the docs' table and its test)."""
-    from megatron_ba.recipe import Recipe
-
-    def walk(obj, prefix: str) -> list[str]:
-        keys = []
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            name = f"{prefix}{f.name}"
-            keys += walk(value, name + ".") if dataclasses.is_dataclass(value) else [name]
-        return keys
-
-    return walk(Recipe(), "")
