@@ -49,6 +49,7 @@ def refuse_unsupported(recipe) -> None:
     """ValueError naming the first recipe key verl cannot honour (see the module's doc)."""
     from megatron_ba.recipe import Recipe
 
+    _refuse_values(recipe)
     default = Recipe()
     for key, why in LOCAL_ONLY.items():
         value = _get(recipe, key)
@@ -58,7 +59,6 @@ def refuse_unsupported(recipe) -> None:
             raise ValueError(
                 f"{key}: not available on the verl backend ({why}); got {value!r}, {fix}"
             )
-    _refuse_values(recipe)
 
 
 def _need(cond: bool, key: str, msg: str) -> None:
