@@ -10,6 +10,8 @@ verl's Hydra (the composition check can fail).
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from omegaconf import OmegaConf
 from megatron_ba.integrations.verl import check_config
 from megatron_ba.integrations.verl.checks import steps_per_batch
 from megatron_ba.integrations.verl_recipe import (
+    ENTRY,
     NO_DUAL_CLIP,
     recipe_to_verl_overrides,
     verl_environment,
@@ -41,15 +44,32 @@ from megatron_ba.integrations.verl_recipe_keys import (
 from megatron_ba.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-PAPER = [
-    "qwen2.5-math-7b-dapo17k",
-    "qwen3-1.7b-dapo17k",
-    "qwen2.5-32b-dapo17k-16k",
-    "qwen2.5-32b-dapo17k-32k",
-]
+# the paper recipes verl takes, and the nodes of 8 GPUs each is meant for (its header)
+NODES = {
+    "qwen2.5-math-7b-dapo17k": 1,
+    "qwen3-1.7b-dapo17k": 1,
+    "qwen2.5-32b-dapo17k-16k": 4,
+    "qwen2.5-32b-dapo17k-32k": 8,
+}
+PAPER = sorted(NODES)
 POLARIS = ["qwen2.5-math-7b-polaris", "qwen3-1.7b-polaris"]
 # What a cluster user adds: verl reads local parquet files in its layout
 FILES = ["backend=verl", "data.path=/data/dapo-math-17k.parquet", "eval.data_dir=/data/bench"]
+
+
+BA_ENV = ("MEGATRON_BA_SCOPE", "MEGATRON_BA_NEUTRAL_EPS", "MEGATRON_BA_STEPS_PER_BATCH")
+
+
+@pytest.fixture(autouse=True)
+def _no_ba_environment(monkeypatch):
+    """No MEGATRON_BA_* variable; what main_ppo exports is undone after each test."""
+    for name in (*BA_ENV, "VERL_USE_EXTERNAL_MODULES"):
+        value = os.environ.get(name)
+        monkeypatch.setenv(name, "")  # recorded: teardown restores the value (or its absence)
+        if name in BA_ENV or value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
 
 
 def _compose(overrides: list[str]):
@@ -203,6 +223,48 @@ def test_a_misspelled_override_path_is_refused_by_verls_hydra():
     bad = [o.replace("clip_ratio_high", "clip_ratio_hihg") for o in good]
     with pytest.raises(ConfigCompositionException, match="clip_ratio_hihg"):
         _compose(bad)
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_verls_own_main_validates_the_translation(name, monkeypatch, tmp_path):
+    """The printed command's entry point (main_ppo: check_config, then verl's own main with its
+    validate_config) on the translation, stopped where verl would start Ray (run_ppo)."""
+    from verl.trainer import main_ppo as verl_main_ppo
+
+    from megatron_ba.integrations.verl import main_ppo
+
+    seen = []
+    monkeypatch.setattr(
+        verl_main_ppo, "run_ppo", lambda config, task_runner_class: seen.append(config)
+    )
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    overrides = recipe_to_verl_overrides(_recipe(name), nodes=NODES[name], run_dir=str(tmp_path))
+    hydra_dirs = [f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
+    monkeypatch.setattr(sys, "argv", ["main_ppo", *ENTRY[2:], *overrides, *hydra_dirs])
+    main_ppo.main()
+    assert len(seen) == 1 and seen[0].trainer.nnodes == NODES[name]
+    assert os.environ["MEGATRON_BA_STEPS_PER_BATCH"] == "4"  # grpo.mini_batches
+
+
+def test_without_print_overrides_the_command_is_printed_and_execd(monkeypatch, capsys):
+    """`megatron-ba train RECIPE backend=verl` (verl imports here): the command on stdout, then
+    exec of it with the estimator's settings in its environment."""
+    from megatron_ba.commands import train
+
+    calls = []
+    monkeypatch.setattr(train.os, "execve", lambda *a: calls.append(a))
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    extra = ["loss.scope=batch", "--run-dir", "runs/v"]
+    args = parser.parse_args(["recipes/qwen3-1.7b-dapo17k.yaml", *FILES, *extra])
+    train.run(args)
+    printed = capsys.readouterr().out.strip()
+    (path, argv, env) = calls[0]
+    assert path == sys.executable and argv[1:5] == ENTRY
+    assert "trainer.default_local_dir=runs/v/checkpoints" in argv
+    assert env["MEGATRON_BA_SCOPE"] == "batch"
+    assert printed.startswith("MEGATRON_BA_SCOPE=batch python " + " ".join(ENTRY))
+    assert printed.endswith(argv[-1])
 
 
 def test_the_command_prints_the_overrides_and_refuses_by_name():
