@@ -39,6 +39,7 @@ from megatron_ba.integrations.verl_recipe_keys import (
     DISPLAY_ONLY,
     LOCAL_ONLY,
     TRANSLATED,
+    markdown_table,
     schema_keys,
 )
 from megatron_ba.recipe import RecipeError, load_recipe
@@ -214,6 +215,7 @@ def test_docs_table_names_every_key():
     section = text[text.index("### From a recipe") :]
     for key in schema_keys():
         assert f"| `{key}` |" in section, key
+    assert markdown_table() in section  # the table is the dicts, as they are
 
 
 def test_a_misspelled_override_path_is_refused_by_verls_hydra():
@@ -257,11 +259,12 @@ def test_without_print_overrides_the_command_is_printed_and_execd(monkeypatch, c
     train.add_arguments(parser)
     extra = ["loss.scope=batch", "--run-dir", "runs/v"]
     args = parser.parse_args(["recipes/qwen3-1.7b-dapo17k.yaml", *FILES, *extra])
+    monkeypatch.chdir(ROOT)
     train.run(args)
     printed = capsys.readouterr().out.strip()
     (path, argv, env) = calls[0]
     assert path == sys.executable and argv[1:5] == ENTRY
-    assert "trainer.default_local_dir=runs/v/checkpoints" in argv
+    assert f"trainer.default_local_dir={ROOT}/runs/v/checkpoints" in argv
     assert env["MEGATRON_BA_SCOPE"] == "batch"
     assert printed.startswith("MEGATRON_BA_SCOPE=batch python " + " ".join(ENTRY))
     assert printed.endswith(argv[-1])

@@ -139,7 +139,10 @@ def _verl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
 
     try:
         overrides = recipe_to_verl_overrides(
-            recipe, nodes=args.nodes, gpus_per_node=args.devices or 8, run_dir=str(run_dir)
+            recipe,
+            nodes=args.nodes,
+            gpus_per_node=args.devices or 8,
+            run_dir=str(run_dir.resolve()),  # verl's Ray processes need not share this cwd
         )
     except ValueError as e:
         print(f"train: {e}", file=sys.stderr)

@@ -68,7 +68,8 @@ TRANSLATED: dict[str, str] = {
     "data.path": "data.train_files (a local parquet in verl's layout; a hub id refused)",
     "data.dataset": "dapo-math-17k only (its release is in verl's layout); polaris refused",
     "data.template": "dapo only (the prompts DAPO-Math-17k's file holds); others refused",
-    "data.train_prompts": "data.train_max_samples",
+    "data.train_prompts": "data.train_max_samples (verl: a random subset seeded by data.seed, "
+    "then the long prompts dropped)",
     "data.max_prompt_tokens": "data.max_prompt_length, data.filter_overlong_prompts=true",
     "reward.workers": "reward.num_workers",
     "warmstart.enabled": "false (required with model.pretrained)",
@@ -118,7 +119,7 @@ TRANSLATED: dict[str, str] = {
     "optimizer.grad_clip": f"{_A}.optim.clip_grad",
     "optimizer.warmup_steps": f"{_A}.optim.lr_warmup_steps",
     "checkpoint.every": "trainer.save_freq (0: grpo.steps), trainer.resume_mode=auto, "
-    "trainer.default_local_dir=RUN_DIR/checkpoints",
+    "trainer.default_local_dir=RUN_DIR/checkpoints (absolute)",
     "checkpoint.keep": "trainer.max_actor_ckpt_to_keep",
     "eval.every": "trainer.test_freq (0: grpo.steps), trainer.val_before_train=true",
     "eval.samples": f"{_R}.val_kwargs.n",
@@ -148,3 +149,25 @@ def schema_keys() -> list[str]:
         return keys
 
     return walk(Recipe(), "")
+
+
+def markdown_table() -> str:
+    """docs/integrations.md's table: every recipe key and where it goes in verl, or why not."""
+    from megatron_ba.recipe import Recipe
+
+    default, rows = Recipe(), ["| recipe key | in verl |", "|---|---|"]
+    for key in schema_keys():
+        if key in TRANSLATED:
+            where = TRANSLATED[key]
+        elif key in LOCAL_ONLY:
+            value = default
+            for part in key.split("."):
+                value = getattr(value, part)
+            at = "left out" if value is None else f"`{value}`"
+            where = f"refused unless {at}: {LOCAL_ONLY[key]}"
+        else:
+            where = (
+                "not passed on: this project's console display (verl logs through `trainer.logger`)"
+            )
+        rows.append(f"| `{key}` | " + where.replace("|", "\\|") + " |")
+    return "\n".join(rows) + "\n"
