@@ -270,6 +270,25 @@ def test_without_print_overrides_the_command_is_printed_and_execd(monkeypatch, c
     assert printed.endswith(argv[-1])
 
 
+def test_without_verl_the_command_is_printed_and_the_run_refused(monkeypatch, capsys):
+    import importlib.util
+
+    from megatron_ba.commands import train
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "verl" else real(name, *a)
+    )
+    monkeypatch.setattr(train.os, "execve", lambda *a: pytest.fail("exec'd without verl"))
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    monkeypatch.chdir(ROOT)
+    assert train.run(parser.parse_args(["recipes/qwen3-1.7b-dapo17k.yaml", *FILES])) == 2
+    out = capsys.readouterr()
+    assert out.out.startswith("python -m megatron_ba.integrations.verl.main_ppo")
+    assert "backend verl needs verl 0.9.1" in out.err
+
+
 def test_the_command_prints_the_overrides_and_refuses_by_name():
     cmd = [sys.executable, "-m", "megatron_ba.cli", "train", "recipes/qwen3-1.7b-dapo17k.yaml"]
     out = subprocess.run(
@@ -282,10 +301,9 @@ def test_the_command_prints_the_overrides_and_refuses_by_name():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "algorithm.adv_estimator=balanced" in lines and "trainer.nnodes=2" in lines
-    assert (
-        "python -m megatron_ba.integrations.verl.main_ppo --config-name ppo_megatron_trainer"
-        in (out.stderr)
-    )
+    command = "python -m megatron_ba.integrations.verl.main_ppo --config-name ppo_megatron_trainer"
+    assert command in out.stderr
+    assert "note: grpo.std: population; " in out.stderr and "1.0328 times" in out.stderr
     refused = subprocess.run(
         [*cmd, *FILES, "rollout.engine=builtin", "--print-overrides"],
         cwd=ROOT,

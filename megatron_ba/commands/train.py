@@ -26,6 +26,7 @@ from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overr
 from megatron_ba.integrations.verl_recipe import (
     ENTRY,
     recipe_to_verl_overrides,
+    translation_notes,
     verl_command,
     verl_environment,
 )
@@ -149,6 +150,8 @@ def _verl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
         return 2
     environment = verl_environment(recipe)
     command = verl_command("python", overrides, environment)
+    for note in translation_notes(recipe):
+        print(f"train: note: {note}", file=sys.stderr)
     if args.print_overrides:
         print("\n".join(overrides))
         print(f"train: the command that runs them: {command}", file=sys.stderr)

@@ -300,6 +300,19 @@ def verl_environment(recipe) -> dict[str, str]:
     return env
 
 
+def translation_notes(recipe) -> list[str]:
+    """What the translation changes without refusing it (printed by `megatron-ba train`)."""
+    g = recipe.grpo
+    if not (g.normalize_std and g.std == "population"):
+        return []
+    factor = (g.group_size / (g.group_size - 1)) ** 0.5
+    return [
+        f"grpo.std: population; verl's estimators divide by the sample std, so every advantage "
+        f"is {factor:.4f} times the recipe's (sqrt(G/(G-1)), G={g.group_size}); "
+        f"grpo.std=sample is exact"
+    ]
+
+
 def verl_command(python: str, overrides: list[str], environment: dict[str, str]) -> str:
     """The shell command that runs verl with `overrides` (the environment as a prefix)."""
     words = [f"{k}={v}" for k, v in environment.items()] + [python, *ENTRY, *overrides]
