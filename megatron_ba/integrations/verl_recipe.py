@@ -67,16 +67,16 @@ def _need(cond: bool, key: str, msg: str) -> None:
 
 
 def _refuse_values(recipe) -> None:
-    m, d, loss, r = recipe.model, recipe.data, recipe.loss, recipe.rollout
+    _refuse_data(recipe.data)
+    _refuse_model_and_loss(recipe)
+    _refuse_eval_and_logging(recipe)
+
+
+def _refuse_data(d) -> None:
     _need(
         d.task == "math",
         "data.task",
         f"the verl backend trains on a data file (math), got {d.task!r}",
-    )
-    _need(
-        m.pretrained is not None and not str(m.pretrained).endswith(".nemo"),
-        "model.pretrained",
-        f"verl starts from a Hugging Face folder, got {m.pretrained!r}",
     )
     _need(
         str(d.path).endswith(".parquet"),
@@ -88,7 +88,8 @@ def _refuse_values(recipe) -> None:
         d.dataset == "dapo-math-17k",
         "data.dataset",
         f"verl reads the file's rows as they are; only DAPO-Math-17k's release (in verl's "
-        f"layout, data_source math_dapo) is translated, got {d.dataset!r}",
+        f"layout, data_source math_dapo) is translated, got {d.dataset!r}; this project does "
+        f"not convert other releases to verl's layout yet",
     )
     _need(
         d.template == "dapo",
@@ -100,6 +101,15 @@ def _refuse_values(recipe) -> None:
         d.max_prompt_tokens is not None,
         "data.max_prompt_tokens",
         "verl needs a prompt budget (data.max_prompt_length); set it",
+    )
+
+
+def _refuse_model_and_loss(recipe) -> None:
+    m, loss, r = recipe.model, recipe.loss, recipe.rollout
+    _need(
+        m.pretrained is not None and not str(m.pretrained).endswith(".nemo"),
+        "model.pretrained",
+        f"verl starts from a Hugging Face folder, got {m.pretrained!r}",
     )
     _need(r.engine == "vllm", "rollout.engine", f"verl's rollout here is vllm, got {r.engine!r}")
     _need(
@@ -126,7 +136,6 @@ def _refuse_values(recipe) -> None:
             f"batch, or loss.rule=group_token_mean for a per-group token mean",
         )
         _need(loss.neutral_eps == 0, "loss.neutral_eps", "the balanced rules' only; use 0")
-    _refuse_eval_and_logging(recipe)
 
 
 def _refuse_eval_and_logging(recipe) -> None:
@@ -150,7 +159,7 @@ def _refuse_eval_and_logging(recipe) -> None:
     _need(
         wandb.mode != "offline",
         "logging.wandb.mode",
-        "verl's wandb logger runs online (or set WANDB_MODE=offline yourself); use online",
+        "verl's trainer.logger has wandb online only; use online or disabled",
     )
 
 
