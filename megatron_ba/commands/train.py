@@ -5,6 +5,8 @@
     megatron-ba train recipes/tiny-cpu.yaml --resume runs/tiny-cpu-balanced
     kill -USR1 PID    # or touch RUN_DIR/PREEMPT: checkpoint at the next step, exit 75
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
+    megatron-ba train recipes/qwen3-1.7b-dapo17k.yaml backend=verl data.path=F.parquet \
+        eval.data_dir=DIR --print-overrides    # verl's ppo_megatron_trainer overrides
 
 The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
 summary.json, plots/*.png, checkpoints/ (sharded; `megatron-ba convert STEP_DIR OUT --to hf`
