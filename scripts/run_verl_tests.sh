@@ -5,7 +5,8 @@
 #
 # Sets up .venv-verl (scripts/setup_verl_env.sh, idempotent), then runs
 #   1. tests/test_integration_verl*.py (the hooks' numerics, check_config, the main_ppo entry
-#      point, multi-output sessions through verl's v1 trainer module),
+#      point, multi-output sessions through verl's v1 trainer module) and tests/test_backend_verl.py
+#      (recipes translated by `megatron-ba train RECIPE backend=verl`, composed into verl's config),
 #   2. verl's own trainer tests (tests/trainer of verl's source distribution, fetched once with
 #      pip into MEGATRON_BA_VERL_SRC) with the integration loaded through
 #      VERL_USE_EXTERNAL_MODULES, as a verl run loads it: registering `balanced` and wrapping the
@@ -18,7 +19,7 @@ VENV=${MEGATRON_BA_VERL_VENV:-.venv-verl}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest \
   tests/test_integration_verl.py tests/test_integration_verl_config.py \
-  tests/test_integration_verl_sessions.py -p no:cacheprovider "$@"
+  tests/test_integration_verl_sessions.py tests/test_backend_verl.py -p no:cacheprovider "$@"
 
 version=$(sed -n 's/^verl==\([0-9.]*\).*/\1/p' requirements/verl.txt)
 src=${MEGATRON_BA_VERL_SRC:-$HOME/.cache/megatron-ba/verl-$version-src}

@@ -218,8 +218,8 @@ def test_eval_benchmarks_from_the_command_line():
 
 
 def test_only_implemented_backends_load():
-    with pytest.raises(RecipeError, match=r"^backend: must be one of local, nemo_aligner$"):
-        load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["backend=verl"])
+    with pytest.raises(RecipeError, match=r"^backend: must be one of local, nemo_aligner, verl$"):
+        load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["backend=trl"])
 
 
 def test_nemo_aligner_backend_prints_its_overrides():

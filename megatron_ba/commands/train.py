@@ -5,6 +5,8 @@
     megatron-ba train recipes/tiny-cpu.yaml --resume runs/tiny-cpu-balanced
     kill -USR1 PID    # or touch RUN_DIR/PREEMPT: checkpoint at the next step, exit 75
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
+    megatron-ba train recipes/qwen3-1.7b-dapo17k.yaml backend=verl data.path=F.parquet \
+        eval.data_dir=DIR --print-overrides    # verl's ppo_megatron_trainer overrides
 
 The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
 summary.json, plots/*.png, checkpoints/ (sharded; `megatron-ba convert STEP_DIR OUT --to hf`
@@ -23,6 +25,13 @@ import sys
 from pathlib import Path
 
 from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
+from megatron_ba.integrations.verl_recipe import (
+    ENTRY,
+    recipe_to_verl_overrides,
+    translation_notes,
+    verl_command,
+    verl_environment,
+)
 from megatron_ba.recipe import RecipeError, load_recipe
 from megatron_ba.train.console import Console
 from megatron_ba.train.prompt_files import prompt_file_paths, write_prompt_files
@@ -41,11 +50,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--print-overrides",
         action="store_true",
-        help="backend=nemo_aligner: print the NeMo-Aligner overrides of the recipe, launch nothing",
+        help="backend=nemo_aligner or verl: print the recipe's overrides, launch nothing",
     )
-    p.add_argument("--nodes", type=int, default=1, help="backend=nemo_aligner: trainer.num_nodes")
     p.add_argument(
-        "--devices", type=int, default=None, help="nemo_aligner: trainer.devices (default TP x PP)"
+        "--nodes",
+        type=int,
+        default=1,
+        help="backend=nemo_aligner: trainer.num_nodes; verl: trainer.nnodes",
+    )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="nemo_aligner: trainer.devices (default TP x PP); verl: trainer.n_gpus_per_node "
+        "(default 8)",
     )
     p.add_argument(
         "--accelerator",
@@ -116,6 +134,43 @@ def _nemo_aligner(recipe, args: argparse.Namespace, run_dir: Path) -> int:
     os.execv(sys.executable, [*entry, *overrides])
 
 
+def _verl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
+    """backend=verl: the recipe as verl's ppo_megatron_trainer overrides; print them, or print the
+    command (`python -m megatron_ba.integrations.verl.main_ppo --config-name ppo_megatron_trainer
+    ...`) and become it (exec'd, with the MEGATRON_BA_* settings the recipe needs)."""
+    import importlib.util
+
+    try:
+        overrides = recipe_to_verl_overrides(
+            recipe,
+            nodes=args.nodes,
+            gpus_per_node=args.devices or 8,
+            run_dir=str(run_dir.resolve()),  # verl's Ray processes need not share this cwd
+        )
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    environment = verl_environment(recipe)
+    command = verl_command("python", overrides, environment)
+    for note in translation_notes(recipe):
+        print(f"train: note: {note}", file=sys.stderr)
+    if args.print_overrides:
+        print("\n".join(overrides))
+        print(f"train: the command that runs them: {command}", file=sys.stderr)
+        return 0
+    print(command)
+    if importlib.util.find_spec("verl") is None:
+        print(
+            "train: backend verl needs verl 0.9.1 in this environment, with megatron-core and "
+            "vLLM on GPU nodes (`pip install verl==0.9.1`, verl's docs for its GPU stack); "
+            "--print-overrides shows what would be launched",
+            file=sys.stderr,
+        )
+        return 2
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *ENTRY, *overrides], {**os.environ, **environment})
+
+
 def _accelerator(choice: str) -> str:
     """--accelerator auto: a GPU where torch sees one, else the CPU (gloo processes)."""
     if choice != "auto":
@@ -142,8 +197,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if recipe.backend == "nemo_aligner":
         return _nemo_aligner(recipe, args, run_dir)
+    if recipe.backend == "verl":
+        return _verl(recipe, args, run_dir)
     if args.print_overrides:
-        print("train: --print-overrides is for backend=nemo_aligner", file=sys.stderr)
+        print("train: --print-overrides is for backend=nemo_aligner or verl", file=sys.stderr)
         return 2
     # torch: imported on use, so that --help imports none
     from megatron_ba.train import preemption
