@@ -533,19 +533,7 @@ def validate(recipe: Recipe) -> Recipe:
     _check_model_build(recipe.model)
     _check_data_and_policy(recipe)
     _check_eval_and_the_rest(recipe)
-    if recipe.backend == "verl":
-        _check_verl(recipe)
     return recipe
-
-
-def _check_verl(recipe: Recipe) -> None:
-    """backend: verl: a key verl cannot honour is refused by name (integrations/verl_recipe.py)."""
-    from megatron_ba.integrations.verl_recipe import refuse_unsupported
-
-    try:
-        refuse_unsupported(recipe)
-    except ValueError as e:
-        raise RecipeError(str(e)) from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

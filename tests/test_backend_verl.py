@@ -33,6 +33,7 @@ from megatron_ba.integrations.verl_recipe import (
     ENTRY,
     NO_DUAL_CLIP,
     recipe_to_verl_overrides,
+    refuse_unsupported,
     verl_environment,
 )
 from megatron_ba.integrations.verl_recipe_keys import (
@@ -42,7 +43,7 @@ from megatron_ba.integrations.verl_recipe_keys import (
     markdown_table,
     schema_keys,
 )
-from megatron_ba.recipe import RecipeError, load_recipe
+from megatron_ba.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 # the paper recipes verl takes, and the nodes of 8 GPUs each is meant for (its header)
@@ -181,15 +182,15 @@ REFUSED = {
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_a_key_verl_cannot_honour_is_refused_by_name(case):
     extra, key = REFUSED[case]
-    with pytest.raises(RecipeError) as err:
-        _recipe("qwen3-1.7b-dapo17k", *extra)
+    with pytest.raises(ValueError) as err:
+        refuse_unsupported(_recipe("qwen3-1.7b-dapo17k", *extra))
     assert str(err.value).startswith(f"{key}: "), str(err.value)
 
 
 @pytest.mark.parametrize("name", POLARIS)
 def test_polaris_recipes_are_refused_naming_the_data_set(name):
-    with pytest.raises(RecipeError, match=r"^data\.dataset: .*'polaris'"):
-        load_recipe(ROOT / f"recipes/{name}.yaml", FILES)
+    with pytest.raises(ValueError, match=r"^data\.dataset: .*'polaris'"):
+        refuse_unsupported(load_recipe(ROOT / f"recipes/{name}.yaml", FILES))
 
 
 def test_every_recipe_key_is_translated_or_refused():
