@@ -66,6 +66,8 @@ def test_sections_extend_both_settings_and_hand_each_out_alone(section):
 
 
 def test_the_recipe_keeps_its_key_order():
-    """The loss section dumps the aggregation keys first, then the coefficients, as before."""
+    """The loss section dumps the aggregation keys first, then the coefficients, as before, then
+    its one nested section (the rollout correction)."""
     names = [f.name for f in fields(LossSection)]
-    assert names == [f.name for f in fields(AggregationSettings)] + COEFFICIENTS
+    expected = [f.name for f in fields(AggregationSettings)] + COEFFICIENTS
+    assert names == [*expected, "rollout_correction"]
