@@ -22,5 +22,8 @@ export VIRTUAL_ENV="$VENV" PATH="$VENV/bin:$PATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 args=("$@")
 [ $# -gt 0 ] || args=(tests)
+# tests/test_shipped_reports.py compares the published reports byte for byte with what the main
+# environment (Python 3.11) writes; Python 3.12's sum() of floats is compensated, so a few means
+# differ here in the last digit: the comparison runs in the main suite only.
 "$VENV/bin/python" -m pytest -p no:cacheprovider --ignore=tests/test_slurm.py \
-  --ignore=tests/nemo "${args[@]}"
+  --ignore=tests/nemo --ignore=tests/test_shipped_reports.py "${args[@]}"

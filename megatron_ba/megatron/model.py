@@ -166,7 +166,9 @@ def _check_moe_layer_spec(layer_spec) -> None:
     if not isinstance(layer_spec, ModuleSpec):
         return
     mlp = getattr(layer_spec.submodules, "mlp", None)
-    if getattr(mlp, "module", None) is not MoELayer:
+    # a ModuleSpec up to megatron-core 0.16, a functools.partial of the class from 0.19
+    built = getattr(mlp, "module", None) or getattr(mlp, "func", None)
+    if built is not MoELayer:
         raise ValueError(
             "layer_spec: a dense layer spec for a mixture-of-experts spec (num_experts > 0); "
             "pass moe_layer_spec(config, transformer_engine=...) or leave it unset"
