@@ -149,7 +149,7 @@ def rollout_correction(
     zero = torch.zeros((), dtype=lr.dtype, device=lr.device)
     q = torch.where(valid, lr.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp(), one)
     accepted = (q >= settings.low) & (q <= settings.high)
-    new_mask = mask
+    new_mask, kept = mask, valid
     if mode == "none":
         weights, corrected = one.expand_as(q), torch.zeros_like(valid)
     elif mode.endswith("_truncate"):
@@ -157,9 +157,8 @@ def rollout_correction(
     elif mode.endswith("_mask"):
         weights, corrected = torch.where(accepted, q, zero), ~accepted
     else:  # *_reject: the rejected tokens leave the mask (module docstring, "Denominators")
-        weights, corrected = one.expand_as(q), ~accepted
-        new_mask = valid & accepted if index is None else torch.where(accepted, index, -1)
-    kept = valid & ~(corrected if mode.endswith("_reject") else torch.zeros_like(valid))
+        weights, corrected, kept = one.expand_as(q), ~accepted, valid & accepted
+        new_mask = kept if index is None else torch.where(accepted, index, -1)
     weights = torch.where(kept, weights, zero)
     return RolloutCorrection(weights, new_mask, q, corrected & valid)
 
