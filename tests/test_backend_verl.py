@@ -26,6 +26,7 @@ pytest.importorskip(
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from verl_test_env import no_ba_environment  # noqa: F401 (autouse fixture)
 
 from megatron_ba.integrations.verl import check_config
 from megatron_ba.integrations.verl.checks import steps_per_batch
@@ -57,21 +58,6 @@ PAPER = sorted(NODES)
 POLARIS = ["qwen2.5-math-7b-polaris", "qwen3-1.7b-polaris"]
 # What a cluster user adds: verl reads local parquet files in its layout
 FILES = ["backend=verl", "data.path=/data/dapo-math-17k.parquet", "eval.data_dir=/data/bench"]
-
-
-BA_ENV = ("MEGATRON_BA_SCOPE", "MEGATRON_BA_NEUTRAL_EPS", "MEGATRON_BA_STEPS_PER_BATCH")
-
-
-@pytest.fixture(autouse=True)
-def _no_ba_environment(monkeypatch):
-    """No MEGATRON_BA_* variable; what main_ppo exports is undone after each test."""
-    for name in (*BA_ENV, "VERL_USE_EXTERNAL_MODULES"):
-        value = os.environ.get(name)
-        monkeypatch.setenv(name, "")  # recorded: teardown restores the value (or its absence)
-        if name in BA_ENV or value is None:
-            monkeypatch.delenv(name)
-        else:
-            monkeypatch.setenv(name, value)
 
 
 def _compose(overrides: list[str]):

@@ -23,6 +23,7 @@ pytest.importorskip(
     reason="verl 0.9.1 lives in .venv-verl (bash scripts/run_verl_tests.sh), not in .venv",
 )
 from hydra import compose, initialize_config_module
+from verl_test_env import BA_ENV, no_ba_environment  # noqa: F401 (autouse fixture)
 
 from megatron_ba.integrations.verl import check_config
 from megatron_ba.integrations.verl.adapter import _settings
@@ -59,21 +60,6 @@ def _with(*changes: str) -> list[str]:
     """GOOD with the keys of `changes` replaced (or added)."""
     keys = {c.split("=")[0].lstrip("+") for c in changes}
     return [o for o in GOOD if o.split("=")[0] not in keys] + list(changes)
-
-
-BA_ENV = ("MEGATRON_BA_SCOPE", "MEGATRON_BA_NEUTRAL_EPS", "MEGATRON_BA_STEPS_PER_BATCH")
-
-
-@pytest.fixture(autouse=True)
-def _no_ba_environment(monkeypatch):
-    """No MEGATRON_BA_* variable; whatever main_ppo exports is undone after each test."""
-    for name in (*BA_ENV, "VERL_USE_EXTERNAL_MODULES"):
-        value = os.environ.get(name)
-        monkeypatch.setenv(name, "")  # recorded: teardown restores the value (or its absence)
-        if name in BA_ENV or value is None:
-            monkeypatch.delenv(name)
-        else:
-            monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("config_name", CONFIGS)
