@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import shlex
 
+from megatron_ba.integrations.hydra_values import hydra_value
 from megatron_ba.integrations.verl_recipe_keys import LOCAL_ONLY
 
 PLAN_RULES = ("balanced", "balanced_mass", "group_token_mean")  # the estimator + loss pairs
@@ -33,16 +34,6 @@ def _get(obj, dotted: str):
     for part in dotted.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(_fmt(v) for v in value) + "]"
-    return str(value)
 
 
 def refuse_unsupported(recipe) -> None:
@@ -295,7 +286,7 @@ def recipe_to_verl_overrides(
         *_loss_pairs(recipe),
         *_optimizer_and_trainer_pairs(recipe, run_dir),
     ]
-    return [f"{k}={_fmt(v)}" for k, v in pairs]
+    return [f"{k}={hydra_value(v)}" for k, v in pairs]
 
 
 def verl_environment(recipe) -> dict[str, str]:

@@ -17,13 +17,7 @@ the recipe's prompts (train/prompt_files.py) and runs train_grpo with these over
 
 from __future__ import annotations
 
-
-def _fmt(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+from megatron_ba.integrations.hydra_values import hydra_value
 
 
 def recipe_to_nemo_overrides(
@@ -74,7 +68,7 @@ def recipe_to_nemo_overrides(
         pairs += _cpu_pairs(recipe)
         # apex's distributed Adam's settings, which torch's AdamW (NeMo's `adamw`) refuses
         removed = [f"~model.optim.{k}" for k in APEX_ADAM_KEYS]
-    return [f"++{k}={_fmt(v)}" for k, v in pairs] + removed
+    return [f"++{k}={hydra_value(v)}" for k, v in pairs] + removed
 
 
 # The keys of the config's model.optim that only apex's distributed_fused_adam takes.
