@@ -28,7 +28,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 
 import torch
 
@@ -36,7 +35,12 @@ from benchmarks.shapes import add_shape_arguments, model_spec
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch
 from megatron_ba.megatron.build_options import resolve_build_options
-from megatron_ba.megatron.grpo_step import StepConfig, compute_logprobs, forward_backward
+from megatron_ba.megatron.grpo_step import (
+    MicroBatchSpec,
+    StepLoss,
+    compute_logprobs,
+    forward_backward,
+)
 from megatron_ba.megatron.optimizer_choice import build_optimizer, ddp_overrides
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.recipe import OptimizerSection
@@ -121,7 +125,7 @@ def _batch(args, spec: mm.ModelSpec, chunks, device: torch.device) -> GRPOBatch:
     group_mean = torch.zeros(n // args.group_size).index_add_(0, groups, rewards) / args.group_size
     advantages = rewards - group_mean[groups]
     tokens = tokens.to(device)
-    own, _ = compute_logprobs(chunks, tokens, num_microbatches=args.micro_batches)
+    own, _ = compute_logprobs(chunks, tokens, MicroBatchSpec(args.micro_batches))
     old = own - 0.01 * torch.rand(n, s, generator=g).to(device)
     return GRPOBatch(
         tokens, mask.to(device), advantages.to(device), groups.to(device), old, lengths=None
@@ -212,12 +216,9 @@ def run_benchmark(args) -> dict:
         )
         optimizer, optimizer_name = _optimizer(chunks, spec.params_dtype, device)
         batch = _batch(args, spec, chunks, device)
-        base = StepConfig(
-            num_groups=args.sequences // args.group_size,
-            num_microbatches=args.micro_batches,
-            logprob_chunk_size=args.logprob_chunk_size,
-        )
-        cfgs = {rule: replace(base, aggregation=AggregationSettings(rule=rule)) for rule in RULES}
+        split = MicroBatchSpec(args.micro_batches, logprob_chunk_size=args.logprob_chunk_size)
+        groups = args.sequences // args.group_size
+        losses_of = {r: StepLoss(groups, AggregationSettings(rule=r)) for r in RULES}
         times: dict[str, list[float]] = {r: [] for r in RULES}
         peaks: dict[str, list[float]] = {r: [] for r in RULES}
         reserved: dict[str, list[float]] = {r: [] for r in RULES}
@@ -226,7 +227,7 @@ def run_benchmark(args) -> dict:
             order = RULES[i % 2 :] + RULES[: i % 2]  # rotate which variant goes first
             for rule in order:
                 with _Meter(device) as m:
-                    result = forward_backward(chunks, batch, cfgs[rule])
+                    result = forward_backward(chunks, batch, losses_of[rule], split)
                     optimizer.step()
                     optimizer.zero_grad()
                 losses[rule] = float(result.loss)

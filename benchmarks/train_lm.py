@@ -38,7 +38,13 @@ import torch
 
 from benchmarks.shapes import add_shape_arguments, model_spec
 from megatron_ba.megatron import model as mm
-from megatron_ba.megatron.batching import CPView, label_aligned, model_inputs, run_schedule
+from megatron_ba.megatron.batching import (
+    CPView,
+    MicroBatches,
+    label_aligned,
+    model_inputs,
+    run_schedule,
+)
 from megatron_ba.megatron.build_options import resolve_build_options
 from megatron_ba.megatron.loss_scale import loss_scale
 from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
@@ -148,14 +154,8 @@ def lm_forward_backward(chunks, data: list[dict], seq_len: int, chunk_size: int 
         part = -(logp * mb["mask"]).sum() / mb["mask"].sum() / m
         return part * factor, one, {"loss_sum": part.detach()}
 
-    store = run_schedule(
-        chunks,
-        data,
-        seq_len,
-        data[0]["input_ids"].shape[0],
-        forward_only=False,
-        loss_func=loss_func,
-    )
+    parts = MicroBatches(data, seq_len, data[0]["input_ids"].shape[0], view=CPView())
+    store = run_schedule(chunks, parts, forward_only=False, loss_func=loss_func)
     return float(sum(d["loss_sum"] for d in store))
 
 

@@ -53,11 +53,11 @@ def _chunks(spec, *, without_cp: bool = True, **config_overrides):
     return chunks
 
 
-def _grads(chunks, cfg):
-    from megatron_ba.megatron.grpo_step import forward_backward
+def _grads(chunks, split):
+    from megatron_ba.megatron.grpo_step import StepLoss, forward_backward
     from megatron_ba.parallel.full_shape import gather_full_state_dict
 
-    result = forward_backward(chunks, _batch(), cfg)
+    result = forward_backward(chunks, _batch(), StepLoss(num_groups=2), split)
     return result.loss, gather_full_state_dict(chunks, grads=True)
 
 
@@ -83,12 +83,12 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     cpu_compat.seed_model_parallel_rng(0)
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.build_options import resolve_build_options
-    from megatron_ba.megatron.grpo_step import StepConfig
+    from megatron_ba.megatron.grpo_step import MicroBatchSpec
     from megatron_ba.parallel import full_shape
 
     found: dict = {}
     spec = mm.tiny_qwen2_spec(num_layers=2)
-    cfg = StepConfig(num_groups=2, num_microbatches=2, cp_mode="loss")
+    cfg = MicroBatchSpec(num_microbatches=2, cp_mode="loss")
 
     # --- recomputation: the same gradients, and the recompute path really taken -------------
     base_loss, base = _grads(_chunks(spec), cfg)

@@ -65,7 +65,7 @@ def _policy(init_seed: int):
 def _step(ctx, chunks, opt, step: int) -> dict:
     """One GRPO step on the synthetic batch of `step`: loss, full gradients, norm."""
     from megatron_ba.megatron.batching import GRPOBatch
-    from megatron_ba.megatron.grpo_step import StepConfig, forward_backward
+    from megatron_ba.megatron.grpo_step import MicroBatchSpec, StepLoss, forward_backward
     from megatron_ba.megatron.layout_equivalence.cases import (
         LOSS_CONFIG,
         NUM_GROUPS,
@@ -85,10 +85,10 @@ def _step(ctx, chunks, opt, step: int) -> dict:
         old_logprobs=lp[rows],
         ref_logprobs=lp[rows] - 0.1,
     )
-    cfg = StepConfig(
+    loss = StepLoss(
         num_groups=NUM_GROUPS, aggregation=AggregationSettings(max_length=16), loss=LOSS_CONFIG
     )
-    result = forward_backward(chunks, batch, cfg)
+    result = forward_backward(chunks, batch, loss, MicroBatchSpec())
     grads = gather_full_state_dict(chunks, grads=True)
     applied, norm = opt.step()
     assert applied

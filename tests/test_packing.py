@@ -8,8 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_ba.megatron.batching import CPView, GRPOBatch, prepare_microbatches, response_end
-from megatron_ba.megatron.grpo_step import logprob_chunk
+from megatron_ba.megatron.batching import (
+    CPView,
+    GRPOBatch,
+    logprob_chunk,
+    prepare_microbatches,
+    response_end,
+)
 from megatron_ba.megatron.packing import (
     balanced_dp_shards,
     fixed_count_microbatches,

@@ -1,5 +1,14 @@
 """A GRPO batch laid out for megatron-core's schedules: micro-batches, CP shards, label alignment.
 
+    parts = schedule_microbatches(batch, MicroBatchSpec(num_microbatches=4))   # on every rank
+    store = run_schedule(chunks, parts, forward_only=False, loss_func=...)
+
+`MicroBatchSpec` is how a rank's batch is split (micro-batches or a token budget, where CP is
+applied, packed or padded, log-softmax chunks); `schedule_microbatches` resolves it against the
+parallel state and returns finished micro-batches: each holds the model's inputs and the loss's
+inputs in the form the loss reads them (`mask`'s shape is the loss's, `plan_rows` how many
+per-sequence weights it takes), so the step never branches on the layout.
+
 The public tensors are token-aligned (`logprobs[i, t]` is about `tokens[i, t]`); a causal LM's
 output at position p predicts token p + 1, so the loss inputs are shifted to be position-aligned
 before they are cut into micro-batches (rows) and context-parallel shards (positions, megatron-
@@ -17,6 +26,9 @@ import torch
 from megatron_ba.megatron.packing import fixed_count_microbatches, token_budget_microbatches
 from megatron_ba.megatron.thd import thd_microbatch
 from megatron_ba.parallel.shard_layout import cp_shard
+from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
+
+CP_MODES = ("model", "loss")
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,100 @@ class CPView:
         return self.shard(output) if self.mode == "loss" else output
 
 
+@dataclass(frozen=True)
+class MicroBatchSpec:
+    """How a rank's batch is split for the schedule (the recipe's parallel section)."""
+
+    num_microbatches: int = 1  # per DP rank (need not divide its sequences); see max_tokens
+    # parallel.max_tokens_per_microbatch: pack each micro-batch up to this many tokens (rows x
+    # longest, see prepare_microbatches) instead of num_microbatches equal parts.
+    max_tokens_per_microbatch: int | None = None
+    # parallel.logprob_chunk_size: tokens per chunk of the vocab-parallel log-softmax; None:
+    # auto (chunked above AUTO_CHUNK_ABOVE tokens per micro-batch, see logprob_chunk).
+    logprob_chunk_size: int | None = None
+    # "model": the model runs CP attention (Transformer Engine, GPUs) on the load-balanced shards;
+    # "loss" (default without CUDA): megatron-core's attention cannot run CP on CPU, so the model
+    # sees whole sequences and the logits are sharded the same way before the loss (build the
+    # model with model.model_pg_collection_without_cp()).
+    cp_mode: str | None = None
+    explicit_causal_mask: bool | None = None  # default: True without CUDA (local attention)
+    # Packed (THD) micro-batches under a token budget: None = auto (CUDA, cp_mode "model");
+    # needs Transformer Engine attention (megatron_ba.megatron.thd; status: docs/status.md).
+    thd: bool | None = None
+
+
+@dataclass(frozen=True)
+class MicroBatches:
+    """Finished micro-batches and the shapes megatron-core's schedule announces."""
+
+    parts: list[dict]
+    seq_length: int  # the pipeline schedules' p2p shape (see prepare_microbatches)
+    micro_batch_size: int
+    view: CPView
+    logprob_chunk_size: int | None = None  # the spec's setting (logprob_chunk resolves it)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+
+def logprob_chunk(setting: int | None, num_tokens: int) -> int | None:
+    """The chunk size of a micro-batch's log-softmax: `setting` (parallel.logprob_chunk_size)
+    when an int, else auto: AUTO_CHUNK above AUTO_CHUNK_ABOVE tokens, unchunked (None) below."""
+    if setting is None:
+        return AUTO_CHUNK if num_tokens > AUTO_CHUNK_ABOVE else None
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting <= 0:
+        raise ValueError(
+            f"parallel.logprob_chunk_size: must be a positive number of tokens or null (auto: "
+            f"chunked above {AUTO_CHUNK_ABOVE} tokens), got {setting!r}"
+        )
+    return setting
+
+
+def cp_view(spec: MicroBatchSpec) -> CPView:
+    """This rank's CPView under `spec` (the parallel state's CP size and rank)."""
+    from megatron.core import parallel_state as ps
+
+    cuda = torch.cuda.is_available()
+    mode = spec.cp_mode or ("model" if cuda else "loss")
+    if mode not in CP_MODES:
+        raise ValueError(f"cp_mode: unknown value {mode!r}; expected one of {', '.join(CP_MODES)}")
+    mask = (not cuda) if spec.explicit_causal_mask is None else spec.explicit_causal_mask
+    cp = ps.get_context_parallel_world_size()
+    if mask and mode == "model" and cp > 1:
+        raise ValueError("explicit_causal_mask: a whole-sequence mask cannot go with CP shards")
+    return CPView(cp=cp, rank=ps.get_context_parallel_rank(), mode=mode, causal_mask=mask)
+
+
+def _use_thd(spec: MicroBatchSpec, view: CPView) -> bool:
+    """Packed (THD) micro-batches: only under a token budget; auto = CUDA with CP in the model."""
+    if spec.max_tokens_per_microbatch is None:
+        return False
+    if spec.thd is None:
+        return torch.cuda.is_available() and view.mode == "model" and view.cp == 1
+    return bool(spec.thd)
+
+
+def schedule_microbatches(
+    batch: GRPOBatch, spec: MicroBatchSpec, *, seq_tokens: list[int] | None = None
+) -> MicroBatches:
+    """`batch` cut as `spec` says for this rank (after `initialize_model_parallel`): CP view,
+    pipeline-uniform shapes, packed or padded, all resolved here (prepare_microbatches)."""
+    from megatron.core import parallel_state as ps
+
+    view = cp_view(spec)
+    logprob_chunk(spec.logprob_chunk_size, 0)  # a bad setting fails before the schedule runs
+    parts, seq_length, mbs = prepare_microbatches(
+        batch,
+        view,
+        spec.num_microbatches,
+        max_tokens=spec.max_tokens_per_microbatch,
+        seq_tokens=seq_tokens,
+        uniform=ps.get_pipeline_model_parallel_world_size() > 1,
+        thd=_use_thd(spec, view),
+    )
+    return MicroBatches(parts, seq_length, mbs, view, spec.logprob_chunk_size)
+
+
 def causal_mask(s: int, *, valid: torch.Tensor | None = None, device=None) -> torch.Tensor:
     """The attention mask of a causal LM over `s` positions, True where attention is cut.
 
@@ -168,8 +274,9 @@ def prepare_microbatches(
 
     Each dict holds the model inputs and this CP rank's position-aligned loss inputs: `targets`,
     `mask`, `old` (and `ref`), plus `rows` (its sequences' indices in the batch, for
-    LossPlan.select) and `num_rows` (how many of its rows are real; the rest are `uniform`
-    padding rows, all masked).
+    LossPlan.select), `num_rows` (how many of its rows are real; the rest are `uniform`
+    padding rows, all masked) and `plan_rows` (the rows the loss weighs, padding included: the
+    plan of `rows` is padded with zero weights up to it).
 
     `max_tokens` None: `num_microbatches` contiguous micro-batches of whole [*, S] rows (sizes
     differ by at most one). Else the token budget (parallel.max_tokens_per_microbatch): the
@@ -233,7 +340,7 @@ def prepare_microbatches(
         ids, pos, attn = model_inputs(tokens, view)
         mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn}
         mb.update({k: view.shard(v) for k, v in per_pos.items()})
-        mb.update(rows=rows, num_rows=len(g), width=width)
+        mb.update(rows=rows, num_rows=len(g), plan_rows=b, width=width)
         data.append(mb)
     # The schedule's p2p shape is (seq_length // CP, mbs, hidden) (schedules.get_tensor_shapes):
     # in "loss" mode the activations are whole sequences, so announce S_pad x CP. Only the
@@ -260,10 +367,8 @@ def _cut(x: torch.Tensor, width: int, s: int) -> torch.Tensor:
     return pad_to(x, max(width, s), 0.0)[:, :width]
 
 
-def run_schedule(
-    chunks, data: list[dict], seq_len: int, mbs: int, *, forward_only: bool, loss_func
-):
-    """megatron-core's get_forward_backward_func() over `data`; loss_func(mb, output)."""
+def run_schedule(chunks, parts: MicroBatches, *, forward_only: bool, loss_func):
+    """megatron-core's get_forward_backward_func() over `parts`; loss_func(mb, output)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
@@ -274,10 +379,10 @@ def run_schedule(
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(data),
+        data_iterator=iter(parts.parts),
         model=chunks,
-        num_microbatches=len(data),
-        seq_length=seq_len,
-        micro_batch_size=mbs,
+        num_microbatches=len(parts),
+        seq_length=parts.seq_length,
+        micro_batch_size=parts.micro_batch_size,
         forward_only=forward_only,
     )

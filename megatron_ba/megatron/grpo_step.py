@@ -3,16 +3,17 @@
 After torch.distributed and `parallel_state.initialize_model_parallel(tp, pp,
 context_parallel_size=cp)`, with `chunks = model.build_model_chunks(spec)` on every rank:
 
-    old, _ = compute_logprobs(chunks, tokens, num_microbatches=4)       # [N, S] on every rank
+    split = MicroBatchSpec(num_microbatches=4)                           # batching.py
+    old, _ = compute_logprobs(chunks, tokens, split)                     # [N, S] on every rank
     batch = GRPOBatch(tokens, response_mask, advantages, group_ids, old)  # batching.GRPOBatch
-    cfg = StepConfig(num_groups=prompts_per_global_batch, num_microbatches=4,
-                     aggregation=AggregationSettings(rule="balanced"))
-    result = forward_backward(chunks, batch, cfg)   # finalised gradients in param.main_grad
+    loss = StepLoss(num_groups=prompts_per_global_batch,
+                    aggregation=AggregationSettings(rule="balanced"))
+    result = forward_backward(chunks, batch, loss, split)  # finalised gradients in main_grad
     applied, grad_norm = optimizer.step()           # cpu_optimizer.ShardedAdamW(chunks, lr=...)
 
 Every TP, PP and CP rank of a data-parallel rank passes the same batch: that DP rank's sequences,
-whole (this module cuts the CP shards). Group ids are global in [0, num_groups); a group may span
-DP ranks. Layout of the tensors: megatron_ba.megatron.batching.
+whole (batching.py cuts the micro-batches and CP shards). Group ids are global in
+[0, num_groups); a group may span DP ranks.
 
 Exactness: the loss plan (per-sequence weights) is built once per global batch from whole-sequence
 statistics summed over the DP group by one all-reduce (collectives.StatisticsReducer), on the ranks
@@ -20,27 +21,23 @@ that compute the loss (the last pipeline stage). Each micro-batch and CP shard t
 its exact share L_part of the global loss, multiplied by `loss_scale.loss_scale` to cancel the
 schedule's 1/num_microbatches and DDP's 1/(DP x CP) (or finalize_model_grads' 1/num_tokens under
 `calculate_per_token_loss`), so the finalised gradient is d(global loss)/d(theta).
-
-Context parallelism, `StepConfig.cp_mode`:
-  * "model": the model runs CP attention (Transformer Engine, GPUs) on the load-balanced shards.
-  * "loss" (default without CUDA): megatron-core's attention cannot run CP on CPU, so the model
-    sees whole sequences and the logits are sharded the same way before the loss. Parallel state,
-    schedules, DDP and the statistics reduction all run with the real CP size; build the model
-    with `model.model_pg_collection_without_cp()`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.megatron.batching import (
-    CPView,
     GRPOBatch,
-    prepare_microbatches,
+    MicroBatches,
+    MicroBatchSpec,
+    logprob_chunk,
     run_schedule,
+    schedule_microbatches,
     shape2,
 )
 from megatron_ba.megatron.loss_scale import loss_scale
@@ -48,68 +45,27 @@ from megatron_ba.megatron.model import check_cp_agreement
 from megatron_ba.megatron.thd import thd_scatter
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
-from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 from megatron_ba.rules import AggregationSettings
 
 __all__ = [
     "GRPOBatch",
-    "LossNormalization",
-    "StepConfig",
+    "MicroBatchSpec",
+    "PreparedStep",
+    "StepLoss",
     "StepResult",
     "compute_logprobs",
     "forward_backward",
 ]
 
-CP_MODES = ("model", "loss")
-
 
 @dataclass(frozen=True)
-class StepConfig:
-    """How one GRPO step aggregates and splits its batch."""
+class StepLoss:
+    """What the step's loss is: the plan's rule, the per-token terms, over how many groups."""
 
     num_groups: int  # global number of prompt groups (group ids lie in [0, num_groups))
-    num_microbatches: int = 1  # per DP rank (need not divide its sequences); see max_tokens
-    # parallel.max_tokens_per_microbatch: pack each micro-batch up to this many tokens (rows x
-    # longest, see batching.prepare_microbatches) instead of num_microbatches equal parts.
-    max_tokens_per_microbatch: int | None = None
     aggregation: AggregationSettings = field(default_factory=AggregationSettings)  # the plan
     loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     temperature: float = 1.0  # the sampler's: logits are divided by it before the softmax
-    # parallel.logprob_chunk_size: tokens per chunk of the vocab-parallel log-softmax; None:
-    # auto (chunked above AUTO_CHUNK_ABOVE tokens per micro-batch, see logprob_chunk).
-    logprob_chunk_size: int | None = None
-    cp_mode: str | None = None  # "model" | "loss"; default "loss" without CUDA, else "model"
-    explicit_causal_mask: bool | None = None  # default: True without CUDA (local attention)
-    # Packed (THD) micro-batches under a token budget: None = auto (CUDA, cp_mode "model");
-    # needs Transformer Engine attention (megatron_ba.megatron.thd; status: docs/status.md).
-    thd: bool | None = None
-
-
-class LossNormalization:
-    """How the step's loss is cut into parts and scaled: the exact way, which training uses.
-
-    The plan is built once per global batch from statistics summed over DP (`global_plan`, on
-    the last pipeline stage), each micro-batch (and CP shard) takes its rows of it (`part_plan`),
-    so the parts' losses add up to the step's loss (`part_share` 1), and each part is multiplied
-    by the factor that cancels the installed megatron-core's scaling (`scale`). The layout check
-    subclasses it for its negative controls (megatron_ba.megatron.layout_equivalence.cases).
-    """
-
-    def global_plan(self, cfg: StepConfig, batch: GRPOBatch, reducer) -> LossPlan | None:
-        return loss_plan(cfg, batch, slice(None), reducer)
-
-    def part_plan(self, plan: LossPlan | None, cfg: StepConfig, batch: GRPOBatch, rows):
-        return plan.select(rows)
-
-    def part_share(self, num_parts: int, dp: int) -> float:
-        """The share of the step's loss one part's loss is."""
-        return 1.0
-
-    def scale(self, num_parts: int, dp: int, cp: int, *, per_token_loss: bool) -> int:
-        return loss_scale(num_parts, dp, cp, per_token_loss=per_token_loss)
-
-
-EXACT = LossNormalization()
 
 
 @dataclass
@@ -127,100 +83,81 @@ def _ps():
     return parallel_state
 
 
-def _cp_view(cp_mode: str | None, explicit_causal_mask: bool | None) -> CPView:
-    cuda = torch.cuda.is_available()
-    mode = cp_mode or ("model" if cuda else "loss")
-    if mode not in CP_MODES:
-        raise ValueError(f"cp_mode: unknown value {mode!r}; expected one of {', '.join(CP_MODES)}")
-    mask = (not cuda) if explicit_causal_mask is None else explicit_causal_mask
-    ps = _ps()
-    cp = ps.get_context_parallel_world_size()
-    if mask and mode == "model" and cp > 1:
-        raise ValueError("explicit_causal_mask: a whole-sequence mask cannot go with CP shards")
-    return CPView(cp=cp, rank=ps.get_context_parallel_rank(), mode=mode, causal_mask=mask)
-
-
-def _use_thd(setting: bool | None, max_tokens: int | None, view: CPView) -> bool:
-    """Packed (THD) micro-batches: only under a token budget; auto = CUDA with CP in the model."""
-    if max_tokens is None:
-        return False
-    if setting is None:
-        return torch.cuda.is_available() and view.mode == "model" and view.cp == 1
-    return bool(setting)
-
-
-def logprob_chunk(setting: int | None, num_tokens: int) -> int | None:
-    """The chunk size of a micro-batch's log-softmax: `setting` (parallel.logprob_chunk_size)
-    when an int, else auto: AUTO_CHUNK above AUTO_CHUNK_ABOVE tokens, unchunked (None) below."""
-    if setting is None:
-        return AUTO_CHUNK if num_tokens > AUTO_CHUNK_ABOVE else None
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting <= 0:
-        raise ValueError(
-            f"parallel.logprob_chunk_size: must be a positive number of tokens or null (auto: "
-            f"chunked above {AUTO_CHUNK_ABOVE} tokens), got {setting!r}"
-        )
-    return setting
-
-
-def _logprobs(output, mb, view: CPView, *, temperature, chunk_size, with_entropy):
-    ps = _ps()
-    tp_group = ps.get_tensor_model_parallel_group()
-    logits = view.logits_for_loss(output)
-    out = vocab_parallel_logprobs(
-        logits,
-        mb["targets"],
-        tp_group=tp_group if ps.get_tensor_model_parallel_world_size() > 1 else None,
-        temperature=temperature,
-        chunk_size=logprob_chunk(chunk_size, mb["targets"].numel()),
-        with_entropy=with_entropy,
-    )
-    return out if with_entropy else (out, None)
-
-
 def forward_backward(
     chunks: list[torch.nn.Module],
     batch: GRPOBatch,
-    cfg: StepConfig,
+    loss: StepLoss,
+    split: MicroBatchSpec,
     *,
     reducer: collectives.StatisticsReducer | None = None,
-    normalization: LossNormalization = EXACT,
 ) -> StepResult:
     """One forward/backward of the GRPO loss over this rank's batch; gradients finalised.
 
-    Zeroes the DDP gradient buffers, builds the loss plan (one DP all-reduce, last stage only),
-    runs the schedule (which calls megatron-core's finalize_model_grads: DP/CP all-reduce,
-    TP-replicated and embedding gradients) and returns the global loss and metrics on every rank.
-    `reducer` defaults to a StatisticsReducer over the DP group; pass one to count its calls.
-    `normalization`: how the loss is cut into parts and scaled (the exact way by default).
+    Zeroes the DDP gradient buffers, builds the loss plan of the global batch (one DP
+    all-reduce, last stage only), runs the schedule with each micro-batch's rows of it, scaled to
+    cancel megatron-core's normalisation (the schedule then calls finalize_model_grads: DP/CP
+    all-reduce, TP-replicated and embedding gradients) and returns the global loss and metrics on
+    every rank. `reducer` defaults to a StatisticsReducer over the DP group; pass one to count
+    its calls.
     """
-    batch = batch.checked()
-    view = _cp_view(cfg.cp_mode, cfg.explicit_causal_mask)
-    check_cp_agreement(chunks, view.mode, view.cp)  # model CP == batch CP sharding, or raise
-    ps = _ps()
-    config = _ready_for_backward(chunks)
-    last = ps.is_pipeline_last_stage()
-    plan = None
-    if last:  # the loss, hence the plan, exists on the last pipeline stage only
-        if reducer is None:
+    step = PreparedStep.start(chunks, batch, split, reducer)
+    plan = step.plan(loss) if step.last else None  # the loss exists on the last stage only
+    return step.run(loss, plan_of=lambda rows: plan.select(rows), scale=step.scale())
+
+
+class PreparedStep:
+    """One step's batch cut into finished micro-batches, the model zeroed and set up for the
+    schedule's backward: `run` runs it with a given plan per micro-batch and scale. The exact
+    step (forward_backward) uses the global plan and loss_scale's factor; the layout check's
+    negative controls (layout_equivalence/controls.py) change one of the two."""
+
+    def __init__(self, chunks, batch: GRPOBatch, parts: MicroBatches, reducer) -> None:
+        ps = _ps()
+        config = _ready_for_backward(chunks)
+        self.chunks, self.batch, self.parts = chunks, batch, parts
+        self.last = ps.is_pipeline_last_stage()
+        self.dp = ps.get_data_parallel_world_size()
+        self.per_token_loss = bool(config.calculate_per_token_loss)
+        if self.last and reducer is None:
             reducer = collectives.StatisticsReducer(ps.get_data_parallel_group())
-        plan = normalization.global_plan(cfg, batch, reducer)
-    logprob_chunk(cfg.logprob_chunk_size, 0)  # a bad setting fails before the schedule runs
-    data, seq_len, mbs = prepare_microbatches(
-        batch,
-        view,
-        cfg.num_microbatches,
-        max_tokens=cfg.max_tokens_per_microbatch,
-        uniform=ps.get_pipeline_model_parallel_world_size() > 1,
-        thd=_use_thd(cfg.thd, cfg.max_tokens_per_microbatch, view),
-    )
-    dp = ps.get_data_parallel_world_size()
-    factor = normalization.scale(
-        len(data), dp, view.cp, per_token_loss=bool(config.calculate_per_token_loss)
-    )
-    share = normalization.part_share(len(data), dp)
-    loss_func = _grpo_loss_func(cfg, view, batch, plan, normalization, factor * share, share)
-    store = run_schedule(chunks, data, seq_len, mbs, forward_only=False, loss_func=loss_func)
-    return _global_result(store, last, reducer)
+        self.reducer = reducer
+
+    @classmethod
+    def start(cls, chunks, batch: GRPOBatch, split: MicroBatchSpec, reducer=None):
+        batch = batch.checked()
+        parts = schedule_microbatches(batch, split)
+        check_cp_agreement(chunks, parts.view.mode, parts.view.cp)  # model CP == batch CP
+        return cls(chunks, batch, parts, reducer)
+
+    def plan(self, loss: StepLoss, rows=slice(None), *, reduce="dp") -> LossPlan:
+        """The plan of batch[rows]'s sequences from their statistics summed by `reduce`: the
+        global batch's (all rows, summed over DP by the step's reducer) by default."""
+        b = self.batch
+        return LossPlan.build(
+            loss.aggregation,
+            b.lengths[rows],
+            b.advantages[rows],
+            b.group_ids[rows],
+            reduce=self.reducer if reduce == "dp" else reduce,
+            num_groups=loss.num_groups,
+        )
+
+    def scale(self, version: tuple[int, int] | None = None) -> int:
+        """The factor cancelling megatron-core's scaling (`version`: another release's)."""
+        view = self.parts.view
+        return loss_scale(
+            len(self.parts), self.dp, view.cp, per_token_loss=self.per_token_loss, version=version
+        )
+
+    def run(
+        self, loss: StepLoss, plan_of: Callable, *, scale: float, share: float = 1.0
+    ) -> StepResult:
+        """The schedule over the micro-batches: each one's loss is grpo_loss with the plan
+        `plan_of(rows)` (padded to its rows), `share` of it counted in the step's loss, times
+        `scale` on the way to the gradient."""
+        loss_func = _part_loss(loss, self.parts, plan_of, scale, share)
+        store = run_schedule(self.chunks, self.parts, forward_only=False, loss_func=loss_func)
+        return _global_result(store, self.last, self.reducer)
 
 
 def _ready_for_backward(chunks: list[torch.nn.Module]):
@@ -242,37 +179,44 @@ def _ready_for_backward(chunks: list[torch.nn.Module]):
     return config
 
 
-def _grpo_loss_func(cfg, view, batch, plan, normalization, scale: float, share: float):
+def _logprobs(output, mb, parts: MicroBatches, *, temperature: float, with_entropy: bool):
+    """This micro-batch's per-position log-probs (and entropy), in the shape of its `mask`."""
+    ps = _ps()
+    tp_group = ps.get_tensor_model_parallel_group()
+    out = vocab_parallel_logprobs(
+        parts.view.logits_for_loss(output),
+        mb["targets"],
+        tp_group=tp_group if ps.get_tensor_model_parallel_world_size() > 1 else None,
+        temperature=temperature,
+        chunk_size=logprob_chunk(parts.logprob_chunk_size, mb["targets"].numel()),
+        with_entropy=with_entropy,
+    )
+    logp, ent = out if with_entropy else (out, None)
+    shape = mb["mask"].shape  # packed (THD): [1, total] -> [total]; padded: unchanged
+    return logp.reshape(shape), (None if ent is None else ent.reshape(shape))
+
+
+def _part_loss(loss: StepLoss, parts: MicroBatches, plan_of, scale: float, share: float):
     """The schedule's loss function: each micro-batch's (and CP shard's) part of the GRPO loss,
     times `scale`, with its additive metrics."""
-    with_entropy = cfg.loss.entropy_coef > 0
-    one = torch.ones((), dtype=torch.int, device=batch.tokens.device)
+    with_entropy = loss.loss.entropy_coef > 0
+    one = torch.ones((), dtype=torch.int, device=parts.parts[0]["targets"].device)
 
     def loss_func(mb, output):
         logp, ent = _logprobs(
-            output,
-            mb,
-            view,
-            temperature=cfg.temperature,
-            chunk_size=cfg.logprob_chunk_size,
-            with_entropy=with_entropy,
+            output, mb, parts, temperature=loss.temperature, with_entropy=with_entropy
         )
-        mb_plan = normalization.part_plan(plan, cfg, batch, mb["rows"])
-        if "packed_seq_params" in mb:  # THD: [1, total] -> the packed (sequence-index) form
-            logp, ent = logp[0], (None if ent is None else ent[0])
-        else:
-            mb_plan = mb_plan.padded_to(logp.shape[0])  # padding rows (PP's shapes) weigh 0
         part, metrics = grpo_loss(
             logp,
             mb["old"],
             mb["mask"],
-            mb_plan,
-            cfg.loss,
+            plan_of(mb["rows"]).padded_to(mb["plan_rows"]),  # padding rows weigh 0
+            loss.loss,
             ref_logprobs=mb.get("ref"),
             entropy=ent,
             is_weights=mb.get("is"),
         )
-        # `part * share` is this micro-batch's (and CP shard's) exact share of the step's loss;
+        # `part * share` is this micro-batch's (and CP shard's) share of the step's loss;
         # `scale` is that share times the factor that cancels megatron-core's scaling
         # (loss_scale.py names the lines in schedules.py, distributed_data_parallel.py and
         # finalize_model_grads.py); num_tokens = 1 per micro-batch makes every divisor
@@ -280,19 +224,6 @@ def _grpo_loss_func(cfg, view, batch, plan, normalization, scale: float, share: 
         return part * scale, one, _additive(part, metrics, share)
 
     return loss_func
-
-
-def loss_plan(cfg: StepConfig, batch: GRPOBatch, rows, reduce) -> LossPlan:
-    """The plan of `batch[rows]`'s sequences from their statistics summed by `reduce`: the
-    global batch's (rows = all, reduce over DP) or, for the control, one micro-batch's alone."""
-    return LossPlan.build(
-        cfg.aggregation,
-        batch.lengths[rows],
-        batch.advantages[rows],
-        batch.group_ids[rows],
-        reduce=reduce,
-        num_groups=cfg.num_groups,
-    )
 
 
 def _additive(
@@ -333,57 +264,36 @@ def _global_result(store, last: bool, reducer) -> StepResult:
 def compute_logprobs(
     chunks: list[torch.nn.Module],
     tokens: torch.Tensor,
+    split: MicroBatchSpec | None = None,
     *,
-    num_microbatches: int = 1,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_size: int | None = None,
-    cp_mode: str | None = None,
-    explicit_causal_mask: bool | None = None,
-    max_tokens_per_microbatch: int | None = None,
     seq_tokens: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `tokens` under the model, through the same schedule.
 
     Returns token-aligned fp32 [N, S] tensors (position 0 is 0: nothing predicts it) on every
-    TP, PP and CP rank of this DP rank: the old or reference log-probs of a GRPO step.
-    With `max_tokens_per_microbatch`, row i is run on its first `seq_tokens[i]` tokens (default
-    all S; pass batching.response_end(response_mask) to skip the right padding) packed into
-    token-budget micro-batches; positions past a row's tokens are 0.
+    TP, PP and CP rank of this DP rank: the old or reference log-probs of a GRPO step. `split`
+    (default one micro-batch): as in forward_backward. Under its token budget, row i is run on
+    its first `seq_tokens[i]` tokens (default all S; pass batching.response_end(response_mask)
+    to skip the right padding); positions past a row's tokens are 0.
     """
+    split = split or MicroBatchSpec()
     n, s = shape2("tokens", tokens)
-    view = _cp_view(cp_mode, explicit_causal_mask)
-    check_cp_agreement(chunks, view.mode, view.cp)  # model CP == batch CP sharding, or raise
-    ps = _ps()
-    logprob_chunk(chunk_size, 0)
-    if max_tokens_per_microbatch is not None and seq_tokens is None:
+    if split.max_tokens_per_microbatch is not None and seq_tokens is None:
         seq_tokens = [s] * n
-    data, seq_len, mbs = prepare_microbatches(
-        _tokens_only_batch(tokens),
-        view,
-        num_microbatches,
-        max_tokens=max_tokens_per_microbatch,
-        seq_tokens=seq_tokens,
-        uniform=ps.get_pipeline_model_parallel_world_size() > 1,
-        thd=_use_thd(None, max_tokens_per_microbatch, view),
-    )
+    parts = schedule_microbatches(_tokens_only_batch(tokens), split, seq_tokens=seq_tokens)
+    check_cp_agreement(chunks, parts.view.mode, parts.view.cp)  # model CP == batch CP
 
     def loss_func(mb, output):  # no loss: the log-probs (and entropy) as the micro-batch's metrics
-        logp, ent = _logprobs(
-            output,
-            mb,
-            view,
-            temperature=temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-        )
+        logp, ent = _logprobs(output, mb, parts, temperature=temperature, with_entropy=with_entropy)
         res = {"logprobs": logp} if ent is None else {"logprobs": logp, "entropy": ent}
         zero = torch.zeros((), dtype=torch.float32, device=tokens.device)
         return zero, torch.ones((), dtype=torch.int, device=tokens.device), res
 
-    store = run_schedule(chunks, data, seq_len, mbs, forward_only=True, loss_func=loss_func)
+    store = run_schedule(chunks, parts, forward_only=True, loss_func=loss_func)
     keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
-    outs = [_token_aligned(store, data, key, tokens) for key in keys]
+    outs = [_token_aligned(store, parts.parts, key, tokens) for key in keys]
     return outs[0], (outs[1] if with_entropy else None)
 
 
@@ -409,9 +319,9 @@ def _token_aligned(store: list, data: list, key: str, tokens: torch.Tensor) -> t
     full = None
     if ps.is_pipeline_last_stage():
         full = torch.zeros(n, s, dtype=torch.float32, device=tokens.device)
-        for mb, d in zip(data, store, strict=True):  # d[key]: [rows, width / CP]
-            if "packed_seq_params" in mb:  # THD: [1, total], CP = 1
-                thd_scatter(d[key][0].float(), mb, full)
+        for mb, d in zip(data, store, strict=True):  # d[key]: the shape of mb's mask
+            if "packed_seq_params" in mb:  # THD: [total], CP = 1
+                thd_scatter(d[key].float(), mb, full)
                 continue
             whole = collectives.gather_context_parallel(
                 d[key].float(), dim=1, group=ps.get_context_parallel_group()

@@ -80,6 +80,7 @@ def thd_microbatch(
         "old": torch.where(has_next, batch.old_logprobs[src_row, nxt].float(), zero),
         "rows": idx,
         "num_rows": len(rows),
+        "plan_rows": len(rows),  # the mask holds local sequence indices: one weight each
         "row_list": list(rows),
         "cu_seqlens": cu,
         "lengths": lengths,

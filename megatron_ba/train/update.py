@@ -26,7 +26,8 @@ import torch
 from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.grpo_step import (
     GRPOBatch,
-    StepConfig,
+    MicroBatchSpec,
+    StepLoss,
     compute_logprobs,
     forward_backward,
 )
@@ -43,21 +44,26 @@ from megatron_ba.rollout_correction import (
 from megatron_ba.train.experience import Experience
 
 
-def step_config(
-    recipe: Recipe, num_groups: int, num_microbatches: int, cp_mode: str | None = None
-) -> StepConfig:
-    """The megatron GRPO step's settings from the recipe's loss and grpo sections."""
+def step_loss(recipe: Recipe, num_groups: int) -> StepLoss:
+    """The megatron GRPO step's loss from the recipe's loss and grpo sections."""
     L, g = recipe.loss, recipe.grpo
-    return StepConfig(
+    return StepLoss(
         num_groups=num_groups,
-        num_microbatches=num_microbatches,
         aggregation=dataclasses.replace(
             L.aggregation_settings(), max_length=L.max_length or g.max_new_tokens
         ),
         loss=L.loss_config(),
         temperature=g.temperature,
-        max_tokens_per_microbatch=recipe.parallel.max_tokens_per_microbatch,
-        logprob_chunk_size=recipe.parallel.logprob_chunk_size,
+    )
+
+
+def microbatch_spec(recipe: Recipe, num_microbatches: int, cp_mode: str) -> MicroBatchSpec:
+    """How a rank's mini-batch is split, from the recipe's parallel section."""
+    p = recipe.parallel
+    return MicroBatchSpec(
+        num_microbatches,
+        max_tokens_per_microbatch=p.max_tokens_per_microbatch,
+        logprob_chunk_size=p.logprob_chunk_size,
         cp_mode=cp_mode,
     )
 
@@ -97,24 +103,20 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
         n_local = len(rows)
         mbs = min(r.parallel.micro_batch_size, n_local)
-        kw = dict(
-            num_microbatches=-(-n_local // mbs),  # need not divide: sizes differ by one
-            temperature=r.grpo.temperature,
-            chunk_size=r.parallel.logprob_chunk_size,
-            max_tokens_per_microbatch=budget,
-            seq_tokens=seq_tokens,
-            cp_mode=cp_mode,
-        )
-        old, entropy = compute_logprobs(chunks, exp.tokens[rows], with_entropy=True, **kw)
+        # need not divide: micro-batch sizes differ by one
+        split = microbatch_spec(r, -(-n_local // mbs), cp_mode)
+        kw = dict(temperature=r.grpo.temperature, seq_tokens=seq_tokens)
+        old, entropy = compute_logprobs(chunks, exp.tokens[rows], split, with_entropy=True, **kw)
         ref = None
         if ref_chunks is not None:
-            ref, _ = compute_logprobs(ref_chunks, exp.tokens[rows], **kw)
-        parts.append((rows, kw["num_microbatches"], old, ref, entropy))
+            ref, _ = compute_logprobs(ref_chunks, exp.tokens[rows], split, **kw)
+        parts.append((rows, split, old, ref, entropy))
     totals: dict[str, float] = {}
     grad_norms, applied = [], []
     token_entropy, n_tokens = 0.0, 0
     stats = []
-    for j, (rows, micro, old, ref, entropy) in enumerate(parts):
+    loss = step_loss(r, groups_per)
+    for j, (rows, split, old, ref, entropy) in enumerate(parts):
         mask, weights, stat = _corrected(r, exp, rows, old)
         stats.append(stat)
         batch = GRPOBatch(
@@ -127,7 +129,7 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             lengths=mask.sum(dim=1),
             is_weights=weights,
         )
-        result = forward_backward(chunks, batch, step_config(r, groups_per, micro, cp_mode))
+        result = forward_backward(chunks, batch, loss, split)
         ok, norm = optimizer.step()
         applied.append(bool(ok))
         grad_norms.append(norm)

@@ -23,7 +23,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.megatron.grpo_step import GRPOBatch, StepConfig, forward_backward
+from megatron_ba.megatron.grpo_step import (
+    GRPOBatch,
+    MicroBatchSpec,
+    StepLoss,
+    forward_backward,
+)
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.parallel.full_shape import gather_full_state_dict
 from megatron_ba.recipe import load_recipe
@@ -63,7 +68,7 @@ def grpo_batch(batch: dict) -> GRPOBatch:
     )
 
 
-def step_config(batch: dict) -> StepConfig:
+def step_settings(batch: dict) -> tuple[StepLoss, MicroBatchSpec]:
     s = batch["settings"]
     aggregation = AggregationSettings(
         rule=s["rule"],
@@ -81,13 +86,13 @@ def step_config(batch: dict) -> StepConfig:
     )
     if loss.kl_coef != 0:
         raise ValueError("settings.kl_coef: this script has no reference policy; use 0.0")
-    return StepConfig(
+    step_loss = StepLoss(
         num_groups=int(batch["num_groups"]),
-        num_microbatches=int(s["num_microbatches"]),
         aggregation=aggregation,
         loss=loss,
         temperature=float(s["temperature"]),
     )
+    return step_loss, MicroBatchSpec(int(s["num_microbatches"]))
 
 
 def main() -> None:
@@ -102,7 +107,7 @@ def main() -> None:
     setup(tp=1, pp=1, cp=1, seed=0, backend="gloo")
     try:
         chunks = build_policy(args.hf)
-        result = forward_backward(chunks, grpo_batch(batch), step_config(batch))
+        result = forward_backward(chunks, grpo_batch(batch), *step_settings(batch))
         # main_grad (DDP's buffers) after finalize_model_grads, by full megatron-core name
         grads = gather_full_state_dict(chunks, grads=True)
     finally:

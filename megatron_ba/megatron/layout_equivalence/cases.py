@@ -14,9 +14,9 @@ import torch
 
 from megatron_ba.advantages import group_advantages
 from megatron_ba.loss import GRPOLossConfig
+from megatron_ba.megatron import grpo_step
 from megatron_ba.megatron.batching import response_end
-from megatron_ba.megatron.grpo_step import EXACT, LossNormalization, loss_plan
-from megatron_ba.megatron.loss_scale import loss_scale
+from megatron_ba.megatron.layout_equivalence import controls
 from megatron_ba.megatron.model import tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
@@ -63,36 +63,6 @@ class Layout:
 NORMALIZATIONS = ("plan", "per_microbatch")
 
 
-class ScaledAsVersion(LossNormalization):
-    """The negative control of the scaling: cancel another megatron-core version's factors
-    (None: the installed one's)."""
-
-    def __init__(self, version: tuple[int, int] | None) -> None:
-        self.version = version
-
-    def scale(self, num_parts: int, dp: int, cp: int, *, per_token_loss: bool) -> int:
-        return loss_scale(num_parts, dp, cp, per_token_loss=per_token_loss, version=self.version)
-
-
-class PerMicrobatchNormalization(ScaledAsVersion):
-    """The negative control of the plan: the same loss with each micro-batch's plan built from
-    that micro-batch's own statistics, averaged over micro-batches and DP ranks (NeMo-Aligner's
-    normalisation); wrong on purpose wherever a micro-batch is not the global batch. It differs
-    from the exact step in the normalisation alone."""
-
-    def global_plan(self, cfg, batch, reducer):
-        return None  # no global statistics: the reducer is never called
-
-    def part_plan(self, plan, cfg, batch, rows):
-        return loss_plan(cfg, batch, rows, None)
-
-    def part_share(self, num_parts: int, dp: int) -> float:
-        # The mean over micro-batches and DP ranks of each micro-batch's self-normalised loss;
-        # its CP shards still add up to that loss, since the micro-batch's plan comes from
-        # whole-sequence lengths.
-        return 1.0 / (num_parts * dp)
-
-
 @dataclass(frozen=True)
 class Case:
     rule: str
@@ -116,15 +86,15 @@ class Case:
     # 0), so they stay in the plan's denominators; must fail for a rejecting mode.
     rejected_kept_in_denominators: bool = False
 
-    def loss_normalization(self) -> LossNormalization:
-        """How the step normalises this case's loss: exactly, or as one of the two controls."""
+    def step_function(self):
+        """The step this case runs: grpo_step.forward_backward, or one of the controls."""
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(f"normalization: unknown value {self.normalization!r}")
         if self.normalization == "per_microbatch":
-            return PerMicrobatchNormalization(self.assume_megatron_version)
+            return controls.per_microbatch_plan(self.assume_megatron_version)
         if self.assume_megatron_version is not None:
-            return ScaledAsVersion(self.assume_megatron_version)
-        return EXACT
+            return controls.scaled_as(self.assume_megatron_version)
+        return grpo_step.forward_backward
 
     def __str__(self) -> str:
         extra = " per-token" if self.per_token_loss else ""

@@ -19,7 +19,7 @@ from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch, causal_mask, response_end
 from megatron_ba.megatron.build_options import resolve_build_options
 from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
-from megatron_ba.megatron.grpo_step import StepConfig, compute_logprobs, forward_backward
+from megatron_ba.megatron.grpo_step import MicroBatchSpec, StepLoss, compute_logprobs
 from megatron_ba.megatron.layout_equivalence.cases import (
     LOSS_CONFIG,
     Case,
@@ -106,21 +106,15 @@ def _local_batch(batch: dict, rows: torch.Tensor, case: Case):
 def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
     from megatron.core import parallel_state
 
-    cfg = StepConfig(
+    loss = StepLoss(
         num_groups=num_groups(batch["tokens"].shape[0]),
-        num_microbatches=case.num_microbatches,
-        max_tokens_per_microbatch=case.token_budget,
         aggregation=AggregationSettings(rule=case.rule, scope=case.scope, max_length=16),
         loss=LOSS_CONFIG,
     )
+    split = MicroBatchSpec(case.num_microbatches, max_tokens_per_microbatch=case.token_budget)
     reducer = StatisticsReducer(parallel_state.get_data_parallel_group())
-    result = forward_backward(
-        chunks,
-        _local_batch(batch, rows, case),
-        cfg,
-        reducer=reducer,
-        normalization=case.loss_normalization(),
-    )
+    step = case.step_function()
+    result = step(chunks, _local_batch(batch, rows, case), loss, split, reducer=reducer)
     return result, reducer.calls, gather_full_state_dict(chunks, grads=True)
 
 
@@ -232,9 +226,11 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     logp, ent = compute_logprobs(
         models[False],
         batch["tokens"][rows],
-        num_microbatches=min(max(c.num_microbatches for c in cases), len(rows)),
+        MicroBatchSpec(
+            min(max(c.num_microbatches for c in cases), len(rows)),
+            max_tokens_per_microbatch=first.token_budget,
+        ),
         with_entropy=True,
-        max_tokens_per_microbatch=first.token_budget,
         seq_tokens=seq_tokens,
     )
     s = batch["tokens"].shape[1]

@@ -1,0 +1,51 @@
+"""The layout check's negative controls: the GRPO step with one property broken on purpose.
+
+Each control runs the same prepared step as the exact one (grpo_step.PreparedStep: the same
+micro-batches, the same loss function, the same schedule) and differs from
+grpo_step.forward_backward in the one property it exposes:
+
+  * `scaled_as(version)`: the factor cancels another megatron-core release's scaling
+    (loss_scale.loss_scale's rows for that version) instead of the installed one's;
+  * `per_microbatch_plan`: each micro-batch's plan is built from that micro-batch's own
+    statistics, and the step's loss is the mean over micro-batches and DP ranks of each
+    micro-batch's self-normalised loss (NeMo-Aligner's normalisation). Equal to the exact step
+    where a micro-batch is the global batch (DP1 x 1 micro-batch); wrong elsewhere.
+
+The check must see each control fail wherever its property matters (tests/test_layout_matrix.py).
+"""
+
+from __future__ import annotations
+
+from megatron_ba.megatron.grpo_step import PreparedStep, StepLoss, StepResult
+
+
+def scaled_as(version: tuple[int, int]):
+    """forward_backward, its scale cancelling megatron-core `version`'s factors."""
+
+    def step(chunks, batch, loss: StepLoss, split, *, reducer=None) -> StepResult:
+        prepared = PreparedStep.start(chunks, batch, split, reducer)
+        plan = prepared.plan(loss) if prepared.last else None
+        return prepared.run(
+            loss, plan_of=lambda rows: plan.select(rows), scale=prepared.scale(version)
+        )
+
+    return step
+
+
+def per_microbatch_plan(version: tuple[int, int] | None = None):
+    """forward_backward with each micro-batch's plan from its own statistics (no reduction),
+    averaged over micro-batches and DP ranks; `version` as in scaled_as (None: installed)."""
+
+    def step(chunks, batch, loss: StepLoss, split, *, reducer=None) -> StepResult:
+        prepared = PreparedStep.start(chunks, batch, split, reducer)
+        # The mean over micro-batches and DP ranks; a micro-batch's CP shards still add up to
+        # its loss, since its plan comes from whole-sequence lengths.
+        share = 1.0 / (len(prepared.parts) * prepared.dp)
+        return prepared.run(
+            loss,
+            plan_of=lambda rows: prepared.plan(loss, rows, reduce=None),
+            scale=prepared.scale(version) * share,
+            share=share,
+        )
+
+    return step
