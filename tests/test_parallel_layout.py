@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
-from megatron_ba.parallel.shard_layout import (
+from megatron_ba.parallel.sharding import (
     cp_positions,
     cp_shard,
     cp_unshard,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ba.train.study import Study
+from megatron_ba.train.study_grid import Study
 from megatron_ba.train.study_report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]

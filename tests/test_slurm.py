@@ -442,7 +442,7 @@ class _Clock:
 def test_nemo_aligner_run_timer_stops_on_the_launchers_request(tmp_path):
     """The NeMo backend's side of the protocol: the same file names and exit status as the local
     backend's, and a run timer that finishes when RUN_DIR/PREEMPT appears or time is up."""
-    from megatron_ba.integrations.nemo_aligner import preemption as nemo
+    from megatron_ba.integrations.nemo_aligner import requeue as nemo
     from megatron_ba.train import preemption
 
     assert (nemo.REQUEST_FILE, nemo.MARKER_FILE, nemo.PREEMPTED_EXIT_CODE) == (

@@ -1,6 +1,6 @@
-"""Studies (train/study.py, commands/study.py): the grid, the manifest, the element folders, the
-local runner's bookkeeping and the Slurm submission, without training (tests/test_slurm.py runs a
-real array)."""
+"""Studies (train/study_grid.py, commands/study.py): the grid, the manifest, the element folders,
+the local runner's bookkeeping and the Slurm submission, without training (tests/test_slurm.py runs
+a real array)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ba.recipe import RecipeError
-from megatron_ba.train import study as study_mod
-from megatron_ba.train.study import Axis, Study, elements, parse_grid, run_locally
+from megatron_ba.train import study_grid as study_mod
+from megatron_ba.train.study_grid import Axis, Study, elements, parse_grid, run_locally
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes/tiny-cpu.yaml")
@@ -147,7 +147,14 @@ def test_study_cli_errors_name_the_flag(tmp_path):
 
 def test_an_array_task_reads_its_element(tmp_path):
     s = Study.open(tmp_path / "s", TINY, ["grpo.steps=2"], parse_grid(["seed=0,1"]))
-    element = [sys.executable, "-m", "megatron_ba.train.study", "element", str(tmp_path / "s"), "1"]
+    element = [
+        sys.executable,
+        "-m",
+        "megatron_ba.train.study_grid",
+        "element",
+        str(tmp_path / "s"),
+        "1",
+    ]
     p = subprocess.run(element, capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == [str(s.run_dir(s.elements[1]).resolve()), "grpo.steps=2", "seed=1"]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from megatron_ba.recipe import load_recipe
-from megatron_ba.train.study import Study, parse_grid
+from megatron_ba.train.study_grid import Study, parse_grid
 from megatron_ba.train.study_plan import plan_differences, recipe_sha256
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_ba.cli import main
 from megatron_ba.recipe import load_recipe
-from megatron_ba.train.study import Axis, Study, parse_grid
+from megatron_ba.train.study_grid import Axis, Study, parse_grid
 from megatron_ba.train.study_report import paired_interval, write_report
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_ba.commands.study import train_and_report
-    from megatron_ba.train.study import Axis, Study
+    from megatron_ba.train.study_grid import Axis, Study
 
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
     bad = [r for r in rules if r not in RULES]

@@ -32,8 +32,8 @@ from megatron_ba.data.benchmarks import (
 )
 from megatron_ba.data.templates import chat_prompt, plain_chat
 from megatron_ba.errors import UserError
-from megatron_ba.evaluation.report import markdown_table
 from megatron_ba.evaluation.runner import evaluate
+from megatron_ba.evaluation.scores import markdown_table
 from megatron_ba.train.console import Console
 
 

@@ -14,7 +14,7 @@ paired by seed, on --metric; balanced,token and acc_last by default). --plan-onl
 stops; the same command without the flag then runs what was declared, and refuses to run if the
 recipe has changed since. The report says whether the runs are the planned ones.
 
-One run folder per element of the cross product under DIR (train/study.py has the names), and
+One run folder per element of the cross product under DIR (train/study_grid.py has the names), and
 DIR/study.json. Re-running the same command keeps finished elements and resumes interrupted ones;
 other arguments on the same DIR are refused. After local runs DIR/report.md is written
 (`megatron-ba report DIR`); a Slurm study's report is written by `megatron-ba report DIR` once
@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.train.study import Study, parse_grid
+    from megatron_ba.train.study_grid import Study, parse_grid
     from megatron_ba.train.study_slurm import array_submission, parse_sbatch_args
 
     try:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 def train_and_report(study, *, train: bool = True) -> int:
     """Run the study's unfinished elements here (unless `train` is false), then write its
     report; the exit status (1: an element failed). `megatron-ba compare` ends here too."""
-    from megatron_ba.train.study import run_locally
+    from megatron_ba.train.study_grid import run_locally
     from megatron_ba.train.study_report import write_report
 
     if train:

@@ -8,8 +8,8 @@
 """
 
 from megatron_ba.evaluation.metrics import acc_at_k, average, best_at_k
-from megatron_ba.evaluation.report import BenchmarkResult, EvalReport, markdown_table
 from megatron_ba.evaluation.runner import GenerateFn, evaluate
+from megatron_ba.evaluation.scores import BenchmarkResult, EvalReport, markdown_table
 
 __all__ = [
     "BenchmarkResult",

@@ -21,7 +21,7 @@ from megatron_ba.data.benchmarks import BENCHMARKS
 from megatron_ba.data.records import Problem
 from megatron_ba.data.templates import plain_chat, problem_messages
 from megatron_ba.evaluation.metrics import acc_at_k, best_at_k
-from megatron_ba.evaluation.report import BenchmarkResult, EvalReport
+from megatron_ba.evaluation.scores import BenchmarkResult, EvalReport
 from megatron_ba.rewards.code import code_score
 from megatron_ba.rewards.math_pool import MathRewardPool
 

@@ -12,7 +12,7 @@ per-sequence weights it takes), so the step never branches on the layout.
 The public tensors are token-aligned (`logprobs[i, t]` is about `tokens[i, t]`); a causal LM's
 output at position p predicts token p + 1, so the loss inputs are shifted to be position-aligned
 before they are cut into micro-batches (rows) and context-parallel shards (positions, megatron-
-core's load-balanced layout: megatron_ba.parallel.shard_layout). Sequences are right-padded to a
+core's load-balanced layout: megatron_ba.parallel.sharding). Sequences are right-padded to a
 multiple of 2 x CP; the padding is masked.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from megatron_ba.megatron.packing import fixed_count_microbatches, token_budget_microbatches
 from megatron_ba.megatron.thd import thd_microbatch
-from megatron_ba.parallel.shard_layout import cp_shard
+from megatron_ba.parallel.sharding import cp_shard
 from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 CP_MODES = ("model", "loss")

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ba.aggregation import NUM_COLUMNS
-from megatron_ba.parallel.shard_layout import cp_unshard, tp_unshard
+from megatron_ba.parallel.sharding import cp_unshard, tp_unshard
 
 
 def comm_device(group) -> torch.device:

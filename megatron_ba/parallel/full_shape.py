@@ -9,7 +9,7 @@ A full name is megatron-core's parameter name at TP=1 / PP=1: transformer layers
 `decoder.layers.{i}.{rest}` with i the global layer number, where a pipeline stage's chunk numbers
 its own layers from 0 (`local_to_full_names` renumbers them). Which rows or columns of a full
 tensor a rank holds is the parameter's own TP layout (megatron-core's `tensor_model_parallel`,
-`partition_dim`, `partition_stride` attributes; parallel.shard_layout.tp_shard cuts it). Nothing
+`partition_dim`, `partition_stride` attributes; parallel.sharding.tp_shard cuts it). Nothing
 here knows the model's architecture: any megatron-core module tree with `decoder.layers` works.
 The process groups come from megatron-core's parallel_state (imported lazily: callers of the pure
 helpers need no megatron-core). The Hugging Face names of these tensors are
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from megatron_ba.parallel import collectives
-from megatron_ba.parallel.shard_layout import tp_shard
+from megatron_ba.parallel.sharding import tp_shard
 
 MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"

@@ -35,7 +35,7 @@ import yaml
 from megatron_ba.rules import RULES
 from megatron_ba.train import study_figures, study_plan
 from megatron_ba.train.run_log import eval_table
-from megatron_ba.train.study import MANIFEST, Study
+from megatron_ba.train.study_grid import MANIFEST, Study
 
 # The last column is late-training behaviour: how far each run ends below its own peak.
 COLUMNS = ("acc_peak", "acc_last", "best_peak", "best_last", "acc_last_minus_peak")

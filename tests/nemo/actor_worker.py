@@ -38,7 +38,7 @@ def _stride(name: str, param) -> int:
 def load_full(model, full: dict, tp: int) -> None:
     from megatron.core import parallel_state as ps
 
-    from megatron_ba.parallel.shard_layout import tp_shard
+    from megatron_ba.parallel.sharding import tp_shard
 
     rank = ps.get_tensor_model_parallel_rank()
     with torch.no_grad():

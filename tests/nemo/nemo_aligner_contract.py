@@ -1,6 +1,6 @@
 """What our NeMo-Aligner subclasses rely on in nemo-aligner 0.7.0, checked on its source text.
 
-The GRPO actor and trainer (actor.py, trainer.py) subclass NeMo-Aligner's REINFORCE classes,
+The GRPO actor and trainer (actor.py, grpo_trainer.py) subclass NeMo-Aligner's REINFORCE classes,
 override some methods and call others. A NeMo-Aligner release that renamed a method, changed a
 signature, stopped calling one of our overrides, or stopped reading a config key we ship would
 break them silently (an override nobody calls is dead code that still "works"). `check_source`

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from megatron_ba.integrations.nemo_aligner.rollouts import (
+from megatron_ba.integrations.nemo_aligner.rollout_batch import (
     global_group_ids,
     grpo_training_data,
     response_mask,

@@ -12,7 +12,7 @@ in-process math rewards instead of the reward-model server. Data: JSONL lines
 {"prompt": str, "ground_truth": str}. Without a CUDA device it installs the CPU shims
 (cpu_shims.py) first. Besides NeMo's logs (TensorBoard events, checkpoints) the log folder gets
 metrics.jsonl (metrics_log.py). RUN_DIR/PREEMPT stops it after the step in flight with a checkpoint,
-RUN_DIR/preempted.json and exit status 75 (preemption.py; slurm/lib.sh requeues the job). What
+RUN_DIR/preempted.json and exit status 75 (requeue.py; slurm/lib.sh requeues the job). What
 has run where: docs/status.md.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from megatron_ba.integrations.nemo_aligner.config import check_config
 from megatron_ba.integrations.nemo_aligner.metrics_log import MetricsJsonl
-from megatron_ba.integrations.nemo_aligner.preemption import (
+from megatron_ba.integrations.nemo_aligner.requeue import (
     PREEMPTED_EXIT_CODE,
     RunTimerWithRequests,
     mark_preempted,
@@ -98,7 +98,7 @@ def _main(cfg) -> None:
 
     # NeMo-Aligner and megatron-core (actor and trainer subclass theirs): imported on use
     from megatron_ba.integrations.nemo_aligner.actor import MegatronGPTGRPOActorModel
-    from megatron_ba.integrations.nemo_aligner.trainer import GRPOTrainer
+    from megatron_ba.integrations.nemo_aligner.grpo_trainer import GRPOTrainer
 
     cfg.model = load_and_override_model_config(
         cfg.pretrained_checkpoint.restore_from_path, cfg.model
@@ -146,7 +146,7 @@ def _main(cfg) -> None:
     divide(rc.num_rollout_samples, dp)  # every DP rank generates for its own prompts
     init_using_ptl(trainer, actor, train_builder(consumed_samples=0), train_ds)
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
-    # stops after a step when time is up or RUN_DIR/PREEMPT appears (preemption.py)
+    # stops after a step when time is up or RUN_DIR/PREEMPT appears (requeue.py)
     run_timer = RunTimerWithRequests(Timer(cfg.exp_manager.get("max_time_per_run")), log_dir)
     grpo = GRPOTrainer(
         cfg=cfg.trainer.reinforce,

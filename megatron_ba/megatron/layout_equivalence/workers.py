@@ -35,7 +35,7 @@ from megatron_ba.megatron.startup import setup
 from megatron_ba.parallel import collectives, full_shape
 from megatron_ba.parallel.collectives import StatisticsReducer
 from megatron_ba.parallel.full_shape import gather_full_state_dict
-from megatron_ba.parallel.shard_layout import cp_shard
+from megatron_ba.parallel.sharding import cp_shard
 from megatron_ba.rollout_correction import (
     correction_diagnostics,
     correction_statistics,

@@ -1,7 +1,7 @@
 """GRPO rollout data for the actor, from NeMo-Aligner's rollout batches (pure torch, no NeMo).
 
-What the trainer (trainer.py) computes between generation and the update, kept apart so that it is
-tested without a model:
+What the trainer (grpo_trainer.py) computes between generation and the update, kept apart so
+that it is tested without a model:
 
 * `global_group_ids`: explicit group ids, one per prompt, global over data-parallel ranks (rank r's
   j-th prompt of the step is group r * prompts_per_rank + j). NeMo-Aligner's REINFORCE finds groups

@@ -12,7 +12,7 @@ differs) and one run folder per element, named by its values (`token-seed0`,
 is finished when its run folder holds summary.json; one with a checkpoint resumes from it; any
 other starts afresh. On Slurm each element is one task of a job array (study_slurm.py) running
 slurm/grpo_balanced.sh, which reads its element from study.json (`python -m
-megatron_ba.train.study element DIR INDEX`).
+megatron_ba.train.study_grid element DIR INDEX`).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def run_locally(study: Study, log=print, clock=time.monotonic) -> None:
 
 
 def _element_main(folder: str, index: str) -> int:
-    """`python -m megatron_ba.train.study element DIR INDEX`: the element's run folder and
+    """`python -m megatron_ba.train.study_grid element DIR INDEX`: the element's run folder and
     overrides as shell words (slurm/lib.sh reads them for an array task)."""
     study = Study.load(Path(folder))
     e = study.elements[int(index)]
@@ -258,5 +258,5 @@ def _element_main(folder: str, index: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "element":
-        sys.exit("usage: python -m megatron_ba.train.study element STUDY_DIR INDEX")
+        sys.exit("usage: python -m megatron_ba.train.study_grid element STUDY_DIR INDEX")
     sys.exit(_element_main(sys.argv[2], sys.argv[3]))

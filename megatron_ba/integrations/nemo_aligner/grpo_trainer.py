@@ -37,7 +37,7 @@ from nemo_aligner.algorithms.reinforce import (
 from nemo_aligner.utils import parallel_state
 
 from megatron_ba.integrations.nemo_aligner.config import check_reinforce_keys
-from megatron_ba.integrations.nemo_aligner.rollouts import (
+from megatron_ba.integrations.nemo_aligner.rollout_batch import (
     global_group_ids,
     grpo_training_data,
     response_texts,
