@@ -155,6 +155,25 @@ def run_probe(env: Path, checks: list[str], absent: list[str]) -> subprocess.Com
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def run_bench(env: Path) -> list[str]:
+    """`megatron-ba bench aggregation` (a small size) by the installed console script, from a
+    folder outside the checkout: the performance benchmarks ship in the wheel (megatron_ba.perf).
+    The failures as messages."""
+    argv = ["bench", "aggregation", "--sequences", "32", "--max-length", "64", "--repeats", "1"]
+    with tempfile.TemporaryDirectory(prefix="megatron-ba-bench-") as cwd:
+        p = subprocess.run(
+            [str(Path(env) / "bin" / "megatron-ba"), *argv, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            cwd=cwd,
+            env=_clean_env(),
+        )
+    if p.returncode != 0 or not p.stdout.strip().startswith("{"):
+        return [f"megatron-ba {' '.join(argv)} --json: exit {p.returncode}\n{p.stdout}{p.stderr}"]
+    return []
+
+
 def run_cli_help(env: Path, heavy: tuple[str, ...] = HEAVY) -> list[str]:
     """`megatron-ba --help` and `megatron-ba COMMAND --help` for every command, by the installed
     console script; the failures (a non-zero exit, no usage line, or a `heavy` module imported,
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheel", type=Path, help="a wheel built before (default: build one)")
     parser.add_argument(
         "checks", nargs="+", help="checks of tests/light_probe.py (verl, trl, ..., import:MODULE) "
-        "and `cli` (the console script's --help)"
+        "and `cli` (the console script's --help, and `megatron-ba bench` from the wheel)"
     )  # fmt: skip
     args = parser.parse_args(argv)
     if not (args.venv / "bin" / "python").exists():
@@ -211,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         env = Path(tmp) / "env"
         dists = light_env(args.venv, wheel, env, args.hide)
         print(f"[light] {args.venv} without {', '.join(dists)}; {wheel.name} installed")
-        failures = run_cli_help(env) if "cli" in args.checks else []
+        failures = run_cli_help(env) + run_bench(env) if "cli" in args.checks else []
         if probe_checks:
             p = run_probe(env, probe_checks, args.hide)
             failures += [] if p.returncode == 0 else [p.stdout + p.stderr]

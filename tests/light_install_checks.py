@@ -123,6 +123,10 @@ def test_cli_help_in_verl_env_without_datasets(light):
     assert li.run_cli_help(light["verl"][0]) == []
 
 
+def test_bench_runs_from_the_wheel(light):
+    assert li.run_bench(light["verl"][0]) == []
+
+
 def test_cli_help_check_sees_an_import(light):
     """Control: the import check of run_cli_help reports a module that `--help` does import."""
     failures = li.run_cli_help(light["verl"][0], heavy=("argparse",))

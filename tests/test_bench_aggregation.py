@@ -10,9 +10,9 @@ import re
 import pytest
 import torch
 
-from benchmarks.aggregation import token_mean_grpo_loss
 from megatron_ba.cli import main
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.perf.aggregation import token_mean_grpo_loss
 from megatron_ba.rules import AggregationSettings
 
 

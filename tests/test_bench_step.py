@@ -1,4 +1,4 @@
-"""`megatron-ba bench step` (benchmarks/step.py) and `bench vocab-parallel --device`: they run,
+"""`megatron-ba bench step` (perf/step.py) and `bench vocab-parallel --device`: they run,
 the two step variants differ in the plan, bad arguments get clear errors (figures: performance.md).
 """
 

@@ -3,16 +3,16 @@ imports that go down the layers only, no package module that only tests use.
 
     python -m pytest tests/test_code_structure.py        # < 1 s: parses files, runs none
 
-- Every torch.distributed call of megatron_ba and benchmarks/ lives in
+- Every torch.distributed call of megatron_ba (its perf/ benchmarks included) lives in
   megatron_ba/parallel/collectives.py (README: "every collective lives in one module"); names in
   docstrings, comments and strings (`python -m torch.distributed.run`) are not calls.
 - The graph of imports between megatron_ba modules (module-level and lazy ones in functions
   alike: a lazy import is still a dependency) has no cycle.
-- Every import of megatron_ba/, benchmarks/ and scripts/ (module-level and in functions) goes from
-  a folder (or top-level module) to one that ALLOWED lists for it; ALLOWED itself has none of
-  the arrows NEVER forbids (the design's "never" arrows).
-- Every module under megatron_ba/ is used by the product: imported by megatron_ba/, benchmarks/
-  or scripts/ (tests do not count), named by its dotted path or file name in their code or in
+- Every import of megatron_ba/ and scripts/ (module-level and in functions) goes from a folder
+  (or top-level module) to one that ALLOWED lists for it; ALLOWED itself has none of the arrows
+  NEVER forbids (the design's "never" arrows).
+- Every module under megatron_ba/ is used by the product: imported by megatron_ba/ or scripts/
+  (tests do not count), named by its dotted path or file name in their code or in
   the launch scripts (slurm/, scripts/*.sh), or an entry point that users run (ENTRY_POINTS).
 
 Each check is also run on a small hand-written tree that breaks it, so that it is seen to fail.
@@ -162,7 +162,7 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 def test_torch_distributed_is_called_only_in_collectives():
     offenders = []
-    for path in _python_files(ROOT, (PACKAGE, "benchmarks")):
+    for path in _python_files(ROOT, (PACKAGE,)):
         if path.relative_to(ROOT) == COLLECTIVES:
             continue
         for line in torch_distributed_uses(path.read_text()):
@@ -267,10 +267,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     | {"parallel", "megatron", "conversion", "generation", "recipe", "tokenization"}
     | {"data", "tasks", "rewards", "evaluation", "planning", "integrations", "testing", "train"},
     "cli": frozenset({"errors"}),  # the commands are imported by name (importlib)
-    "benchmarks": CORE
+    "perf": CORE
     | SHAPE
     | {"parallel", "megatron", "conversion", "generation", "recipe", "planning", "rewards"},
-    "scripts": frozenset({"errors", "recipe", "planning", "megatron", "benchmarks"}) | SHAPE,
+    "scripts": frozenset({"errors", "recipe", "planning", "megatron", "perf"}) | SHAPE,
 }
 # The design's parts (its units) and the arrows it never allows, with its reasons.
 PARTS: dict[str, frozenset[str]] = {
@@ -287,7 +287,7 @@ PARTS: dict[str, frozenset[str]] = {
     "Integrations": frozenset({"integrations"}),
     "Planning": frozenset({"planning"}),
     "CLI": frozenset({"commands", "cli"}),
-    "Bench": frozenset({"benchmarks"}),
+    "Bench": frozenset({"perf"}),
 }
 NEVER: list[tuple[str, str, str]] = [
     ("Core", "Megatron", "the math knows no framework"),
@@ -307,7 +307,7 @@ NEVER: list[tuple[str, str, str]] = [
     ("Planning", "Megatron", "the planner builds no model"),
     ("Bench", "Train", "benchmarks need no driver"),
 ]
-WALKED = (PACKAGE, "benchmarks", "scripts")
+WALKED = (PACKAGE, "scripts")
 # Imports against the table that are still there, each a debt to pay (remove the entry when it
 # is): the check fails on any other, and on one of these once it is gone.
 KNOWN_UPWARD: dict[str, str] = {}
@@ -315,7 +315,7 @@ KNOWN_UPWARD: dict[str, str] = {}
 
 def unit_of(module: str, package: str = PACKAGE) -> str:
     """The folder or top-level module a module belongs to (`megatron_ba.train.driver` -> train;
-    `megatron_ba.loss` -> loss; `megatron_ba` -> megatron_ba; `benchmarks.step` -> benchmarks)."""
+    `megatron_ba.loss` -> loss; `megatron_ba` -> megatron_ba; `megatron_ba.perf.step` -> perf)."""
     parts = module.split(".")
     if parts[0] != package or len(parts) == 1:
         return parts[0]
@@ -361,7 +361,9 @@ def test_the_table_has_no_never_arrow():
 def test_imports_go_down_the_layers():
     graph = import_graph(ROOT, PACKAGE, WALKED)
     assert "megatron_ba.parallel.world" in graph["megatron_ba.megatron.startup"]
-    assert "megatron_ba.megatron.model" in graph["benchmarks.step"]  # the walk sees benchmarks/
+    assert (
+        "megatron_ba.megatron.model" in graph["megatron_ba.perf.step"]
+    )  # the walk sees megatron_ba/perf/
     offenders = upward_imports(ROOT, ALLOWED)
     new = [o for o in offenders if o not in KNOWN_UPWARD]
     paid = [o for o in KNOWN_UPWARD if o not in offenders]

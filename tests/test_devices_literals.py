@@ -1,4 +1,4 @@
-"""Devices are parameters: no literal "cpu"/"cuda" device in megatron_ba/ or benchmarks/.
+"""Devices are parameters: no literal "cpu"/"cuda" device in megatron_ba/ (perf/ included).
 
 The scan (tests/device_literals.py) is shown to catch each kind of literal on planted code, and
 to pass what is allowed (`.cpu()` host copies, `device.type == "cuda"`, a device parameter).
@@ -45,7 +45,6 @@ def test_scan_catches_a_planted_literal(code, what):
 def test_scan_catches_a_planted_literal_in_the_tree(tmp_path):
     pkg = tmp_path / "megatron_ba" / "train"
     pkg.mkdir(parents=True)
-    (tmp_path / "benchmarks").mkdir()
     (pkg / "update.py").write_text("def f(t):\n    return t.to('cuda')\n")
     assert violations(tmp_path) == ["megatron_ba/train/update.py:2: .to('cuda')"]
 

@@ -16,9 +16,9 @@ Pages: README.md, docs/*.md, slurm/README.md, and the comments of recipes/*.yaml
   exists; an anchor into a markdown file names one of its headings (GitHub's rule: lowercase,
   punctuation other than `-` and `_` dropped, spaces to `-`, `-1`, `-2` ... for repeats).
 - Every `bash scripts/X.sh`, `bash slurm/X.sh` and `sbatch ... slurm/X.sh` a page mentions,
-  every `megatron_ba/`, `benchmarks/`, `requirements/` and `docs/` path a page or recipe names,
-  and every `tests/....py` that a page, a recipe or a module of megatron_ba/, scripts/ or
-  benchmarks/ names, exists.
+  every `megatron_ba/`, `requirements/` and `docs/` path a page or recipe names,
+  and every `tests/....py` that a page, a recipe or a module of megatron_ba/ or scripts/ names,
+  exists.
 - No file of the repository refers to a numbered issue: the project speaks of itself.
 
 Each checker is also run on planted text that it must reject.
@@ -30,7 +30,6 @@ import argparse
 import functools
 import importlib
 import re
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -201,11 +200,9 @@ class _Parsed(Exception):
 def benchmark_options(name: str) -> frozenset[str]:
     """The option strings of `megatron-ba bench NAME`: the parser its module's main() builds,
     caught at its parse_args call (nothing runs)."""
-    from megatron_ba.commands.bench import BENCHMARKS
+    from megatron_ba.commands.bench import PERF
 
-    if str(ROOT) not in sys.path:  # as `megatron-ba bench` does: benchmarks/ is not installed
-        sys.path.insert(0, str(ROOT))
-    module = importlib.import_module(BENCHMARKS[name][0])
+    module = importlib.import_module(PERF[name][0])
 
     def caught(self, *args, **kwargs):
         raise _Parsed(self)
@@ -239,13 +236,13 @@ def command_problems(command: str) -> list[str]:
     elif sub not in COMMANDS:
         return [f"{command!r}: unknown subcommand {sub!r} (megatron-ba has {sorted(COMMANDS)})"]
     elif sub == "bench" and rest and not rest[0].startswith("-"):
-        from megatron_ba.commands.bench import BENCHMARKS
+        from megatron_ba.commands.bench import PERF
 
         name, flags = rest[0], FLAG.findall(" ".join(rest[1:]))
         if _placeholder(name):
             known, where = frozenset({"--help"}), "every benchmark"
-        elif name not in BENCHMARKS:
-            return [f"{command!r}: unknown benchmark {name!r} (bench has {sorted(BENCHMARKS)})"]
+        elif name not in PERF:
+            return [f"{command!r}: unknown benchmark {name!r} (bench has {sorted(PERF)})"]
         else:
             known, where = benchmark_options(name), f"`megatron-ba bench {name}`"
     else:
@@ -331,8 +328,8 @@ def missing_test_files(text: str) -> list[str]:
 
 
 def missing_repo_paths(text: str) -> list[str]:
-    """`megatron_ba/...`, `benchmarks/...`, `requirements/...`, `docs/...` paths (or globs) a
-    page names that match nothing in the checkout."""
+    """`megatron_ba/...`, `requirements/...`, `docs/...` paths (or globs) a page names that
+    match nothing in the checkout."""
     names = set(REPO_PATH.findall(text))
     return [f"{name} does not exist" for name in sorted(names) if not any(ROOT.glob(name))]
 
@@ -385,14 +382,14 @@ def test_named_scripts_exist(page):
 
 def test_named_test_files_exist():
     sources = [*PAGES, *RECIPES]
-    for folder in ("megatron_ba", "scripts", "benchmarks"):
+    for folder in ("megatron_ba", "scripts"):
         sources += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh"))
     problems = [f"{_rel(p)}: {x}" for p in sources for x in missing_test_files(p.read_text())]
     assert problems == []
 
 
 def test_no_numbered_issue_references():
-    folders = ("megatron_ba", "scripts", "benchmarks", "tests", "slurm", "recipes", "docs")
+    folders = ("megatron_ba", "scripts", "tests", "slurm", "recipes", "docs")
     files = [ROOT / "README.md", ROOT / "pyproject.toml"]
     files += [p for f in folders for p in sorted((ROOT / f).rglob("*")) if p.is_file()]
     suffixes = {".py", ".sh", ".md", ".yaml", ".toml", ".txt", ".json", ".jsonl"}

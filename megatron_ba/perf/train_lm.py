@@ -36,7 +36,6 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.shapes import add_shape_arguments, model_spec
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import (
     CPView,
@@ -51,6 +50,7 @@ from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optim
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import full_shape
+from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.planning import flops
 from megatron_ba.recipe import OptimizerSection
 

@@ -1,7 +1,7 @@
 """Math reward throughput: (response, answer) pairs per second through MathRewardPool.
 
     megatron-ba bench rewards --pairs 10000 --workers 2 --timeout 5
-    python -m benchmarks.reward_throughput --pairs 2000          # same, without the CLI
+    python -m megatron_ba.perf.reward_throughput --pairs 2000          # same, without the CLI
 
 Synthetic but realistic pairs (seeded): a few hundred characters of reasoning, then the final
 answer as an "Answer:" line or a \\boxed{}, in forms that need math-verify (fractions vs

@@ -2,7 +2,7 @@
 
     megatron-ba bench stats-allreduce                       # 128 and 4,096 groups, DP 2
     megatron-ba bench stats-allreduce --groups 128,4096,32768 --dp 2 --group-size 16
-    python benchmarks/stats_allreduce.py --help            # the same without the CLI
+    python megatron_ba/perf/stats_allreduce.py --help            # the same without the CLI
 
 Launches --dp gloo processes (one per data-parallel rank). For each number of groups, every rank
 holds its share of a GRPO batch (--group-size responses per group, each group split across the

@@ -3,7 +3,7 @@
     megatron-ba bench aggregation                       # 2,048 sequences of up to 16,384 tokens
     megatron-ba bench aggregation --sequences 256 --max-length 2048 --repeats 5
     megatron-ba bench aggregation --device cuda --json  # scripts/gpu_check.py's aggregation stage
-    python -m benchmarks.aggregation --threads 2
+    python -m megatron_ba.perf.aggregation --threads 2
 
 Both layouts the loss supports are measured: padded [N, T] with a mask and packed (concatenated
 tokens). "token-mean" is the conventional masked mean (verl `token-mean`, DAPO): sum(x * mask) /

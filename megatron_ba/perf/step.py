@@ -2,7 +2,7 @@
 
     megatron-ba bench step                                   # tiny shape on this machine's device
     megatron-ba bench step --shape small --seq-len 2048 --sequences 32 --dtype bf16 --device cuda
-    python -m benchmarks.step --help
+    python -m megatron_ba.perf.step --help
 
 One step = `megatron_ba.megatron.grpo_step.forward_backward` (megatron-core's schedule over
 --micro-batches micro-batches, the loss plan with its DP statistics all-reduce, the vocab-parallel
@@ -31,7 +31,6 @@ import time
 
 import torch
 
-from benchmarks.shapes import add_shape_arguments, model_spec
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch
 from megatron_ba.megatron.build_options import resolve_build_options
@@ -43,6 +42,7 @@ from megatron_ba.megatron.grpo_step import (
 )
 from megatron_ba.megatron.optimizer_choice import build_optimizer, ddp_overrides
 from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.recipe import OptimizerSection
 from megatron_ba.rules import AggregationSettings
 
