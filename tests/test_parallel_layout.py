@@ -70,7 +70,7 @@ def test_cp_unshard_inverts_shard_and_positions_partition(cp, chunks, seed):
     assert seen.tolist() == list(range(s))
 
 
-def test_tp_layout_matches_megatron_core_initialisation():
+def test_tp_sharding_matches_megatron_core_initialisation():
     """megatron-core's CPU initialisation splits a full weight exactly as tp_shard does.
 
     (The CP layout is compared with megatron-core's get_batch_on_this_cp_rank inside the gloo

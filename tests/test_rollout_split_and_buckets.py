@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from megatron_ba.generation.weight_buckets import (
     SharedBucket,
     iter_buckets,
-    layout_bytes,
+    manifest_bytes,
     open_bucket,
     pack,
     unpack,
@@ -63,13 +63,13 @@ def _named():
 def test_pack_unpack_round_trip_is_exact_for_every_dtype():
     named = _named()
     buffer = torch.zeros(4096, dtype=torch.uint8)
-    layout = pack(named, buffer)
-    assert [row[0] for row in layout] == ["a", "b", "c", "d"]
-    assert all(row[3] % 64 == 0 for row in layout)  # aligned views
-    back = unpack(buffer, layout)
+    manifest = pack(named, buffer)
+    assert [row[0] for row in manifest] == ["a", "b", "c", "d"]
+    assert all(row[3] % 64 == 0 for row in manifest)  # aligned views
+    back = unpack(buffer, manifest)
     for (n1, t1), (n2, t2) in zip(named, back, strict=True):
         assert n1 == n2 and t1.dtype == t2.dtype and torch.equal(t1, t2)
-    assert layout_bytes(layout) == layout[-1][3] + 4 * 8
+    assert manifest_bytes(manifest) == manifest[-1][3] + 4 * 8
     with pytest.raises(ValueError, match="cannot hold 'b'"):
         pack(named, torch.zeros(70, dtype=torch.uint8))
 
@@ -86,12 +86,14 @@ def test_buckets_keep_order_respect_the_limit_and_isolate_a_large_tensor():
 def test_shared_bucket_is_seen_through_its_handle_and_removed_on_close():
     named = _named()
     shared = SharedBucket(64, torch.zeros(1).device)  # too small: grows at the first write
-    layout = shared.write(named)
-    seen = dict(unpack(open_bucket(shared.handle), layout))  # as the engine's process maps it
+    manifest = shared.write(named)
+    seen = dict(unpack(open_bucket(shared.handle), manifest))  # as the engine's process maps it
     assert all(torch.equal(seen[n], t) for n, t in named)
     path = shared.path
     shared.write([("a", torch.ones(3, 5))])  # the same segment, rewritten
-    assert torch.equal(dict(unpack(open_bucket(shared.handle), layout[:1]))["a"], torch.ones(3, 5))
+    assert torch.equal(
+        dict(unpack(open_bucket(shared.handle), manifest[:1]))["a"], torch.ones(3, 5)
+    )
     shared.close()
     import os
 

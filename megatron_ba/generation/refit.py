@@ -25,7 +25,7 @@ from megatron_ba.conversion import table_for
 from megatron_ba.conversion.family_table import OUTPUT_LAYER, canonical_name, hf_tensors, is_skipped
 from megatron_ba.generation.weight_buckets import iter_buckets
 from megatron_ba.parallel import collectives
-from megatron_ba.parallel.full_shape import local_to_full_names, tp_layout
+from megatron_ba.parallel.full_shape import local_to_full_names, tp_sharding
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class WeightRefit:
         self.bucket_bytes = bucket_bytes
         held = local_to_full_names(chunks)
         self.local = [
-            (name, param, tp_layout(param))
+            (name, param, tp_sharding(param))
             for name, (param, _) in held.items()
             if not _skipped(spec, name)
         ]  # same order on every TP rank of a stage (module order)

@@ -234,7 +234,7 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
 
         The tensors are packed into a buffer shared with the engine's process (made at the first
         bucket, reused, grown when a bucket needs more) and the engine's workers load them from
-        there; only a handle and the layout travel as RPC arguments.
+        there; only a handle and the manifest travel as RPC arguments.
         """
 
         if not bucket:
@@ -248,8 +248,8 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
             if self._shared is not None:
                 self._shared.close()
             self._shared = SharedBucket(need, device)
-        layout = self._shared.write(bucket)
-        self.llm.collective_rpc("megatron_ba_load_bucket", args=(self._shared.handle, layout))
+        manifest = self._shared.write(bucket)
+        self.llm.collective_rpc("megatron_ba_load_bucket", args=(self._shared.handle, manifest))
 
     def finish_refit(self) -> None:
         """After the last bucket: layers still waiting are processed; cached prefixes (computed

@@ -1,7 +1,7 @@
 """Methods added to vLLM's worker (`LLM(worker_extension_cls=...)`): in-memory weight refit.
 
 vLLM mixes this class into its worker in the engine's own process; the trainer calls the methods
-through `llm.collective_rpc("megatron_ba_load_bucket", args=(handle, layout))`, which runs them
+through `llm.collective_rpc("megatron_ba_load_bucket", args=(handle, manifest))`, which runs them
 on every worker of the engine (each TP worker receives the full tensors and keeps its shard:
 the model's own `load_weights` splits them, and stacks q/k/v and gate/up as it does for a
 checkpoint). Imported by vLLM by qualified name only; it must not import the trainer's modules
@@ -30,7 +30,7 @@ class RefitWorkerExtension:
 
         initialize_layerwise_reload(self.model_runner.get_model())
 
-    def megatron_ba_load_bucket(self, handle: dict, layout: list) -> int:
+    def megatron_ba_load_bucket(self, handle: dict, manifest: list) -> int:
         """Load one bucket; the number of tensors.
 
         The tensors are copied out of the shared buffer first: a layer whose weights straddle
@@ -40,7 +40,7 @@ class RefitWorkerExtension:
         device = getattr(self, "device", None)
         cuda = isinstance(device, torch.device) and device.type == "cuda"
         buffer = open_bucket(handle, device if cuda else None)
-        tensors = [(name, t.clone()) for name, t in unpack(buffer, layout)]
+        tensors = [(name, t.clone()) for name, t in unpack(buffer, manifest)]
         if cuda:
             torch.cuda.synchronize(device)  # copied out before the trainer reuses the buffer
         with torch.no_grad():

@@ -1,13 +1,13 @@
 """Weight buckets: HF-named tensors packed into one shared buffer and handed to a vLLM engine.
 
     for bucket in iter_buckets(named_tensors, limit_bytes=256 << 20):   # [(name, tensor), ...]
-        layout = shared.write(bucket)          # SharedBucket: one buffer, reused for every bucket
-        engine_rpc(shared.handle, layout)      # the engine opens the handle, unpacks, loads
+        manifest = shared.write(bucket)          # SharedBucket: one buffer, reused for every bucket
+        engine_rpc(shared.handle, manifest)      # the engine opens the handle, unpacks, loads
     shared.close()
 
 The engine runs in a process of its own (vLLM's V1 front end; see vllm_engine.py), and tensors
 passed as RPC arguments do not survive vLLM's msgpack encoding, so the bytes travel through
-memory both processes can map and only a small handle and layout (strings and ints) travel as
+memory both processes can map and only a small handle and manifest (strings and ints) travel as
 arguments:
 - CPU: a POSIX shared-memory segment (a file of /dev/shm, a RAM-backed tmpfs, never a disk),
   mapped with `torch.from_file(shared=True)` on both sides;
@@ -62,11 +62,11 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def layout_bytes(layout: list) -> int:
-    """Bytes a layout occupies in its buffer."""
-    if not layout:
+def manifest_bytes(manifest: list) -> int:
+    """Bytes a manifest occupies in its buffer."""
+    if not manifest:
         return 0
-    _, shape, dtype, offset = layout[-1]
+    _, shape, dtype, offset = manifest[-1]
     numel = 1
     for s in shape:
         numel *= s
@@ -74,8 +74,8 @@ def layout_bytes(layout: list) -> int:
 
 
 def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> list:
-    """Copy the bucket's tensors into the uint8 `buffer`; the layout that `unpack` reads."""
-    layout, offset = [], 0
+    """Copy the bucket's tensors into the uint8 `buffer`; the manifest that `unpack` reads."""
+    manifest, offset = [], 0
     for name, t in bucket:
         n = tensor_bytes(t)
         if offset + n > buffer.numel():
@@ -84,15 +84,15 @@ def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> list:
             )
         src = t.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[offset : offset + n].copy_(src)
-        layout.append((name, list(t.shape), _dtype_name(t.dtype), offset))
+        manifest.append((name, list(t.shape), _dtype_name(t.dtype), offset))
         offset = _aligned(offset + n)
-    return layout
+    return manifest
 
 
-def unpack(buffer: torch.Tensor, layout: list) -> list[tuple[str, torch.Tensor]]:
-    """Views of the uint8 `buffer` as the layout's named tensors (no copy)."""
+def unpack(buffer: torch.Tensor, manifest: list) -> list[tuple[str, torch.Tensor]]:
+    """Views of the uint8 `buffer` as the manifest's named tensors (no copy)."""
     out = []
-    for name, shape, dtype, offset in layout:
+    for name, shape, dtype, offset in manifest:
         dt = getattr(torch, dtype)
         numel = 1
         for s in shape:
@@ -131,14 +131,14 @@ class SharedBucket:
             raise ValueError(f"device: weight buckets support cpu and cuda, got {self.device}")
 
     def write(self, bucket: list[tuple[str, torch.Tensor]]) -> list:
-        """Pack `bucket` into the buffer (growing it if needed); the layout for the engine."""
+        """Pack `bucket` into the buffer (growing it if needed); the manifest for the engine."""
         need = sum(_aligned(tensor_bytes(t)) for _, t in bucket)
         if need > self.capacity:
             self._allocate(_aligned(need))
-        layout = pack(bucket, self.buffer)
+        manifest = pack(bucket, self.buffer)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the engine's process reads it next
-        return layout
+        return manifest
 
     def close(self) -> None:
         """Drop the buffer and remove the shared-memory segment (CPU)."""

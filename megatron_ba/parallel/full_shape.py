@@ -8,7 +8,7 @@
 A full name is megatron-core's parameter name at TP=1 / PP=1: transformer layers are
 `decoder.layers.{i}.{rest}` with i the global layer number, where a pipeline stage's chunk numbers
 its own layers from 0 (`local_to_full_names` renumbers them). Which rows or columns of a full
-tensor a rank holds is the parameter's own TP layout (megatron-core's `tensor_model_parallel`,
+tensor a rank holds is the parameter's own TP sharding (megatron-core's `tensor_model_parallel`,
 `partition_dim`, `partition_stride` attributes; parallel.sharding.tp_shard cuts it). Nothing
 here knows the model's architecture: any megatron-core module tree with `decoder.layers` works.
 The process groups come from megatron-core's parallel_state (imported lazily: callers of the pure
@@ -63,7 +63,7 @@ def local_to_full_names(chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.
     return out
 
 
-def tp_layout(param: torch.nn.Parameter) -> tuple[bool, int, int]:
+def tp_sharding(param: torch.nn.Parameter) -> tuple[bool, int, int]:
     """(sharded over TP, partition dim, partition stride) of a megatron-core parameter."""
     sharded = bool(getattr(param, "tensor_model_parallel", False))
     return (
@@ -91,7 +91,7 @@ def load_full_tensors(
     for name, (param, _) in local_to_full_names(chunks).items():
         source = EMBEDDING if getattr(param, "shared_embedding", False) else name
         src = read(source)
-        sharded, dim, stride = tp_layout(param)
+        sharded, dim, stride = tp_sharding(param)
         piece = tp_shard(src, dim=dim, stride=stride, rank=rank, size=tp) if sharded else src
         if piece.shape != param.shape:
             raise ValueError(
@@ -145,7 +145,7 @@ def gather_full_state_dict(
     local: dict[str, torch.Tensor] = {}
     for name, (param, _) in local_to_full_names(chunks).items():
         t = _local_tensor(param, grads)
-        sharded, dim, stride = tp_layout(param)
+        sharded, dim, stride = tp_sharding(param)
         if sharded:
             t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
         local[name] = t.to(param.dtype).clone()  # a copy: buffers change at the next step
@@ -172,7 +172,7 @@ def iter_full_tensors(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torc
         if name in held:
             param = held[name][0]
             t = param.detach()
-            sharded, dim, stride = tp_layout(param)
+            sharded, dim, stride = tp_sharding(param)
             if sharded:
                 t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
             one[name] = t.clone()
