@@ -206,3 +206,35 @@ def test_the_command_is_execd_with_the_stock_config_and_the_prompt_file(
     assert "[megatron-ba] checked: BalancedPGLossFn rule=balanced scope=group" in (
         capsys.readouterr().out
     )
+
+
+def test_a_benchmark_file_loads_through_nemo_rls_response_dataset(monkeypatch, tmp_path):
+    """The exec'd data.validation entries, filled from data.default as setup_response_data fills
+    them, load a local DIR/NAME.jsonl through NeMo-RL's load_response_dataset: the problem goes
+    into the written template, the answer is the math environment's ground truth."""
+    from nemo_rl.data.datasets.response_datasets import load_response_dataset
+    from nemo_rl.data.datasets.utils import update_single_dataset_config
+
+    from megatron_ba.commands import train
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "aime24.jsonl").write_text('{"problem": "Find x if 2x = {4}.", "answer": "2"}\n')
+    calls = []
+    monkeypatch.setattr(train.os, "execv", lambda *a: calls.append(a))
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    extra = ["eval.benchmarks=aime24", f"eval.data_dir={bench}", "--run-dir", str(tmp_path)]
+    monkeypatch.chdir(ROOT)
+    train.run(parser.parse_args(["recipes/qwen3-1.7b-dapo17k.yaml", *USER, *extra]))
+    ((_, argv),) = calls
+    master = _master(argv[5:])
+    (cfg,) = master.data["validation"]
+    update_single_dataset_config(cfg, master.data["default"])
+    data = load_response_dataset(cfg)
+    (row,) = list(data.dataset)
+    user, assistant = row["messages"]
+    assert data.task_spec.prompt.format(user["content"]) == render_prompt(
+        "Find x if 2x = {4}.", "dapo"
+    )
+    assert assistant["content"] == "2" and cfg["env_name"] == "math"
