@@ -191,9 +191,8 @@ def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
     except ValueError as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
-    command = nemo_rl_recipe.nemo_rl_command(
-        "python", nemo_rl_recipe.stock_config_path(), overrides
-    )
+    config = nemo_rl_recipe.stock_config_path()
+    command = nemo_rl_recipe.nemo_rl_command("python", config, overrides)
     for note in nemo_rl_recipe.translation_notes(recipe):
         print(f"train: note: {note}", file=sys.stderr)
     if args.print_overrides:
@@ -209,17 +208,20 @@ def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    # NeMo-RL's math processor fills the template with `prompt.format(problem)`
-    marker = "\x00"
-    text = render_prompt(marker, recipe.eval.template).replace("{", "{{").replace("}", "}}")
-    path = Path(nemo_rl_recipe.eval_prompt_path(str(run_dir)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.replace(marker, "{}"))
+    _write_eval_prompt(recipe, Path(nemo_rl_recipe.eval_prompt_path(str(run_dir))))
     sys.stdout.flush()
-    config = nemo_rl_recipe.stock_config_path()
     os.execv(
         sys.executable, [sys.executable, *nemo_rl_recipe.ENTRY, "--config", config, *overrides]
     )
+
+
+def _write_eval_prompt(recipe, path: Path) -> None:
+    """eval.template as NeMo-RL's prompt_file: `{}` where its math processor puts the problem
+    (`prompt.format(problem)`), the template's own braces doubled."""
+    marker = "\x00"
+    text = render_prompt(marker, recipe.eval.template).replace("{", "{{").replace("}", "}}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.replace(marker, "{}"))
 
 
 def _accelerator(choice: str) -> str:
