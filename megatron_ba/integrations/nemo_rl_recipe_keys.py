@@ -60,7 +60,7 @@ _OPT, _SCHED = f"{_MC}.optimizer", f"{_MC}.scheduler"
 TRANSLATED: dict[str, str] = {
     "name": "logger.wandb.name",
     "backend": "nemo_rl: this translation",
-    "seed": "grpo.seed (NeMo-RL's data shuffling and split seed)",
+    "seed": "grpo.seed (NeMo-RL's set_seed in setup; data.train.seed follows it)",
     "model.pretrained": "policy.model_name (a Hugging Face folder or id; .nemo refused)",
     "model.precision": "bf16 only (policy.precision=bfloat16); fp32 refused",
     "model.transformer_impl": "auto / transformer_engine (NeMo-RL's megatron builds its own "
