@@ -7,7 +7,7 @@
 `megatron-ba train RECIPE backend=verl --print-overrides` prints the overrides; without the flag
 it prints the command and execs it. The keys are those of verl's own config
 (verl/trainer/config/ppo_megatron_trainer.yaml). What verl cannot honour is refused with the
-recipe key named (`refuse_unsupported`, called when a recipe with `backend: verl` loads): a key of
+recipe key named (`refuse_unsupported`, called by recipe_to_verl_overrides): a key of
 LOCAL_ONLY (verl_recipe_keys.py, with the table of where every other key goes) at a value
 other than its default, and the values `_refuse_values` names (the
 arithmetic task, a hub id for data.path, the builtin rollout engine, ...).
