@@ -180,7 +180,8 @@ def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
     """backend=nemo_rl: the recipe as overrides of NeMo-RL's stock grpo_math_1B_megatron.yaml;
     print them, or write the validation prompt template (RUN_DIR/data/), print the command
     (`python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ... overrides`) and
-    become it (exec'd). Checkpoints go to RUN_DIR/checkpoints: the same command again resumes."""
+    become it (exec'd). The resolved recipe goes to RUN_DIR/recipe.yaml, checkpoints to
+    RUN_DIR/checkpoints: the same command again, or `--resume RUN_DIR`, resumes."""
     import importlib.util
 
     run_dir = run_dir.resolve()  # NeMo-RL's Ray workers need not share this cwd
@@ -209,6 +210,7 @@ def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
         )
         return 2
     _write_eval_prompt(recipe, Path(nemo_rl_recipe.eval_prompt_path(str(run_dir))))
+    recipe.dump(run_dir / "recipe.yaml")  # `--resume RUN_DIR` reads it back
     sys.stdout.flush()
     os.execv(
         sys.executable, [sys.executable, *nemo_rl_recipe.ENTRY, "--config", config, *overrides]

@@ -195,12 +195,15 @@ def test_the_command_is_execd_with_the_stock_config_and_the_prompt_file(
     monkeypatch.chdir(ROOT)
     train.run(args)
     printed = capsys.readouterr().out.strip()
-    ((path, argv),) = calls
+    (path, argv) = calls[0]
     assert path == sys.executable and argv[1:3] == ENTRY
     assert argv[3:5] == ["--config", stock_config_path()]
     assert printed.startswith("python " + " ".join(ENTRY)) and printed.endswith(argv[-1])
     prompt = (tmp_path / "data" / "nemo_rl_eval_prompt.txt").read_text()
     assert prompt.format("What is 1+1?") == render_prompt("What is 1+1?", "dapo")
+    # `--resume RUN_DIR` reads the recipe written there and execs the same command
+    train.run(parser.parse_args(["recipes/qwen3-1.7b-dapo17k.yaml", "--resume", str(tmp_path)]))
+    assert calls[1] == calls[0]
     monkeypatch.setattr(sys, "argv", [argv[0], *argv[3:], "--check"])
     run_grpo_balanced.main()
     assert "[megatron-ba] checked: BalancedPGLossFn rule=balanced scope=group" in (
