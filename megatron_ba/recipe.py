@@ -23,7 +23,7 @@ from megatron_ba.errors import SettingError, UserError
 from megatron_ba.model_shape import PRESETS
 from megatron_ba.rules import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
 
-BACKENDS = ("local", "nemo_aligner", "verl")
+BACKENDS = ("local", "nemo_aligner", "verl", "nemo_rl")
 TASKS = ("arithmetic", "math")
 TOKENIZERS = ("trained-bpe", "hf")
 DATASETS = ("dapo-math-17k", "polaris")

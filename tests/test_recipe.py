@@ -218,7 +218,8 @@ def test_eval_benchmarks_from_the_command_line():
 
 
 def test_only_implemented_backends_load():
-    with pytest.raises(RecipeError, match=r"^backend: must be one of local, nemo_aligner, verl$"):
+    backends = "local, nemo_aligner, verl, nemo_rl"
+    with pytest.raises(RecipeError, match=rf"^backend: must be one of {backends}$"):
         load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["backend=trl"])
 
 

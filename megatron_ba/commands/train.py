@@ -7,6 +7,8 @@
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
     megatron-ba train recipes/qwen3-1.7b-dapo17k.yaml backend=verl data.path=F.parquet \
         eval.data_dir=DIR --print-overrides    # verl's ppo_megatron_trainer overrides
+    megatron-ba train recipes/qwen3-1.7b-dapo17k.yaml backend=nemo_rl grpo.mini_batches=1 \
+        eval.samples=1 eval.benchmarks=aime24,aime25 eval.data_dir=DIR --print-overrides
 
 The run folder (default runs/<recipe name>-<rule>) receives recipe.yaml (resolved), metrics.jsonl,
 summary.json, plots/*.png, checkpoints/ (sharded; `megatron-ba convert STEP_DIR OUT --to hf`
@@ -24,6 +26,8 @@ import os
 import sys
 from pathlib import Path
 
+from megatron_ba.data.templates import render_prompt
+from megatron_ba.integrations import nemo_rl_recipe
 from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
 from megatron_ba.integrations.verl_recipe import (
     ENTRY,
@@ -50,20 +54,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--print-overrides",
         action="store_true",
-        help="backend=nemo_aligner or verl: print the recipe's overrides, launch nothing",
+        help="backend=nemo_aligner, verl or nemo_rl: print the recipe's overrides, launch nothing",
     )
     p.add_argument(
         "--nodes",
         type=int,
         default=1,
-        help="backend=nemo_aligner: trainer.num_nodes; verl: trainer.nnodes",
+        help="backend=nemo_aligner: trainer.num_nodes; verl: trainer.nnodes; nemo_rl: "
+        "cluster.num_nodes",
     )
     p.add_argument(
         "--devices",
         type=int,
         default=None,
-        help="nemo_aligner: trainer.devices (default TP x PP); verl: trainer.n_gpus_per_node "
-        "(default 8)",
+        help="nemo_aligner: trainer.devices (default TP x PP); verl: trainer.n_gpus_per_node, "
+        "nemo_rl: cluster.gpus_per_node (default 8)",
     )
     p.add_argument(
         "--accelerator",
@@ -171,6 +176,56 @@ def _verl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
     os.execve(sys.executable, [sys.executable, *ENTRY, *overrides], {**os.environ, **environment})
 
 
+def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
+    """backend=nemo_rl: the recipe as overrides of NeMo-RL's stock grpo_math_1B_megatron.yaml;
+    print them, or write the validation prompt template (RUN_DIR/data/), print the command
+    (`python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ... overrides`) and
+    become it (exec'd). The resolved recipe goes to RUN_DIR/recipe.yaml, checkpoints to
+    RUN_DIR/checkpoints: the same command again, or `--resume RUN_DIR`, resumes."""
+    import importlib.util
+
+    run_dir = run_dir.resolve()  # NeMo-RL's Ray workers need not share this cwd
+    try:
+        overrides = nemo_rl_recipe.recipe_to_nemo_rl_overrides(
+            recipe, nodes=args.nodes, gpus_per_node=args.devices or 8, run_dir=str(run_dir)
+        )
+    except ValueError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
+    config = nemo_rl_recipe.stock_config_path()
+    command = nemo_rl_recipe.nemo_rl_command("python", config, overrides)
+    for note in nemo_rl_recipe.translation_notes(recipe):
+        print(f"train: note: {note}", file=sys.stderr)
+    if args.print_overrides:
+        print("\n".join(overrides))
+        print(f"train: the command that runs them: {command}", file=sys.stderr)
+        return 0
+    print(command)
+    if importlib.util.find_spec("nemo_rl") is None:
+        print(
+            "train: backend nemo_rl needs NeMo-RL v0.7.0 in this environment (its container on "
+            "GPUs; on CPU `bash scripts/setup_nemorl_env.sh` makes .venv-nemorl); "
+            "--print-overrides shows what would be launched",
+            file=sys.stderr,
+        )
+        return 2
+    _write_eval_prompt(recipe, Path(nemo_rl_recipe.eval_prompt_path(str(run_dir))))
+    recipe.dump(run_dir / "recipe.yaml")  # `--resume RUN_DIR` reads it back
+    sys.stdout.flush()
+    os.execv(
+        sys.executable, [sys.executable, *nemo_rl_recipe.ENTRY, "--config", config, *overrides]
+    )
+
+
+def _write_eval_prompt(recipe, path: Path) -> None:
+    """eval.template as NeMo-RL's prompt_file: `{}` where its math processor puts the problem
+    (`prompt.format(problem)`), the template's own braces doubled."""
+    marker = "\x00"
+    text = render_prompt(marker, recipe.eval.template).replace("{", "{{").replace("}", "}}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.replace(marker, "{}"))
+
+
 def _accelerator(choice: str) -> str:
     """--accelerator auto: a GPU where torch sees one, else the CPU (gloo processes)."""
     if choice != "auto":
@@ -199,8 +254,11 @@ def run(args: argparse.Namespace) -> int:
         return _nemo_aligner(recipe, args, run_dir)
     if recipe.backend == "verl":
         return _verl(recipe, args, run_dir)
+    if recipe.backend == "nemo_rl":
+        return _nemo_rl(recipe, args, run_dir)
     if args.print_overrides:
-        print("train: --print-overrides is for backend=nemo_aligner or verl", file=sys.stderr)
+        print("train: --print-overrides is for backend=nemo_aligner, verl or nemo_rl",
+              file=sys.stderr)  # fmt: skip
         return 2
     # torch: imported on use, so that --help imports none
     from megatron_ba.train import preemption

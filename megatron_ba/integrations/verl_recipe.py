@@ -7,7 +7,7 @@
 `megatron-ba train RECIPE backend=verl --print-overrides` prints the overrides; without the flag
 it prints the command and execs it. The keys are those of verl's own config
 (verl/trainer/config/ppo_megatron_trainer.yaml). What verl cannot honour is refused with the
-recipe key named (`refuse_unsupported`, called when a recipe with `backend: verl` loads): a key of
+recipe key named (`refuse_unsupported`, called by recipe_to_verl_overrides): a key of
 LOCAL_ONLY (verl_recipe_keys.py, with the table of where every other key goes) at a value
 other than its default, and the values `_refuse_values` names (the
 arithmetic task, a hub id for data.path, the builtin rollout engine, ...).
@@ -20,7 +20,7 @@ from __future__ import annotations
 import shlex
 
 from megatron_ba.integrations.hydra_values import hydra_value
-from megatron_ba.integrations.verl_recipe_keys import LOCAL_ONLY
+from megatron_ba.integrations.verl_recipe_keys import LOCAL_ONLY, refuse_local_only
 
 PLAN_RULES = ("balanced", "balanced_mass", "group_token_mean")  # the estimator + loss pairs
 ENTRY = ["-m", "megatron_ba.integrations.verl.main_ppo", "--config-name", "ppo_megatron_trainer"]
@@ -30,26 +30,10 @@ ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 NO_DUAL_CLIP = 1.0e9
 
 
-def _get(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def refuse_unsupported(recipe) -> None:
     """ValueError naming the first recipe key verl cannot honour (see the module's doc)."""
-    from megatron_ba.recipe import Recipe
-
     _refuse_values(recipe)
-    default = Recipe()
-    for key, why in LOCAL_ONLY.items():
-        value = _get(recipe, key)
-        usual = _get(default, key)
-        if value != usual:
-            fix = "leave it out" if usual is None else f"use the default {usual!r}"
-            raise ValueError(
-                f"{key}: not available on the verl backend ({why}); got {value!r}, {fix}"
-            )
+    refuse_local_only(recipe, LOCAL_ONLY, "verl")
 
 
 def _need(cond: bool, key: str, msg: str) -> None:

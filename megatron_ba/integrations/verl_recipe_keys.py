@@ -151,23 +151,45 @@ def schema_keys() -> list[str]:
     return walk(Recipe(), "")
 
 
-def markdown_table() -> str:
-    """docs/integrations.md's table: every recipe key and where it goes in verl, or why not."""
+def refuse_local_only(recipe, local_only: dict[str, str], backend: str) -> None:
+    """ValueError naming the first key of `local_only` that `recipe` sets away from the schema's
+    default, with why `backend` has no counterpart for it."""
     from megatron_ba.recipe import Recipe
 
-    default, rows = Recipe(), ["| recipe key | in verl |", "|---|---|"]
+    default = Recipe()
+    for key, why in local_only.items():
+        value, usual = recipe, default
+        for part in key.split("."):
+            value, usual = getattr(value, part), getattr(usual, part)
+        if value != usual:
+            fix = "leave it out" if usual is None else f"use the default {usual!r}"
+            raise ValueError(
+                f"{key}: not available on the {backend} backend ({why}); got {value!r}, {fix}"
+            )
+
+
+def keys_table(translated: dict, local_only: dict, column: str, display: str) -> str:
+    """A backend's table of every recipe key: where `translated` sends it, `local_only`'s
+    refusal (with the default it is accepted at), or `display` for DISPLAY_ONLY keys."""
+    from megatron_ba.recipe import Recipe
+
+    default, rows = Recipe(), [f"| recipe key | {column} |", "|---|---|"]
     for key in schema_keys():
-        if key in TRANSLATED:
-            where = TRANSLATED[key]
-        elif key in LOCAL_ONLY:
+        if key in translated:
+            where = translated[key]
+        elif key in local_only:
             value = default
             for part in key.split("."):
                 value = getattr(value, part)
             at = "left out" if value is None else f"`{value}`"
-            where = f"refused unless {at}: {LOCAL_ONLY[key]}"
+            where = f"refused unless {at}: {local_only[key]}"
         else:
-            where = (
-                "not passed on: this project's console display (verl logs through `trainer.logger`)"
-            )
+            where = display
         rows.append(f"| `{key}` | " + where.replace("|", "\\|") + " |")
     return "\n".join(rows) + "\n"
+
+
+def markdown_table() -> str:
+    """docs/integrations.md's table: every recipe key and where it goes in verl, or why not."""
+    display = "not passed on: this project's console display (verl logs through `trainer.logger`)"
+    return keys_table(TRANSLATED, LOCAL_ONLY, "in verl", display)
