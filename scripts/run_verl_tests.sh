@@ -19,7 +19,8 @@ VENV=${MEGATRON_BA_VERL_VENV:-.venv-verl}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest \
   tests/test_integration_verl.py tests/test_integration_verl_config.py \
-  tests/test_integration_verl_sessions.py tests/test_backend_verl.py -p no:cacheprovider "$@"
+  tests/test_integration_verl_sessions.py tests/test_backend_verl.py tests/test_verl_reward.py \
+  -p no:cacheprovider "$@"
 
 version=$(sed -n 's/^verl==\([0-9.]*\).*/\1/p' requirements/verl.txt)
 src=${MEGATRON_BA_VERL_SRC:-$HOME/.cache/megatron-ba/verl-$version-src}

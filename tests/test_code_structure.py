@@ -399,6 +399,7 @@ def test_layer_check_sees_a_planted_upward_import(tmp_path):
 ENTRY_POINTS: dict[str, str] = {
     "megatron_ba.integrations.nemo_rl.run_grpo_balanced": "run inside a NeMo-RL checkout",
     "megatron_ba.integrations.verl.main_ppo": "verl's main_ppo with the config checked first",
+    "megatron_ba.integrations.verl.reward": "verl loads it by path (custom_reward_function)",
 }
 LAUNCH_SCRIPTS = ("slurm", "scripts")
 

@@ -18,6 +18,7 @@ This module imports neither verl nor torch: the recipe loader calls it in any en
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from megatron_ba.integrations.hydra_values import hydra_value
 from megatron_ba.integrations.verl_recipe_keys import LOCAL_ONLY, refuse_local_only
@@ -25,6 +26,8 @@ from megatron_ba.integrations.verl_recipe_keys import LOCAL_ONLY, refuse_local_o
 PLAN_RULES = ("balanced", "balanced_mass", "group_token_mean")  # the estimator + loss pairs
 ENTRY = ["-m", "megatron_ba.integrations.verl.main_ppo", "--config-name", "ppo_megatron_trainer"]
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+# verl loads its custom reward function by file path: this project's math reward (verl/reward.py)
+REWARD_FUNCTION = Path(__file__).resolve().parent / "verl" / "reward.py"
 # recipe `loss.dual_clip: null` (no dual clip): verl's losses always apply clip_ratio_c; at this
 # bound -c A never binds (a ratio above 1e9 would be needed)
 NO_DUAL_CLIP = 1.0e9
@@ -182,6 +185,9 @@ def _data_pairs(recipe) -> list[tuple[str, object]]:
         ("data.train_batch_size", g.prompts_per_step),
         ("data.seed", recipe.seed),
         ("reward.num_workers", recipe.reward.workers),
+        ("reward.custom_reward_function.path", str(REWARD_FUNCTION)),
+        ("reward.custom_reward_function.name", "compute_score"),
+        ("+reward.custom_reward_function.reward_kwargs.timeout_s", recipe.reward.timeout_s),
     ]
     if d.train_prompts is not None:
         pairs.append(("data.train_max_samples", d.train_prompts))

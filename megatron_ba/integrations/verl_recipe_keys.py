@@ -27,7 +27,6 @@ LOCAL_ONLY: dict[str, str] = {
     "data.on_conflict": "how this project's loader reads the release (verl reads every row)",
     "data.eval_prompts": "prompts held out of data.path; verl validates on eval.benchmarks files",
     **{f"data.{k}": _ARITHMETIC for k in ("min_terms", "max_terms", "sloppy_restates", "seed")},
-    "reward.timeout_s": "this project's math-verify workers' limit (verl scores with its own)",
     **{f"warmstart.{k}": _WARMSTART for k in (
         "steps", "batch_size", "lr", "correct_fraction", "seed")},
     "grpo.drop_zero_variance": "verl's GRPO has no such option",
@@ -72,6 +71,8 @@ TRANSLATED: dict[str, str] = {
     "then the long prompts dropped)",
     "data.max_prompt_tokens": "data.max_prompt_length, data.filter_overlong_prompts=true",
     "reward.workers": "reward.num_workers",
+    "reward.timeout_s": "the timeout_s of reward.custom_reward_function's reward_kwargs (verl "
+    "scores with this project's math reward: compute_score in integrations/verl/)",
     "warmstart.enabled": "false (required with model.pretrained)",
     "grpo.steps": "trainer.total_training_steps",
     "grpo.prompts_per_step": "data.train_batch_size",
