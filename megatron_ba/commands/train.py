@@ -143,8 +143,6 @@ def _verl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
     """backend=verl: the recipe as verl's ppo_megatron_trainer overrides; print them, or print the
     command (`python -m megatron_ba.integrations.verl.main_ppo --config-name ppo_megatron_trainer
     ...`) and become it (exec'd, with the MEGATRON_BA_* settings the recipe needs)."""
-    import importlib.util
-
     try:
         overrides = recipe_to_verl_overrides(
             recipe,
@@ -156,24 +154,16 @@ def _verl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
         print(f"train: {e}", file=sys.stderr)
         return 2
     environment = verl_environment(recipe)
-    command = verl_command("python", overrides, environment)
-    for note in translation_notes(recipe):
-        print(f"train: note: {note}", file=sys.stderr)
-    if args.print_overrides:
-        print("\n".join(overrides))
-        print(f"train: the command that runs them: {command}", file=sys.stderr)
-        return 0
-    print(command)
-    if importlib.util.find_spec("verl") is None:
-        print(
-            "train: backend verl needs verl 0.9.1 in this environment, with megatron-core and "
-            "vLLM on GPU nodes (`pip install verl==0.9.1`, verl's docs for its GPU stack); "
-            "--print-overrides shows what would be launched",
-            file=sys.stderr,
-        )
-        return 2
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *ENTRY, *overrides], {**os.environ, **environment})
+    launch = _EngineLaunch(
+        "verl",
+        verl_command("python", overrides, environment),
+        [sys.executable, *ENTRY, *overrides],
+        "verl 0.9.1 in this environment, with megatron-core and vLLM on GPU nodes (`pip install "
+        "verl==0.9.1`, verl's docs for its GPU stack)",
+    )
+    if (status := launch.print_or_check(overrides, translation_notes(recipe), args)) is not None:
+        return status
+    launch.exec({**os.environ, **environment})
 
 
 def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
@@ -182,8 +172,6 @@ def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
     (`python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ... overrides`) and
     become it (exec'd). The resolved recipe goes to RUN_DIR/recipe.yaml, checkpoints to
     RUN_DIR/checkpoints: the same command again, or `--resume RUN_DIR`, resumes."""
-    import importlib.util
-
     run_dir = run_dir.resolve()  # NeMo-RL's Ray workers need not share this cwd
     try:
         overrides = nemo_rl_recipe.recipe_to_nemo_rl_overrides(
@@ -193,28 +181,56 @@ def _nemo_rl(recipe, args: argparse.Namespace, run_dir: Path) -> int:
         print(f"train: {e}", file=sys.stderr)
         return 2
     config = nemo_rl_recipe.stock_config_path()
-    command = nemo_rl_recipe.nemo_rl_command("python", config, overrides)
-    for note in nemo_rl_recipe.translation_notes(recipe):
-        print(f"train: note: {note}", file=sys.stderr)
-    if args.print_overrides:
-        print("\n".join(overrides))
-        print(f"train: the command that runs them: {command}", file=sys.stderr)
-        return 0
-    print(command)
-    if importlib.util.find_spec("nemo_rl") is None:
-        print(
-            "train: backend nemo_rl needs NeMo-RL v0.7.0 in this environment (its container on "
-            "GPUs; on CPU `bash scripts/setup_nemorl_env.sh` makes .venv-nemorl); "
-            "--print-overrides shows what would be launched",
-            file=sys.stderr,
-        )
-        return 2
+    launch = _EngineLaunch(
+        "nemo_rl",
+        nemo_rl_recipe.nemo_rl_command("python", config, overrides),
+        [sys.executable, *nemo_rl_recipe.ENTRY, "--config", config, *overrides],
+        "NeMo-RL v0.7.0 in this environment (its container on GPUs; on CPU `bash "
+        "scripts/setup_nemorl_env.sh` makes .venv-nemorl)",
+    )
+    notes = nemo_rl_recipe.translation_notes(recipe)
+    if (status := launch.print_or_check(overrides, notes, args)) is not None:
+        return status
     _write_eval_prompt(recipe, Path(nemo_rl_recipe.eval_prompt_path(str(run_dir))))
     recipe.dump(run_dir / "recipe.yaml")  # `--resume RUN_DIR` reads it back
-    sys.stdout.flush()
-    os.execv(
-        sys.executable, [sys.executable, *nemo_rl_recipe.ENTRY, "--config", config, *overrides]
-    )
+    launch.exec()
+
+
+class _EngineLaunch:
+    """How `train` hands a recipe to an engine (verl, NeMo-RL): print the translation's notes,
+    then the overrides (--print-overrides) or the command; refuse where the engine's package is
+    missing; else become the command."""
+
+    def __init__(self, module: str, command: str, argv: list[str], needs: str) -> None:
+        self.module, self.command, self.argv, self.needs = module, command, argv, needs
+
+    def print_or_check(self, overrides: list[str], notes: list[str], args) -> int | None:
+        """An exit status when nothing is launched (printed, or the engine missing); else None."""
+        import importlib.util
+
+        for note in notes:
+            print(f"train: note: {note}", file=sys.stderr)
+        if args.print_overrides:
+            print("\n".join(overrides))
+            print(f"train: the command that runs them: {self.command}", file=sys.stderr)
+            return 0
+        print(self.command)
+        if importlib.util.find_spec(self.module) is None:
+            print(
+                f"train: backend {self.module} needs {self.needs}; --print-overrides shows what "
+                "would be launched",
+                file=sys.stderr,
+            )
+            return 2
+        return None
+
+    def exec(self, environment: dict[str, str] | None = None) -> None:
+        """Become the command (with `environment` in place of this process's, if given)."""
+        sys.stdout.flush()
+        if environment is None:
+            os.execv(sys.executable, self.argv)
+        else:
+            os.execve(sys.executable, self.argv, environment)
 
 
 def _write_eval_prompt(recipe, path: Path) -> None:
