@@ -57,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="backend=nemo_aligner, verl or nemo_rl: print the recipe's overrides, launch nothing",
     )
     p.add_argument(
+        "--print-command",
+        action="store_true",
+        help="backend=verl or nemo_rl: print the entry command the run becomes (one line, shell "
+        "words), launch nothing; a recipe the backend cannot honour is refused (exit 2)",
+    )
+    p.add_argument(
         "--nodes",
         type=int,
         default=1,
@@ -210,6 +216,9 @@ class _EngineLaunch:
 
         for note in notes:
             print(f"train: note: {note}", file=sys.stderr)
+        if args.print_command:
+            print(self.command)
+            return 0
         if args.print_overrides:
             print("\n".join(overrides))
             print(f"train: the command that runs them: {self.command}", file=sys.stderr)
@@ -265,6 +274,10 @@ def run(args: argparse.Namespace) -> int:
             run_dir = Path(args.run_dir or f"runs/{recipe.name}-{recipe.loss.rule}")
     except RecipeError as e:
         print(f"train: {e}", file=sys.stderr)
+        return 2
+    if args.print_command and recipe.backend not in ("verl", "nemo_rl"):
+        print(f"train: --print-command is for backend=verl or nemo_rl, not {recipe.backend}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if recipe.backend == "nemo_aligner":
         return _nemo_aligner(recipe, args, run_dir)
