@@ -4,12 +4,16 @@
 #   sbatch [sbatch options] slurm/grpo_balanced.sh RECIPE [key=value ...]
 #   sbatch --nodes=4 --gpus-per-node=8 --time=24:00:00 slurm/grpo_balanced.sh recipes/X.yaml
 #   sbatch --ntasks-per-node=8 --gpus-per-node=8 slurm/grpo_balanced.sh RECIPE backend=nemo_aligner
+#   sbatch --nodes=4 --gpus-per-node=8 slurm/grpo_balanced.sh RECIPE backend=verl      # or nemo_rl
 #   DRY_RUN=1 SLURM_JOB_NODELIST='gpu[01-04]' GPUS_PER_NODE=8 bash slurm/grpo_balanced.sh RECIPE
 #
 # `backend: local`: one torchrun --nnodes N per node (srun). `backend: nemo_aligner`: one srun
 # task per process (hence --ntasks-per-node), each `megatron-ba train` writing the recipe's
-# prompts and running NeMo-Aligner's entry with the recipe as overrides. Rendezvous on the first
-# node of SLURM_JOB_NODELIST. Preemption / time limit: Slurm sends SIGUSR1 to this shell 300 s
+# prompts and running NeMo-Aligner's entry with the recipe as overrides. `backend: verl` /
+# `nemo_rl`: a Ray cluster over the allocation (head on the first node, a worker on each other
+# node), then `megatron-ba train` on the head, which becomes verl's / NeMo-RL's entry point; on
+# preemption the engine is ended and resumes from its own latest checkpoint after the requeue.
+# Rendezvous on the first node of SLURM_JOB_NODELIST. Preemption / time limit: Slurm sends SIGUSR1 to this shell 300 s
 # before the end (--signal below), training checkpoints at the next step boundary, and this job
 # requeues itself; the requeued job resumes from that checkpoint. --dependency=singleton keeps one
 # job per job name, which this script sets to the run folder's name.
@@ -57,7 +61,11 @@ if [[ ${SLURM_JOB_NAME:-} != "$MBA_JOB_NAME" ]]; then
 fi
 mba_say "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${MBA_HOSTS[*]}; resume=$MBA_RESUME"
 mba_run
-if ((MBA_PREEMPTED)); then
+if ((MBA_PREEMPTED)) && mba_is_ray; then
+    mba_say "preempted: $RECIPE_BACKEND ended; requeueing job $SLURM_JOB_ID (it resumes from its latest checkpoint in $MBA_RUN_DIR/checkpoints)"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+elif ((MBA_PREEMPTED)); then
     mba_say "preempted: checkpoint saved in $MBA_RUN_DIR; requeueing job $SLURM_JOB_ID"
     scontrol requeue "$SLURM_JOB_ID"
     exit 0

@@ -216,6 +216,10 @@ mba_plan() {
     MBA_RESUME=0
     if [[ $RECIPE_BACKEND == nemo_aligner ]]; then # NeMo finds its own last checkpoint there
         if compgen -G "$MBA_RUN_DIR/checkpoints/*-last" >/dev/null; then MBA_RESUME=1; fi
+    elif [[ $RECIPE_BACKEND == verl ]]; then # trainer.resume_mode=auto reads this file
+        if [[ -f $MBA_RUN_DIR/checkpoints/latest_checkpointed_iteration.txt ]]; then MBA_RESUME=1; fi
+    elif [[ $RECIPE_BACKEND == nemo_rl ]]; then # NeMo-RL resumes from its newest step_N
+        if compgen -G "$MBA_RUN_DIR/checkpoints/step_*" >/dev/null; then MBA_RESUME=1; fi
     elif [[ -f $MBA_RUN_DIR/checkpoints/latest ]]; then
         MBA_RESUME=1
     fi
@@ -274,6 +278,11 @@ mba_plan() {
         MBA_TASKS_PER_NODE=$MBA_GPUS
         MBA_TASK_LOG=rank-%t.log # one task per rank: Slurm's task id is the global rank
         ;;
+    verl | nemo_rl)
+        mba_plan_ray "$mode"
+        launcher=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.cli "${MBA_RAY_TRAIN[@]}")
+        MBA_TASKS_PER_NODE=1 # the entry on the head node: Ray starts the processes on each node
+        ;;
     *) mba_die "backend $RECIPE_BACKEND: no launcher for it" ;;
     esac
 
@@ -282,22 +291,31 @@ mba_plan() {
         ((MBA_TASKS_PER_NODE > SLURM_NTASKS_PER_NODE)); then
         mba_die "backend $RECIPE_BACKEND runs $MBA_TASKS_PER_NODE tasks per node (one per process: Lightning takes its ranks from Slurm's tasks) and this job has $SLURM_NTASKS_PER_NODE: submit with sbatch --ntasks-per-node=$MBA_TASKS_PER_NODE; nothing launched"
     fi
-    if [[ $mode == batch ]]; then
-        local -a srun=(srun --nodes="$MBA_NODES" --ntasks-per-node="$MBA_TASKS_PER_NODE"
-            --kill-on-bad-exit=1 --output="$MBA_LOG_DIR/$MBA_TASK_LOG")
-        if [[ -n ${CONTAINER:-} ]]; then
-            # pyxis/enroot: the image, the checkout and data mounts, the submit folder as cwd.
-            srun+=(--container-image="$CONTAINER" --container-workdir="$PWD")
-            [[ -n ${MOUNTS:-} ]] && srun+=(--container-mounts="$MOUNTS")
-        fi
-        if [[ -n ${SRUN_ARGS:-} ]]; then
-            local -a extra
-            read -r -a extra <<<"$SRUN_ARGS" # e.g. SRUN_ARGS='--mpi=pmix --cpu-bind=none'
-            srun+=("${extra[@]}")
-        fi
-        MBA_CMD=("${srun[@]}" "${launcher[@]}")
+    if [[ $mode == batch ]] && mba_is_ray; then # the entry, on the head node, beside Ray's steps
+        mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}" \
+            --output="$MBA_LOG_DIR/entry.log"
+        MBA_CMD=("${MBA_SRUN[@]}" "${launcher[@]}")
+    elif [[ $mode == batch ]]; then
+        mba_srun --nodes="$MBA_NODES" --ntasks-per-node="$MBA_TASKS_PER_NODE" \
+            --kill-on-bad-exit=1 --output="$MBA_LOG_DIR/$MBA_TASK_LOG"
+        MBA_CMD=("${MBA_SRUN[@]}" "${launcher[@]}")
     else
         MBA_CMD=("${launcher[@]}")
+    fi
+}
+
+# MBA_SRUN: `srun OPTIONS...` with the container (CONTAINER, MOUNTS) and SRUN_ARGS options.
+mba_srun() {
+    MBA_SRUN=(srun "$@")
+    if [[ -n ${CONTAINER:-} ]]; then
+        # pyxis/enroot: the image, the checkout and data mounts, the submit folder as cwd.
+        MBA_SRUN+=(--container-image="$CONTAINER" --container-workdir="$PWD")
+        [[ -n ${MOUNTS:-} ]] && MBA_SRUN+=(--container-mounts="$MOUNTS")
+    fi
+    if [[ -n ${SRUN_ARGS:-} ]]; then
+        local -a extra
+        read -r -a extra <<<"$SRUN_ARGS" # e.g. SRUN_ARGS='--mpi=pmix --cpu-bind=none'
+        MBA_SRUN+=("${extra[@]}")
     fi
 }
 
@@ -315,6 +333,10 @@ mba_describe() {
         echo "# NeMo-Aligner overrides (train_grpo, after the recipe's prompts are written):"
         printf '#   %s\n' "${MBA_NEMO_OVERRIDES[@]}"
     fi
+    if mba_is_ray; then
+        mba_describe_ray
+        return
+    fi
     local name
     for name in "${MBA_ENV_NAMES[@]}"; do
         printf 'export %s=%q\n' "$name" "${!name}"
@@ -325,6 +347,10 @@ mba_describe() {
 
 # The NeMo-Aligner backend is launched only where NeMo-Aligner itself imports.
 mba_check_backend() {
+    if mba_is_ray; then
+        mba_check_ray_backend
+        return
+    fi
     [[ $RECIPE_BACKEND == nemo_aligner ]] || return 0
     [[ ${NEMO_ALIGNER_CHECK:-1} == 0 ]] && return 0
     if ! "${MBA_PYTHON[@]}" -c 'import nemo_aligner' 2>/dev/null; then
@@ -339,6 +365,10 @@ mba_run() {
     mv "$MBA_RESOLVED" "$MBA_LOG_DIR/recipe.yaml" # the resolved recipe this job was launched with
     mba_describe >"$MBA_LOG_DIR/launch.sh"
     rm -f "$MBA_RUN_DIR/PREEMPT" "$MBA_RUN_DIR/preempted.json"
+    if mba_is_ray; then
+        mba_run_ray
+        return
+    fi
     MBA_SIGNALS=0
     trap 'MBA_SIGNALS=$((MBA_SIGNALS + 1)); mba_say "SIGUSR1: asking training to checkpoint at the next step and stop"; touch "$MBA_RUN_DIR/PREEMPT"' USR1
     if ((${MBA_EARLY_USR1:-0})); then # asked before the launch (grpo_balanced.sh's first trap)
@@ -347,20 +377,212 @@ mba_run() {
     fi
     mba_say "launching: $(printf '%q ' "${MBA_CMD[@]}")"
     "${MBA_CMD[@]}" &
-    local pid=$! seen
-    while true; do
-        seen=$MBA_SIGNALS
-        MBA_RC=0
-        wait "$pid" || MBA_RC=$? # (set -e: a failed run is a status to act on, not an exit)
-        # A trapped signal interrupts wait (status > 128) while the command still runs: wait
-        # again (bash keeps the status of a child that ended meanwhile).
-        ((MBA_SIGNALS != seen)) && continue
-        break
-    done
+    mba_wait_for $!
     trap - USR1
     MBA_PREEMPTED=0
     # torchrun reports any worker's exit as 1, so the marker file is the sure sign.
     if [[ -f $MBA_RUN_DIR/preempted.json ]] || ((MBA_RC == 75)); then
         MBA_PREEMPTED=1
     fi
+}
+
+# Wait for PID; its exit status in MBA_RC. A trapped signal (USR1, counted in MBA_SIGNALS)
+# interrupts wait (status > 128) while the command still runs: wait again (bash keeps the status
+# of a child that ended meanwhile).
+mba_wait_for() {
+    local seen
+    while true; do
+        seen=$MBA_SIGNALS
+        MBA_RC=0
+        wait "$1" || MBA_RC=$? # (set -e: a failed run is a status to act on, not an exit)
+        ((MBA_SIGNALS != seen)) && continue
+        break
+    done
+}
+
+# -- backends verl and nemo_rl: a Ray cluster over the allocation --------------------------------
+# As NeMo-RL's ray.sub and verl's Slurm guide do: `ray start --head --block` on the first node,
+# `ray start --address=HEAD:PORT --block` on each other node (one srun each, in the background),
+# a wait until every node has joined (megatron_ba.planning.ray_cluster), then the entry on the
+# head (`megatron-ba train ... --run-dir RUN_DIR`, which becomes verl's or NeMo-RL's entry point
+# and finds the cluster through RAY_ADDRESS), and `ray stop` on every node at the end (trap).
+
+mba_is_ray() { [[ $RECIPE_BACKEND == verl || $RECIPE_BACKEND == nemo_rl ]]; }
+
+# mba_plan_ray MODE: the translated entry (MBA_RAY_ENTRY, refused recipes stop here), the train
+# arguments run on the head (MBA_RAY_TRAIN), the ray executable (MBA_RAY) and the settings.
+mba_plan_ray() {
+    [[ $1 == batch ]] || mba_die "backend $RECIPE_BACKEND runs on a Ray cluster that slurm/grpo_balanced.sh forms over a Slurm allocation: submit it with sbatch (DRY_RUN=1 to preview); on one node without Slurm: megatron-ba train RECIPE backend=$RECIPE_BACKEND"
+    MBA_RAY_TRAIN=(train "$MBA_RECIPE" "${MBA_OVERRIDES[@]}" --run-dir "$MBA_RUN_DIR"
+        --nodes "$MBA_NODES" --devices "$MBA_GPUS")
+    [[ -n ${CACHE_DIR:-} ]] && MBA_RAY_TRAIN+=(--cache-dir "$CACHE_DIR")
+    local why
+    why=$(mktemp "${TMPDIR:-/tmp}/megatron-ba-translate.XXXXXX")
+    MBA_RAY_ENTRY=$("${MBA_PYTHON[@]}" -m megatron_ba.cli "${MBA_RAY_TRAIN[@]}" --print-command \
+        2>"$why") || {
+        cat "$why" >&2
+        rm -f "$why" "$MBA_RESOLVED"
+        mba_die "backend $RECIPE_BACKEND: the recipe does not translate (above); nothing launched"
+    }
+    rm -f "$why"
+    # A requeued job runs the same command: the engine must resume from its own checkpoints.
+    local key word
+    case $RECIPE_BACKEND in
+    verl) key=trainer.resume_mode=auto ;;             # verl: the newest checkpoint, if any
+    nemo_rl) key=checkpointing.checkpoint_dir= ;;     # NeMo-RL: its newest step_N there
+    esac
+    local -a words
+    eval "words=($MBA_RAY_ENTRY)" # shell words printed by shlex.join
+    MBA_RAY_RESUME=
+    for word in "${words[@]}"; do
+        [[ $word == "$key"* ]] && MBA_RAY_RESUME=$word
+    done
+    [[ -n $MBA_RAY_RESUME ]] ||
+        mba_die "backend $RECIPE_BACKEND: the translated command lacks $key, so a requeued job would not resume from its checkpoints; nothing launched"
+    if [[ -n ${CONTAINER:-} ]]; then
+        read -r -a MBA_RAY <<<"${RAY:-ray}"
+    elif [[ -n ${RAY:-} ]]; then
+        read -r -a MBA_RAY <<<"$RAY"
+    else
+        local beside
+        beside=$(dirname "$(command -v "${MBA_PYTHON[0]}" || echo .)")/ray
+        if ((${#MBA_PYTHON[@]} == 1)) && [[ -x $beside ]]; then MBA_RAY=("$beside"); else MBA_RAY=(ray); fi
+    fi
+    MBA_RAY_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
+    [[ $MBA_RAY_TIMEOUT =~ ^[1-9][0-9]*$ ]] ||
+        mba_die "RAY_WAIT_TIMEOUT=$MBA_RAY_TIMEOUT: expected a whole number of seconds > 0"
+    export RAY_ADDRESS=$MBA_HEAD:$MBA_PORT # how verl's and NeMo-RL's ray.init find the cluster
+    MBA_ENV_NAMES+=(RAY_ADDRESS)
+}
+
+# The Ray steps (each sets MBA_SRUN to the whole command). --overlap: the steps share the nodes
+# (the head's and workers' `ray start --block` hold them for the whole job).
+mba_ray_head_cmd() {
+    mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}" --output="$MBA_LOG_DIR/ray-head.log"
+    MBA_SRUN+=("${MBA_RAY[@]}" start --head --port="$MBA_PORT" --num-gpus="$MBA_GPUS"
+        --disable-usage-stats --block)
+}
+mba_ray_worker_cmd() { # HOST
+    mba_srun --overlap --nodes=1 --ntasks=1 -w "$1" --output="$MBA_LOG_DIR/ray-worker-$1.log"
+    MBA_SRUN+=("${MBA_RAY[@]}" start --address="$MBA_HEAD:$MBA_PORT" --num-gpus="$MBA_GPUS"
+        --disable-usage-stats --block)
+}
+mba_ray_wait_cmd() { # NODES: wait, on the head, until that many nodes have joined
+    mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}"
+    MBA_SRUN+=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.planning.ray_cluster wait
+        --address="$MBA_HEAD:$MBA_PORT" --nodes="$1" --hosts="${MBA_HOSTS[*]:0:$1}"
+        --timeout="$MBA_RAY_TIMEOUT")
+}
+mba_ray_stop_cmd() { # every node: ray stop (what the head's and workers' steps started)
+    mba_srun --overlap --nodes="$MBA_NODES" --ntasks-per-node=1
+    MBA_SRUN+=("${MBA_RAY[@]}" stop --force)
+}
+
+# The Ray part of DRY_RUN and launch.sh: every command, in the order mba_ray_up runs them.
+mba_describe_ray() {
+    echo "# Ray cluster: head on ${MBA_HOSTS[0]}, a worker on each of the $((MBA_NODES - 1)) other node(s), the entry on the head"
+    echo "# $RECIPE_BACKEND entry (what the last srun's train command becomes; a requeued job resumes: $MBA_RAY_RESUME):"
+    echo "#   $MBA_RAY_ENTRY"
+    local name host
+    for name in "${MBA_ENV_NAMES[@]}"; do
+        printf 'export %s=%q\n' "$name" "${!name}"
+    done
+    mba_ray_head_cmd
+    printf '%q ' "${MBA_SRUN[@]}" && echo '&'
+    mba_ray_wait_cmd 1
+    printf '%q ' "${MBA_SRUN[@]}" && echo
+    for host in "${MBA_HOSTS[@]:1}"; do
+        mba_ray_worker_cmd "$host"
+        printf '%q ' "${MBA_SRUN[@]}" && echo '&'
+    done
+    if ((MBA_NODES > 1)); then
+        mba_ray_wait_cmd "$MBA_NODES"
+        printf '%q ' "${MBA_SRUN[@]}" && echo
+    fi
+    printf '%q ' "${MBA_CMD[@]}" && echo
+    mba_ray_stop_cmd
+    printf '%q ' "${MBA_SRUN[@]}" && echo '# at exit (trap)'
+}
+
+# verl or NeMo-RL (and Ray) must import where the job runs: checked here unless a container runs
+# it (CONTAINER: the image has them, this shell's Python need not) or BACKEND_CHECK=0.
+mba_check_ray_backend() {
+    [[ -n ${CONTAINER:-} || ${BACKEND_CHECK:-1} == 0 ]] && return 0
+    local module=verl
+    [[ $RECIPE_BACKEND == nemo_rl ]] && module=nemo_rl
+    if ! "${MBA_PYTHON[@]}" -c "import ray, $module" 2>/dev/null; then
+        mba_die "backend $RECIPE_BACKEND: ray and $module do not import under ${MBA_PYTHON[*]} ($MBA_PYTHON_FROM); nothing launched. PYTHON=/path/to/env/bin/python for an environment that has them, or CONTAINER=IMAGE; DRY_RUN=1 shows the commands; BACKEND_CHECK=0 skips this check"
+    fi
+}
+
+# Start Ray (head, wait, workers, wait) with the stop as an EXIT trap, run the entry on the head,
+# stop Ray. MBA_RC: the entry's exit status; MBA_PREEMPTED=1 after SIGUSR1 (the entry is ended
+# and the job requeues; the engine resumes from its own latest checkpoint) or exit status 75.
+mba_run_ray() {
+    MBA_RAY_PIDS=()
+    MBA_RAY_STEPS=()
+    trap mba_ray_stop EXIT
+    mba_ray_up
+    MBA_RC=0
+    MBA_PREEMPTED=0
+    if ((${MBA_EARLY_USR1:-0})); then # Slurm's warning came while Ray was starting
+        mba_say "SIGUSR1 before the launch: not starting $RECIPE_BACKEND; the job requeues"
+        MBA_PREEMPTED=1
+        mba_ray_stop
+        return
+    fi
+    MBA_SIGNALS=0
+    trap 'MBA_SIGNALS=$((MBA_SIGNALS + 1)); mba_say "SIGUSR1: ending $RECIPE_BACKEND; the requeued job resumes from its latest checkpoint ($MBA_RAY_RESUME)"; kill -TERM "$MBA_ENTRY_PID" 2>/dev/null || true' USR1
+    mba_say "launching on ${MBA_HOSTS[0]}: $(printf '%q ' "${MBA_CMD[@]}")"
+    "${MBA_CMD[@]}" &
+    MBA_ENTRY_PID=$!
+    mba_wait_for "$MBA_ENTRY_PID"
+    trap - USR1
+    if ((MBA_SIGNALS > 0 || MBA_RC == 75)); then MBA_PREEMPTED=1; fi
+    mba_ray_stop
+}
+
+# The head, then (once it answers) a worker on each other node, then the wait for all of them;
+# a cluster that does not form stops the job (exit 2) naming the steps that ended.
+mba_ray_up() {
+    MBA_RAY_STARTED=1
+    mba_ray_head_cmd
+    mba_say "Ray head on ${MBA_HOSTS[0]} ($MBA_HEAD:$MBA_PORT), log $MBA_LOG_DIR/ray-head.log"
+    "${MBA_SRUN[@]}" &
+    MBA_RAY_PIDS+=($!)
+    MBA_RAY_STEPS+=("the head on ${MBA_HOSTS[0]}")
+    mba_ray_wait 1
+    local host
+    for host in "${MBA_HOSTS[@]:1}"; do
+        mba_ray_worker_cmd "$host"
+        "${MBA_SRUN[@]}" &
+        MBA_RAY_PIDS+=($!)
+        MBA_RAY_STEPS+=("the worker on $host")
+    done
+    ((MBA_NODES == 1)) || mba_ray_wait "$MBA_NODES"
+    mba_say "Ray cluster formed: ${MBA_NODES} node(s)"
+}
+
+mba_ray_wait() { # NODES
+    mba_ray_wait_cmd "$1"
+    "${MBA_SRUN[@]}" && return 0
+    local i ended=()
+    for i in "${!MBA_RAY_PIDS[@]}"; do
+        kill -0 "${MBA_RAY_PIDS[$i]}" 2>/dev/null || ended+=("${MBA_RAY_STEPS[$i]}")
+    done
+    mba_die "the Ray cluster did not form (above)${ended[*]:+; ended: ${ended[*]}}; logs: $MBA_LOG_DIR/ray-*.log; $RECIPE_BACKEND not launched"
+}
+
+# ray stop on every node, then end the head's and workers' steps. Once only (EXIT trap too).
+mba_ray_stop() {
+    ((${MBA_RAY_STARTED:-0})) || return 0
+    MBA_RAY_STARTED=0
+    mba_ray_stop_cmd
+    mba_say "stopping Ray on ${MBA_HOSTS[*]}"
+    timeout 120 "${MBA_SRUN[@]}" >/dev/null 2>&1 || mba_say "ray stop: exit status $? (ending its steps)"
+    local pid
+    for pid in "${MBA_RAY_PIDS[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+    done
+    wait "${MBA_RAY_PIDS[@]}" 2>/dev/null || true
 }

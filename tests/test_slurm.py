@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -157,6 +158,130 @@ def test_nemo_aligner_needs_an_allocation_with_a_task_per_process(tmp_path):
     assert _dry(BATCH, *args, cwd=tmp_path, SLURM_NTASKS_PER_NODE=8, **env).returncode == 0
     # the local backend: one torchrun agent per node, whatever the job holds
     assert _dry(BATCH, str(TP2), cwd=tmp_path, SLURM_NTASKS_PER_NODE=1, **env).returncode == 0
+
+
+# backends verl and nemo_rl: a Ray cluster over the allocation, the entry on its head
+QWEN = ROOT / "recipes/qwen3-1.7b-dapo17k.yaml"
+RAY_ARGS = {  # what each translation needs besides the recipe (the benchmark files' folder...)
+    "verl": ["backend=verl", "data.path=F.parquet", "eval.data_dir=DIR"],
+    "nemo_rl": ["backend=nemo_rl", "grpo.mini_batches=1", "eval.samples=1",
+                "eval.benchmarks=aime24,aime25", "eval.data_dir=DIR"],
+}  # fmt: skip
+RAY_RESUME = {"verl": "trainer.resume_mode=auto", "nemo_rl": "checkpointing.checkpoint_dir="}
+
+
+def _ray_steps(out: str) -> dict[str, list[str]]:
+    """DRY_RUN's srun lines by kind, in the order printed (the order they run)."""
+    kinds = {"head": " start --head ", "worker": " start --address=", "stop": " stop --force",
+             "wait": "megatron_ba.planning.ray_cluster wait",
+             "entry": " -m megatron_ba.cli train "}  # fmt: skip
+    steps = {k: [] for k in [*kinds, "order"]}
+    for line in map(str.rstrip, out.splitlines()):
+        if line.startswith("srun "):
+            kind = next(k for k, mark in kinds.items() if mark in line)
+            steps[kind].append(line)
+            steps["order"].append(kind)
+    return steps
+
+
+@pytest.mark.parametrize("nodes", [1, 4, 16])
+@pytest.mark.parametrize("backend", ["verl", "nemo_rl"])
+def test_dry_run_forms_a_ray_cluster(tmp_path, nodes, backend):
+    nodelist = "gpu01" if nodes == 1 else f"gpu[01-{nodes:02d}]"
+    p = _dry(BATCH, str(QWEN), *RAY_ARGS[backend], cwd=tmp_path, SLURM_JOB_NODELIST=nodelist,
+             SLURM_JOB_ID=77, GPUS_PER_NODE=8,
+             CONTAINER="nvcr.io/nvidia/nemo-rl:v0.7.0")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    out, steps = p.stdout, _ray_steps(p.stdout)
+    hosts = [f"gpu{i:02d}" for i in range(1, nodes + 1)]
+    assert f"# backend {backend}, {nodes} node(s) x 8 process(es)" in out
+    assert "export RAY_ADDRESS=gpu01:20077" in out  # how the engine's ray.init finds the cluster
+    waits = ["wait"] if nodes == 1 else ["wait", *["worker"] * (nodes - 1), "wait"]
+    assert steps["order"] == ["head", *waits, "entry", "stop"]
+    (head,) = steps["head"]
+    assert " -w gpu01 " in head and head.endswith(
+        " ray start --head --port=20077 --num-gpus=8 --disable-usage-stats --block &"
+    )
+    assert [w.split(" -w ")[1].split()[0] for w in steps["worker"]] == hosts[1:]
+    logs = "runs/qwen3-1.7b-dapo17k-balanced/logs/job-77-restart-0"
+    assert f"--output={logs}/ray-head.log " in head
+    for worker, host in zip(steps["worker"], hosts[1:], strict=True):
+        assert f"--output={logs}/ray-worker-{host}.log " in worker
+        assert worker.endswith(
+            " ray start --address=gpu01:20077 --num-gpus=8 --disable-usage-stats --block &"
+        )
+    assert [w.split("--nodes=")[-1].split()[0] for w in steps["wait"]] == (
+        ["1"] if nodes == 1 else ["1", str(nodes)]
+    )
+    assert all(" -w gpu01 " in w and "--address=gpu01:20077" in w for w in steps["wait"])
+    (entry,) = steps["entry"]
+    assert entry.startswith("srun --overlap --nodes=1 --ntasks=1 -w gpu01 ")
+    assert "--container-image=nvcr.io/nvidia/nemo-rl:v0.7.0 " in entry
+    train = ["python3", "-m", "megatron_ba.cli", "train", str(QWEN), *RAY_ARGS[backend],
+             "--run-dir", "runs/qwen3-1.7b-dapo17k-balanced", "--nodes", str(nodes),
+             "--devices", "8"]  # fmt: skip
+    assert f"--output={logs}/entry.log " in entry
+    assert shlex.split(entry)[-len(train) :] == train
+    (stop,) = steps["stop"]
+    assert stop.startswith(f"srun --overlap --nodes={nodes} --ntasks-per-node=1 ")
+    # the entry's translation, and the resume setting a requeued job relies on
+    shown = next(line for line in out.splitlines() if line.startswith("#   python "))
+    assert f" {RAY_RESUME[backend]}" in shown
+    assert f"a requeued job resumes: {RAY_RESUME[backend]}" in out
+    if backend == "verl":
+        assert " -m megatron_ba.integrations.verl.main_ppo " in shown
+        assert f" trainer.nnodes={nodes} trainer.n_gpus_per_node=8 " in shown
+    else:
+        assert " -m megatron_ba.integrations.nemo_rl.run_grpo_balanced " in shown
+        assert f" cluster.num_nodes={nodes} cluster.gpus_per_node=8 " in shown
+        run = tmp_path.resolve() / "runs/qwen3-1.7b-dapo17k-balanced"
+        assert f" checkpointing.checkpoint_dir={run}/checkpoints " in shown
+    assert not (tmp_path / "runs").exists()  # nothing written, nothing launched
+
+
+@pytest.mark.parametrize(
+    ("backend", "args", "key"),
+    [
+        ("verl", ["backend=verl", "eval.data_dir=DIR"], "data.path"),
+        ("nemo_rl", RAY_ARGS["nemo_rl"][:1] + RAY_ARGS["nemo_rl"][2:], "grpo.mini_batches"),
+    ],
+)
+def test_a_recipe_the_ray_backend_refuses_launches_nothing(tmp_path, backend, args, key):
+    """The translation's refusal, naming the key, before any Ray step (the control: the same
+    recipe with the key set is test_dry_run_forms_a_ray_cluster)."""
+    p = _dry(BATCH, str(QWEN), *args, cwd=tmp_path, SLURM_JOB_NODELIST="gpu[01-04]",
+             GPUS_PER_NODE=8)  # fmt: skip
+    assert p.returncode == 2
+    assert f"train: {key}: " in p.stderr
+    assert f"backend {backend}: the recipe does not translate (above); nothing launched" in p.stderr
+    assert "srun" not in p.stdout and "ray" not in p.stdout
+
+
+def test_a_translation_without_the_resume_setting_is_refused(tmp_path):
+    """A translated command that would not resume after a requeue is not launched (a PYTHON
+    wrapper whose --print-command leaves the setting out); the control is the real command."""
+    fake = tmp_path / "python-no-resume"
+    fake.write_text(f"""#!/bin/bash
+for a in "$@"; do
+    if [[ $a == --print-command ]]; then
+        echo "python -m megatron_ba.integrations.verl.main_ppo x=1"
+        exit 0
+    fi
+done
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    env = dict(SLURM_JOB_NODELIST="gpu[01-02]", GPUS_PER_NODE=8)
+    p = _dry(BATCH, str(QWEN), *RAY_ARGS["verl"], cwd=tmp_path, PYTHON=fake, **env)
+    assert p.returncode == 2
+    assert "backend verl: the translated command lacks trainer.resume_mode=auto" in p.stderr
+    assert _dry(BATCH, str(QWEN), *RAY_ARGS["verl"], cwd=tmp_path, **env).returncode == 0
+
+
+def test_interactive_refuses_a_ray_backend(tmp_path):
+    p = _dry(INTERACTIVE, str(QWEN), *RAY_ARGS["verl"], cwd=tmp_path, GPUS_PER_NODE=8)
+    assert p.returncode == 2
+    assert "backend verl runs on a Ray cluster that slurm/grpo_balanced.sh forms" in p.stderr
 
 
 def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):

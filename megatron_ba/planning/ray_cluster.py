@@ -1,0 +1,113 @@
+"""Wait until a Ray cluster has the nodes a Slurm job started (slurm/lib.sh, backends verl and
+nemo_rl): a head on the allocation's first node, one worker on each other node.
+
+    python -m megatron_ba.planning.ray_cluster wait --address HOST:PORT --nodes N \
+        [--hosts "h1 h2 ..."] [--timeout 600] [--every 5]
+
+Exit 0 once N live nodes have joined; exit 1 after --timeout seconds, naming what is missing (the
+hosts of --hosts that have not joined, or how many nodes); exit 2 on bad arguments. It imports
+only Ray (the job's environment has it; the project's CPU environment need not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+class RayWaitError(RuntimeError):
+    """The cluster did not reach the wanted size in time: the message says what is missing."""
+
+
+def _short(host: str) -> str:
+    return host.split(".", 1)[0]
+
+
+def live_hosts(nodes: list[dict]) -> list[str]:
+    """Short host names of the live nodes in `ray.nodes()`'s records."""
+    return sorted(_short(n.get("NodeManagerHostname", "?")) for n in nodes if n.get("Alive"))
+
+
+def missing_message(
+    address: str, want: int, hosts: list[str], joined: list[str], waited: float
+) -> str:
+    """What a timeout reports: how many joined, which ones, and which hosts are missing."""
+    text = (
+        f"Ray cluster at {address}: {len(joined)} of {want} node(s) joined after {waited:.0f} s"
+        f" ({', '.join(joined) or 'none'})"
+    )
+    missing = [h for h in hosts if _short(h) not in joined]
+    if missing:
+        text += f"; missing: {', '.join(missing)}"
+    return text
+
+
+def _connect(address: str, deadline: float, every: float):
+    """ray, connected to the cluster at `address` as a driver; retried until `deadline` (the head
+    may still be starting)."""
+    import ray
+
+    while True:
+        try:
+            ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+            return ray
+        except Exception as e:  # ConnectionError, or Ray's own when no GCS answers yet
+            if time.monotonic() + every > deadline:
+                raise RayWaitError(f"no Ray head answers at {address}: {e}") from e
+            time.sleep(every)
+
+
+def wait_for_nodes(address: str, want: int, *, hosts=(), timeout=600.0, every=5.0) -> list[str]:
+    """Poll `ray.nodes()` until `want` live nodes; return their short host names. Raises
+    RayWaitError after `timeout` seconds with missing_message's text."""
+    start = time.monotonic()
+    deadline = start + timeout
+    ray = _connect(address, deadline, every)
+    try:
+        while True:
+            joined = live_hosts(ray.nodes())
+            if len(joined) >= want:
+                return joined
+            if time.monotonic() + every > deadline:
+                waited = time.monotonic() - start
+                raise RayWaitError(missing_message(address, want, list(hosts), joined, waited))
+            time.sleep(every)
+    finally:
+        ray.shutdown()
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+        return value
+
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_ba.planning.ray_cluster")
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("wait", help="wait until N nodes have joined the Ray cluster")
+    w.add_argument("--address", required=True, help="the head's HOST:PORT")
+    w.add_argument("--nodes", type=_positive(int), required=True, help="how many nodes to wait for")
+    w.add_argument("--hosts", default="", help="the expected hosts (space-separated), for messages")
+    w.add_argument("--timeout", type=_positive(float), default=600.0, help="seconds (default 600)")
+    w.add_argument("--every", type=_positive(float), default=5.0, help="poll period, seconds")
+    args = p.parse_args(argv)
+    if ":" not in args.address:
+        p.error(f"--address {args.address}: expected HOST:PORT")
+    try:
+        joined = wait_for_nodes(args.address, args.nodes, hosts=args.hosts.split(),
+                                timeout=args.timeout, every=args.every)  # fmt: skip
+    except RayWaitError as e:
+        print(f"ray_cluster: {e}", file=sys.stderr)
+        return 1
+    print(f"ray_cluster: {len(joined)} node(s) joined at {args.address}: {' '.join(joined)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
