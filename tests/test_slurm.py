@@ -4,14 +4,18 @@ completes, and one that is preempted, requeued and resumed with no step lost or 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -282,6 +286,75 @@ def test_interactive_refuses_a_ray_backend(tmp_path):
     p = _dry(INTERACTIVE, str(QWEN), *RAY_ARGS["verl"], cwd=tmp_path, GPUS_PER_NODE=8)
     assert p.returncode == 2
     assert "backend verl runs on a Ray cluster that slurm/grpo_balanced.sh forms" in p.stderr
+
+
+def test_ray_wait_messages_and_arguments():
+    from megatron_ba.planning import ray_cluster
+
+    nodes = [{"NodeManagerHostname": "gpu02.cluster", "Alive": True},
+             {"NodeManagerHostname": "gpu01", "Alive": True},
+             {"NodeManagerHostname": "gpu03", "Alive": False}]  # fmt: skip
+    assert ray_cluster.live_hosts(nodes) == ["gpu01", "gpu02"]
+    hosts = ["gpu01", "gpu02", "gpu03"]
+    text = ray_cluster.missing_message("gpu01:1", 3, hosts, ["gpu01", "gpu02"], 9)
+    assert text == (
+        "Ray cluster at gpu01:1: 2 of 3 node(s) joined after 9 s (gpu01, gpu02); missing: gpu03"
+    )
+    for bad, named in (["--nodes=0"], "--nodes"), (["--timeout=-1"], "--timeout"):
+        p = subprocess.run([sys.executable, "-m", "megatron_ba.planning.ray_cluster", "wait",
+                            "--address=gpu01:1", "--nodes=2", *bad], capture_output=True,
+                           text=True, env=_env())  # fmt: skip
+        assert p.returncode == 2 and named in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "megatron_ba.planning.ray_cluster", "wait",
+                        "--address=gpu01", "--nodes=2"], capture_output=True, text=True,
+                       env=_env())  # fmt: skip
+    assert p.returncode == 2 and "--address gpu01: expected HOST:PORT" in p.stderr
+
+
+def test_ray_wait_against_a_local_ray_head(tmp_path):
+    """The wait helper against a real `ray start --head` (the verl environment's Ray): one node
+    joins; waiting for two times out naming the host that is missing (the negative control)."""
+    bin_dir = ROOT / ".venv-verl/bin"
+    if not (bin_dir / "ray").exists():
+        pytest.skip("no .venv-verl with Ray (bash scripts/setup_verl_env.sh)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = Path(tempfile.mkdtemp(prefix="mba-ray-", dir="/tmp"))  # Ray's socket paths: short
+    env = {k: v for k, v in _env().items() if not k.startswith("RAY_")}
+    head = subprocess.Popen(
+        [bin_dir / "ray", "start", "--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
+         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}", "--block"],
+        env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    wait = [bin_dir / "python", "-m", "megatron_ba.planning.ray_cluster", "wait",
+            f"--address=127.0.0.1:{port}", "--every=0.5"]  # fmt: skip
+    try:
+        p = subprocess.run([*wait, "--nodes=1", "--timeout=120"], env=env, capture_output=True,
+                           text=True, timeout=180)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        host = socket.gethostname().split(".")[0]
+        assert f"1 node(s) joined at 127.0.0.1:{port}: {host}" in p.stdout
+        p = subprocess.run([*wait, "--nodes=2", f"--hosts={host} ghost02", "--timeout=3"],
+                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert p.returncode == 1
+        assert f"1 of 2 node(s) joined after 3 s ({host}); missing: ghost02" in p.stderr
+    finally:
+        _end_group(head)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """TERM the process group this test started (ray start --block and what it started), KILL
+    what is left after 15 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGKILL)  # its daemons (gcs_server, raylet), if any remain
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):
