@@ -357,6 +357,119 @@ def _end_group(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+_SHIMS = {  # a Slurm job without Slurm: each command logs itself to $SHIM_LOG
+    "srun": """#!/bin/bash
+echo "srun $*" >>"$SHIM_LOG"
+while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done   # options; -w takes a value
+exec "$@"
+""",
+    "scontrol": """#!/bin/bash
+echo "scontrol $*" >>"$SHIM_LOG"
+[[ $1 == show && $2 == hostnames ]] && exit 1   # the project's expander then
+exit 0
+""",
+    "ray": """#!/bin/bash
+echo "ray $*" >>"$SHIM_LOG"
+[[ $1 == start ]] || exit 0
+trap 'echo "ray ended: $*" >>"$SHIM_LOG"; kill $s; exit 0' TERM
+sleep 1000 & s=$!
+wait $s
+""",
+    "python": """#!/bin/bash
+case "$*" in
+*--print-command* | *planning.launch* | -c*) exec "$REAL_PYTHON" "$@" ;;
+*ray_cluster*)
+    echo "wait $*" >>"$SHIM_LOG"
+    [[ $* == *"--nodes=$FAIL_WAIT_AT "* ]] && exit 1
+    exit 0 ;;
+*"megatron_ba.cli train"*)
+    echo "entry RAY_ADDRESS=$RAY_ADDRESS $*" >>"$SHIM_LOG"
+    [[ $ENTRY == sleep ]] || exit "$ENTRY"
+    trap 'echo "entry ended" >>"$SHIM_LOG"; kill $s; exit 143' TERM
+    sleep 1000 & s=$!
+    wait $s ;;
+esac
+exec "$REAL_PYTHON" "$@"
+""",
+}
+
+
+def _shim_job(tmp_path, entry: str, fail_wait_at: int = 0) -> tuple[subprocess.Popen, Path]:
+    """grpo_balanced.sh backend=verl as a 3-node job whose srun, scontrol, ray and entry are the
+    shims above (nothing of Slurm or Ray runs)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in _SHIMS.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "shim.log"
+    env = _env(PATH=f"{bin_dir}:{os.environ['PATH']}", SHIM_LOG=log, REAL_PYTHON=sys.executable,
+               PYTHON=bin_dir / "python", RAY=bin_dir / "ray", ENTRY=entry, BACKEND_CHECK=0,
+               FAIL_WAIT_AT=fail_wait_at, SLURM_JOB_ID=123, SLURM_JOB_NAME="x",
+               SLURM_JOB_NODELIST="n[1-3]", GPUS_PER_NODE=8, MBA_HOME=ROOT)  # fmt: skip
+    cmd = ["bash", str(BATCH), str(QWEN), *RAY_ARGS["verl"]]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    return job, log
+
+
+def _shim_lines(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_ray_launch_order_and_exit_status_with_shims(tmp_path):
+    job, log = _shim_job(tmp_path, entry="3")
+    _out, err = job.communicate(timeout=120)
+    assert job.returncode == 3, err  # the entry's exit status
+    lines = _shim_lines(log)
+    # the steps in the foreground, in order (the background ones log when they get to it)
+    ordered = [line for line in lines if line.startswith(("wait ", "entry ", "ray stop"))]
+    assert [line.split(" --")[0] for line in ordered] == [
+        "wait -m megatron_ba.planning.ray_cluster wait",
+        "wait -m megatron_ba.planning.ray_cluster wait",
+        f"entry RAY_ADDRESS=n1:20123 -m megatron_ba.cli train {QWEN} {' '.join(RAY_ARGS['verl'])}",
+        "ray stop",
+    ]  # fmt: skip
+    assert "--nodes=1 --hosts=n1 " in ordered[0] and "--nodes=3 --hosts=n1 n2 n3 " in ordered[1]
+    assert ordered[2].endswith(" --run-dir runs/qwen3-1.7b-dapo17k-balanced --nodes 3 --devices 8")
+    heads = [line for line in lines if line.startswith("srun ") and " start --head " in line]
+    assert len(heads) == 1 and " -w n1 " in heads[0]
+    workers = [line for line in lines if line.startswith("srun ") and " start --address" in line]
+    assert sorted(w.split(" -w ")[1].split()[0] for w in workers) == ["n2", "n3"]
+    assert sorted(line for line in lines if line.startswith("ray ended")) == [
+        "ray ended: start --address=n1:20123 --num-gpus=8 --disable-usage-stats --block",
+        "ray ended: start --address=n1:20123 --num-gpus=8 --disable-usage-stats --block",
+        "ray ended: start --head --port=20123 --num-gpus=8 --disable-usage-stats --block",
+    ]  # every Ray step ended at the stop
+    assert not any("requeue" in line for line in lines)
+    assert "finished with exit status 3" in err
+
+
+def test_ray_launch_requeues_on_usr1_with_shims(tmp_path):
+    job, log = _shim_job(tmp_path, entry="sleep")
+    _wait(lambda: any(line.startswith("entry ") for line in _shim_lines(log)), "the entry",
+          timeout=120, every=0.2)  # fmt: skip
+    job.send_signal(signal.SIGUSR1)
+    _out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err
+    lines = _shim_lines(log)
+    ends = ("entry ended", "ray stop", "scontrol requeue")
+    tail = [line for line in lines if line.startswith(ends)]
+    assert tail == ["entry ended", "ray stop --force", "scontrol requeue 123"], lines
+    assert "resumes from its latest checkpoint (trainer.resume_mode=auto)" in err
+
+
+def test_ray_cluster_that_does_not_form_stops_the_job_with_shims(tmp_path):
+    job, log = _shim_job(tmp_path, entry="0", fail_wait_at=3)
+    _out, err = job.communicate(timeout=120)
+    assert job.returncode == 2
+    assert "the Ray cluster did not form (above)" in err and "verl not launched" in err
+    lines = _shim_lines(log)
+    assert not any(line.startswith("entry ") for line in lines)
+    assert "ray stop --force" in lines  # the EXIT trap stops what started
+    assert sum(line.startswith("ray ended") for line in lines) == 3
+
+
 def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):
     p = _dry(BATCH, str(TP2), "parallel.pp=2", cwd=tmp_path, SLURM_JOB_NODELIST="gpu[1-3]",
              GPUS_PER_NODE=2)  # fmt: skip
