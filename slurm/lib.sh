@@ -4,6 +4,7 @@
 # Sourced, not run. Every setting comes from the environment (slurm/README.md lists them):
 #   RUN_DIR CACHE_DIR CONTAINER MOUNTS GPUS_PER_NODE MASTER_ADDR MASTER_PORT SRUN_ARGS TORCHRUN
 #   PYTHON DRY_RUN MBA_IB_ENV NEMO_ALIGNER_CHECK MBA_HOME MBA_STUDY (and VIRTUAL_ENV, see mba_find_python)
+#   RAY RAY_WAIT_TIMEOUT BACKEND_CHECK (backends verl and nemo_rl: a Ray cluster, at the end)
 # The recipe is read by the project's own loader (python -m megatron_ba.planning.launch fit), so the
 # launcher and `megatron-ba train` agree on TP/PP/CP, the run name and every override.
 
