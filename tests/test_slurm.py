@@ -1,6 +1,8 @@
-"""The Slurm launchers: the fit helper, DRY_RUN commands for 1, 4 and 16 nodes and both backends,
-shellcheck, and (slow) real jobs on a one-node Slurm that scripts/slurm_up.sh starts: a run that
-completes, and one that is preempted, requeued and resumed with no step lost or repeated."""
+"""The Slurm launchers: the fit helper, DRY_RUN commands for 1, 4 and 16 nodes and every backend
+(verl and nemo_rl: the Ray cluster's commands; their launch path with shims for srun, scontrol and
+ray; the wait helper against a local Ray head), shellcheck, and (slow) real jobs on a one-node
+Slurm that scripts/slurm_up.sh starts: a run that completes, and one that is preempted, requeued
+and resumed with no step lost or repeated."""
 
 from __future__ import annotations
 
@@ -282,6 +284,14 @@ exec {sys.executable} "$@"
     assert _dry(BATCH, str(QWEN), *RAY_ARGS["verl"], cwd=tmp_path, **env).returncode == 0
 
 
+def test_print_command_is_for_the_ray_backends(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "megatron_ba.cli", "train", str(TINY),
+                        "--print-command"], cwd=tmp_path, env=_env(), capture_output=True,
+                       text=True)  # fmt: skip
+    assert p.returncode == 2 and not p.stdout
+    assert "--print-command is for backend=verl or nemo_rl, not local" in p.stderr
+
+
 def test_interactive_refuses_a_ray_backend(tmp_path):
     p = _dry(INTERACTIVE, str(QWEN), *RAY_ARGS["verl"], cwd=tmp_path, GPUS_PER_NODE=8)
     assert p.returncode == 2
@@ -309,6 +319,12 @@ def test_ray_wait_messages_and_arguments():
                         "--address=gpu01", "--nodes=2"], capture_output=True, text=True,
                        env=_env())  # fmt: skip
     assert p.returncode == 2 and "--address gpu01: expected HOST:PORT" in p.stderr
+    # the watchdog ends a wait that a call into Ray holds past its deadline
+    code = ("import time; from megatron_ba.planning import ray_cluster as r; "
+            "r._watchdog(0.5, lambda: 'gpu02 missing'); time.sleep(30)")  # fmt: skip
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(),
+                       timeout=20)  # fmt: skip
+    assert p.returncode == 1 and "gpu02 missing (Ray did not answer)" in p.stderr
 
 
 def test_ray_wait_against_a_local_ray_head(tmp_path):
@@ -330,8 +346,8 @@ def test_ray_wait_against_a_local_ray_head(tmp_path):
     wait = [bin_dir / "python", "-m", "megatron_ba.planning.ray_cluster", "wait",
             f"--address=127.0.0.1:{port}", "--every=0.5"]  # fmt: skip
     try:
-        p = subprocess.run([*wait, "--nodes=1", "--timeout=120"], env=env, capture_output=True,
-                           text=True, timeout=180)  # fmt: skip
+        p = subprocess.run([*wait, "--nodes=1", "--timeout=60"], env=env, capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
         assert p.returncode == 0, p.stderr
         host = socket.gethostname().split(".")[0]
         assert f"1 node(s) joined at 127.0.0.1:{port}: {host}" in p.stdout

@@ -12,7 +12,9 @@ only Ray (the job's environment has it; the project's CPU environment need not).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import threading
 import time
 
 
@@ -58,15 +60,20 @@ def _connect(address: str, deadline: float, every: float):
             time.sleep(every)
 
 
-def wait_for_nodes(address: str, want: int, *, hosts=(), timeout=600.0, every=5.0) -> list[str]:
+def wait_for_nodes(
+    address: str, want: int, *, hosts=(), timeout=600.0, every=5.0, seen: list | None = None
+) -> list[str]:
     """Poll `ray.nodes()` until `want` live nodes; return their short host names. Raises
-    RayWaitError after `timeout` seconds with missing_message's text."""
+    RayWaitError after `timeout` seconds with missing_message's text. `seen`, when given, holds
+    the hosts of the latest poll (for a watchdog's message)."""
     start = time.monotonic()
     deadline = start + timeout
     ray = _connect(address, deadline, every)
     try:
         while True:
             joined = live_hosts(ray.nodes())
+            if seen is not None:
+                seen[:] = joined
             if len(joined) >= want:
                 return joined
             if time.monotonic() + every > deadline:
@@ -75,6 +82,19 @@ def wait_for_nodes(address: str, want: int, *, hosts=(), timeout=600.0, every=5.
             time.sleep(every)
     finally:
         ray.shutdown()
+
+
+def _watchdog(seconds: float, message) -> None:
+    """Exit 1 after `seconds` whatever the main thread is doing: a call into Ray (ray.init,
+    ray.nodes) can block past the wait's own deadline, and the job must not hang on it."""
+
+    def fire() -> None:
+        print(f"ray_cluster: {message()} (Ray did not answer)", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
 
 
 def _positive(kind):
@@ -99,9 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if ":" not in args.address:
         p.error(f"--address {args.address}: expected HOST:PORT")
+    hosts, seen = args.hosts.split(), []
+    _watchdog(args.timeout + 15, lambda: missing_message(args.address, args.nodes, hosts, seen,
+                                                         args.timeout + 15))  # fmt: skip
     try:
-        joined = wait_for_nodes(args.address, args.nodes, hosts=args.hosts.split(),
-                                timeout=args.timeout, every=args.every)  # fmt: skip
+        joined = wait_for_nodes(args.address, args.nodes, hosts=hosts, timeout=args.timeout,
+                                every=args.every, seen=seen)  # fmt: skip
     except RayWaitError as e:
         print(f"ray_cluster: {e}", file=sys.stderr)
         return 1
