@@ -404,7 +404,7 @@ mba_wait_for() {
 # -- backends verl and nemo_rl: a Ray cluster over the allocation --------------------------------
 # As NeMo-RL's ray.sub and verl's Slurm guide do: `ray start --head --block` on the first node,
 # `ray start --address=HEAD:PORT --block` on each other node (one srun each, in the background),
-# a wait until every node has joined (megatron_ba.planning.ray_cluster), then the entry on the
+# a wait until every node has joined (megatron_ba.integrations.ray_cluster), then the entry on the
 # head (`megatron-ba train ... --run-dir RUN_DIR`, which becomes verl's or NeMo-RL's entry point
 # and finds the cluster through RAY_ADDRESS), and `ray stop` on every node at the end (trap).
 
@@ -470,7 +470,7 @@ mba_ray_worker_cmd() { # HOST
 }
 mba_ray_wait_cmd() { # NODES: wait, on the head, until that many nodes have joined
     mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}"
-    MBA_SRUN+=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.planning.ray_cluster wait
+    MBA_SRUN+=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.integrations.ray_cluster wait
         --address="$MBA_HEAD:$MBA_PORT" --nodes="$1" --hosts="${MBA_HOSTS[*]:0:$1}"
         --timeout="$MBA_RAY_TIMEOUT")
 }

@@ -179,7 +179,7 @@ RAY_RESUME = {"verl": "trainer.resume_mode=auto", "nemo_rl": "checkpointing.chec
 def _ray_steps(out: str) -> dict[str, list[str]]:
     """DRY_RUN's srun lines by kind, in the order printed (the order they run)."""
     kinds = {"head": " start --head ", "worker": " start --address=", "stop": " stop --force",
-             "wait": "megatron_ba.planning.ray_cluster wait",
+             "wait": "megatron_ba.integrations.ray_cluster wait",
              "entry": " -m megatron_ba.cli train "}  # fmt: skip
     steps = {k: [] for k in [*kinds, "order"]}
     for line in map(str.rstrip, out.splitlines()):
@@ -299,7 +299,7 @@ def test_interactive_refuses_a_ray_backend(tmp_path):
 
 
 def test_ray_wait_messages_and_arguments():
-    from megatron_ba.planning import ray_cluster
+    from megatron_ba.integrations import ray_cluster
 
     nodes = [{"NodeManagerHostname": "gpu02.cluster", "Alive": True},
              {"NodeManagerHostname": "gpu01", "Alive": True},
@@ -311,16 +311,16 @@ def test_ray_wait_messages_and_arguments():
         "Ray cluster at gpu01:1: 2 of 3 node(s) joined after 9 s (gpu01, gpu02); missing: gpu03"
     )
     for bad, named in (["--nodes=0"], "--nodes"), (["--timeout=-1"], "--timeout"):
-        p = subprocess.run([sys.executable, "-m", "megatron_ba.planning.ray_cluster", "wait",
+        p = subprocess.run([sys.executable, "-m", "megatron_ba.integrations.ray_cluster", "wait",
                             "--address=gpu01:1", "--nodes=2", *bad], capture_output=True,
                            text=True, env=_env())  # fmt: skip
         assert p.returncode == 2 and named in p.stderr, p.stderr
-    p = subprocess.run([sys.executable, "-m", "megatron_ba.planning.ray_cluster", "wait",
+    p = subprocess.run([sys.executable, "-m", "megatron_ba.integrations.ray_cluster", "wait",
                         "--address=gpu01", "--nodes=2"], capture_output=True, text=True,
                        env=_env())  # fmt: skip
     assert p.returncode == 2 and "--address gpu01: expected HOST:PORT" in p.stderr
     # the watchdog ends a wait that a call into Ray holds past its deadline
-    code = ("import time; from megatron_ba.planning import ray_cluster as r; "
+    code = ("import time; from megatron_ba.integrations import ray_cluster as r; "
             "r._watchdog(0.5, lambda: 'gpu02 missing'); time.sleep(30)")  # fmt: skip
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(),
                        timeout=20)  # fmt: skip
@@ -343,7 +343,7 @@ def test_ray_wait_against_a_local_ray_head(tmp_path):
          "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}", "--block"],
         env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    wait = [bin_dir / "python", "-m", "megatron_ba.planning.ray_cluster", "wait",
+    wait = [bin_dir / "python", "-m", "megatron_ba.integrations.ray_cluster", "wait",
             f"--address=127.0.0.1:{port}", "--every=0.5"]  # fmt: skip
     try:
         p = subprocess.run([*wait, "--nodes=1", "--timeout=60"], env=env, capture_output=True,
@@ -441,8 +441,8 @@ def test_ray_launch_order_and_exit_status_with_shims(tmp_path):
     # the steps in the foreground, in order (the background ones log when they get to it)
     ordered = [line for line in lines if line.startswith(("wait ", "entry ", "ray stop"))]
     assert [line.split(" --")[0] for line in ordered] == [
-        "wait -m megatron_ba.planning.ray_cluster wait",
-        "wait -m megatron_ba.planning.ray_cluster wait",
+        "wait -m megatron_ba.integrations.ray_cluster wait",
+        "wait -m megatron_ba.integrations.ray_cluster wait",
         f"entry RAY_ADDRESS=n1:20123 -m megatron_ba.cli train {QWEN} {' '.join(RAY_ARGS['verl'])}",
         "ray stop",
     ]  # fmt: skip

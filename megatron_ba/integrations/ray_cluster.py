@@ -1,7 +1,7 @@
 """Wait until a Ray cluster has the nodes a Slurm job started (slurm/lib.sh, backends verl and
 nemo_rl): a head on the allocation's first node, one worker on each other node.
 
-    python -m megatron_ba.planning.ray_cluster wait --address HOST:PORT --nodes N \
+    python -m megatron_ba.integrations.ray_cluster wait --address HOST:PORT --nodes N \
         [--hosts "h1 h2 ..."] [--timeout 600] [--every 5]
 
 Exit 0 once N live nodes have joined; exit 1 after --timeout seconds, naming what is missing (the
@@ -108,7 +108,7 @@ def _positive(kind):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_ba.planning.ray_cluster")
+    p = argparse.ArgumentParser(prog="python -m megatron_ba.integrations.ray_cluster")
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("wait", help="wait until N nodes have joined the Ray cluster")
     w.add_argument("--address", required=True, help="the head's HOST:PORT")
