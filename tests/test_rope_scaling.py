@@ -1,0 +1,118 @@
+"""RoPE scaling settings: read from both config.json forms, refused by name, written back.
+
+Pure Python and config dicts (no weights, no megatron-core model): the logits check against
+transformers is tests/test_rope_yarn.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_ba.conversion import hf_config_from_spec, spec_from_hf_config
+from megatron_ba.conversion.dist_checkpoint import spec_from_json, spec_to_json
+from megatron_ba.model_shape import PRESETS, ModelShape
+from megatron_ba.rope_scaling import RopeScaling, rope_scaling_from_hf
+
+QWEN3_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+
+
+def qwen3_config(**changes) -> dict:
+    """A small Qwen3 config.json in transformers 5's form (rope_parameters), plain RoPE."""
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": True,
+        "dtype": "float32",
+    }
+    cfg.update(changes)
+    return cfg
+
+
+def test_both_forms_read_to_the_same_settings():
+    new = qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1e6})
+    old = qwen3_config(rope_theta=1e6, rope_scaling={**QWEN3_YARN, "type": "yarn"})
+    del old["rope_parameters"]
+    want = RopeScaling(factor=4.0, original_max_position_embeddings=32768)
+    assert rope_scaling_from_hf(new) == rope_scaling_from_hf(old) == want
+    assert spec_from_hf_config(new) == spec_from_hf_config(old)
+    assert spec_from_hf_config(new).rope_scaling == want
+    assert rope_scaling_from_hf(qwen3_config()) is None
+    # transformers: original_max_position_embeddings defaults to max_position_embeddings
+    short = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6}
+    assert rope_scaling_from_hf(qwen3_config(rope_parameters=short)).max_context == 81920
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dyn"),
+        (
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6}},
+            "rope_parameters.rope_type 'longrope'",
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type 'linear'"),
+        (
+            {"rope_parameters": {**QWEN3_YARN, "rope_theta": 1e6, "mscale": 0.7}},
+            r"rope_parameters.mscale 0.7",
+        ),
+        (
+            {"rope_parameters": {**QWEN3_YARN, "rope_theta": 1e6, "attention_factor": 1.0}},
+            "rope_parameters.attention_factor",
+        ),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_parameters.factor"),
+        ({"rope_scaling": QWEN3_YARN}, "disagree"),  # beside a plain rope_parameters
+        (
+            {"rope_parameters": {**QWEN3_YARN, "rope_theta": 1e6, "factor": 0.5}},
+            "rope_scaling.factor",
+        ),
+    ],
+)
+def test_rope_types_and_keys_not_built_are_refused_by_name(change, match):
+    with pytest.raises(ValueError, match=match):
+        spec_from_hf_config(qwen3_config(**change))
+
+
+def test_config_written_from_scratch_has_both_forms_and_transformers_reads_yarn(tmp_path):
+    from transformers import AutoConfig
+
+    spec = spec_from_hf_config(qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1e6}))
+    fresh = hf_config_from_spec(spec)
+    assert fresh["rope_parameters"] == {**QWEN3_YARN, "rope_theta": 1e6}
+    assert fresh["rope_scaling"] == QWEN3_YARN and fresh["rope_theta"] == 1e6
+    (tmp_path / "config.json").write_text(json.dumps(fresh))
+    read = AutoConfig.from_pretrained(tmp_path)
+    assert {k: read.rope_parameters[k] for k in QWEN3_YARN} == QWEN3_YARN
+    assert spec_from_hf_config(read.to_dict()) == spec
+    # dropping the scaling from the spec writes plain RoPE over the source's YaRN
+    plain = hf_config_from_spec(spec.of(spec, rope_scaling=None), base=fresh)
+    assert plain["rope_parameters"]["rope_type"] == "default" and plain["rope_scaling"] is None
+    assert spec_from_hf_config(plain).rope_scaling is None
+
+
+def test_spec_json_and_shape_carry_the_scaling():
+    cfg = qwen3_config(rope_scaling=QWEN3_YARN, rope_parameters=None, rope_theta=1e6)
+    spec = spec_from_hf_config(cfg)
+    back = spec_from_json(json.loads(json.dumps(spec_to_json(spec))))
+    assert back == spec and isinstance(back.rope_scaling, RopeScaling)
+    # memory and parameter counts do not change with YaRN; the context does
+    plain = PRESETS["Qwen3-32B"]
+    yarn = dataclasses.replace(
+        plain, rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768}
+    )
+    assert yarn.total_params() == plain.total_params()
+    assert yarn.layer_activation_elements() == plain.layer_activation_elements()
+    assert (plain.max_context, yarn.max_context) == (4096, 131072)
+    shape = ModelShape.from_hf_config(qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1}))
+    assert shape.rope_scaling.factor == 4.0 and shape.max_context == 131072
