@@ -174,6 +174,8 @@ def test_the_papers_recipes_are_shipped():
         "qwen3-1.7b-polaris",
         "qwen2.5-32b-dapo17k-16k",
         "qwen2.5-32b-dapo17k-32k",
+        "qwen2.5-math-7b-dapo17k-32k",  # YaRN (model.rope_scaling) past the 4K context
+        "qwen3-32b-dapo17k-64k",  # YaRN past the 32K context
     }
 
 

@@ -116,3 +116,74 @@ def test_spec_json_and_shape_carry_the_scaling():
     assert (plain.max_context, yarn.max_context) == (4096, 131072)
     shape = ModelShape.from_hf_config(qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1}))
     assert shape.rope_scaling.factor == 4.0 and shape.max_context == 131072
+
+
+RECIPE = "recipes/qwen3-32b-dapo17k-64k.yaml"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.rope_scaling.type=llama3", r"^model\.rope_scaling\.type: 'llama3' is not built"),
+        ("model.rope_scaling.factor=0.5", r"^model\.rope_scaling\.factor: yarn: >= 1"),
+        ("model.rope_scaling.original_max_position_embeddings=null", r"original_max_position"),
+    ],
+)
+def test_recipe_rope_scaling_keys_are_checked_by_name(override, message):
+    from megatron_ba.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(RECIPE, [override])
+
+
+def test_recipe_yarn_needs_a_checkpoint_and_type():
+    from megatron_ba.recipe import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"^model\.rope_scaling\.factor: needs type: yarn"):
+        load_recipe("recipes/tiny-cpu.yaml", ["model.rope_scaling.factor=2"])
+    yarn = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=2"]
+    yarn.append("model.rope_scaling.original_max_position_embeddings=128")
+    with pytest.raises(RecipeError, match=r"yarn needs model\.pretrained"):
+        load_recipe("recipes/tiny-cpu.yaml", yarn)
+
+
+def test_run_refuses_a_checkpoint_without_the_recipes_yarn(tmp_path):
+    from megatron_ba.recipe import load_recipe
+    from megatron_ba.train.policy import check_shape_keys
+
+    recipe = load_recipe(RECIPE)
+    with_yarn = spec_from_hf_config(qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1e6}))
+    with pytest.raises(ValueError, match=r"^model\.rope_scaling: the recipe says .*factor': 2\.0"):
+        check_shape_keys(recipe, with_yarn, tmp_path)  # factor 4 in config.json, 2 in the recipe
+    with pytest.raises(ValueError, match=r"config\.json says plain RoPE"):
+        check_shape_keys(recipe, spec_from_hf_config(qwen3_config()), tmp_path)
+    two = {**QWEN3_YARN, "factor": 2.0, "rope_theta": 1e6}
+    check_shape_keys(recipe, spec_from_hf_config(qwen3_config(rope_parameters=two)), tmp_path)
+
+
+def _layout(capsys, *extra) -> tuple[int, str]:
+    import argparse
+
+    from megatron_ba.commands.layout import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--model", "qwen3-32b", "--nodes", "8", "--gpus-per-node", "8", "--gpu-mem", "80"]
+    code = run(p.parse_args([*base, *extra, "--json"]))
+    out = capsys.readouterr()
+    return code, out.out if code == 0 else out.err
+
+
+def test_planner_yarn_changes_the_context_not_the_memory(capsys):
+    code, plain = _layout(capsys, "--seq-len", "65536")
+    assert code == 0
+    code, yarn = _layout(capsys, "--seq-len", "65536", "--yarn", "2,32768")
+    assert code == 0
+    plain, yarn = json.loads(plain), json.loads(yarn)
+    assert yarn["max_context"] == 65536 and yarn["rope_scaling"]["factor"] == 2.0
+    assert yarn["memory_gib_per_gpu"] == plain["memory_gib_per_gpu"]
+    assert yarn["overrides"] == plain["overrides"]
+    code, err = _layout(capsys, "--seq-len", "131072", "--yarn", "2,32768")
+    assert code == 2 and "131072 tokens exceed the model's context 65536" in err
+    code, err = _layout(capsys, "--seq-len", "1024", "--yarn", "2")
+    assert code == 2 and "--yarn 2: FACTOR,ORIGINAL" in err
