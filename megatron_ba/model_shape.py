@@ -10,7 +10,8 @@ scripts/gpu_check.py read it without importing torch. The model builder
 initialisation, megatron-core config overrides); the planner (megatron_ba.planning) computes
 memory and FLOPs from it.
 
-The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE, grouped-query
+The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE (plain or
+scaled by YaRN: `rope_scaling`), grouped-query
 attention with a bias on the fused QKV projection (Qwen2) or RMSNorms on each q and k head (Qwen3,
 `qk_layernorm`), an explicit head dimension (`kv_channels`), tied or untied output layer. Field
 names follow megatron-core where they overlap (Hugging Face's num_key_value_heads is
