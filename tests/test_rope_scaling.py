@@ -187,3 +187,25 @@ def test_planner_yarn_changes_the_context_not_the_memory(capsys):
     assert code == 2 and "131072 tokens exceed the model's context 65536" in err
     code, err = _layout(capsys, "--seq-len", "1024", "--yarn", "2")
     assert code == 2 and "--yarn 2: FACTOR,ORIGINAL" in err
+
+
+def test_yarn_at_context_parallelism_is_refused_where_megatron_core_would_slice_wrongly(
+    monkeypatch,
+):
+    import types
+
+    pytest.importorskip("megatron.core")
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_ba.megatron import rope
+
+    spec = spec_from_hf_config(qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1e6}))
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    whole = types.SimpleNamespace(cp=types.SimpleNamespace(size=lambda: 1))  # cp_mode "loss"
+    with pytest.raises(ValueError, match=r"^parallel\.cp: a YaRN model at cp=2 runs its context"):
+        rope.check_cp(spec, whole)
+    rope.check_cp(spec.of(spec, rope_scaling=None), whole)  # plain RoPE takes the model's group
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^parallel\.cp: a YaRN model at cp=2 needs CUDA"):
+            rope.check_cp(spec, None)

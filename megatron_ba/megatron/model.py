@@ -216,12 +216,13 @@ def build_gpt_model(
     elif spec.num_experts:
         _check_moe_layer_spec(layer_spec)
     rope.set_yarn_fields(config, spec)  # a config built elsewhere
+    rope.check_cp(spec, pg_collection)
     kwargs: dict[str, Any] = {}
     if pg_collection is not None:  # megatron-core >= 0.14 only
         kwargs["pg_collection"] = pg_collection
     if vp_stage is not None:
         kwargs["vp_stage"] = vp_stage
-    model = GPTModel(
+    return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=spec.vocab_size,
@@ -235,8 +236,6 @@ def build_gpt_model(
         **rope.gpt_model_kwargs(spec),
         **kwargs,
     )
-    rope.use_model_cp_group(model, pg_collection)
-    return model
 
 
 def build_model_chunks(

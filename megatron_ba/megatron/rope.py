@@ -3,8 +3,8 @@
 
     config = TransformerConfig(**kwargs, **config_defaults(spec))  # model.transformer_config
     set_yarn_fields(config, spec)                # before GPTModel: attention reads them at build
+    check_cp(spec, pg_collection)                # YaRN slices by parallel_state's CP group
     GPTModel(..., **gpt_model_kwargs(spec))      # position_embedding_type "rope" or "yarn"
-    use_model_cp_group(model, pg_collection)     # after: 0.16.1 gives YaRN parallel_state's CP
 
 How megatron-core's YaRN is driven (0.16.1 and 0.19.2 read the same names): GPTModel's
 `position_embedding_type="yarn"` builds YarnRotaryEmbedding from `config.yarn_*` attributes, which
@@ -73,10 +73,32 @@ def gpt_model_kwargs(spec) -> dict[str, Any]:
     return {"position_embedding_type": kind, "rotary_base": int(spec.rope_theta)}
 
 
-def use_model_cp_group(model, pg_collection) -> None:
-    """megatron-core 0.16.1 builds YarnRotaryEmbedding without the model's CP group (it falls
-    back to parallel_state's); a model built with its own groups
-    (model.model_pg_collection_without_cp) must not slice YaRN's angles by another CP group."""
-    emb = getattr(model, "rotary_pos_emb", None)
-    if pg_collection is not None and emb is not None and hasattr(pg_collection, "cp"):
-        emb.cp_group = pg_collection.cp
+def check_cp(spec, pg_collection) -> None:
+    """ValueError for a YaRN model at context parallelism megatron-core cannot give it.
+
+    GPTModel (0.16.1 and 0.19.2) builds YarnRotaryEmbedding without its own CP group: the
+    embedding slices its angles by parallel_state's CP group, already when it builds its cos/sin
+    cache, with a CUDA call (rope_utils.get_pos_emb_on_this_cp_rank). So at CP > 1 a YaRN model
+    must run the CP attention itself (Transformer Engine, cp_mode "model") on CUDA; whole
+    sequences per rank (model_pg_collection_without_cp, the CPU's cp_mode "loss") would get
+    sliced angles."""
+    if spec.rope_scaling is None:
+        return
+    import torch
+    from megatron.core import parallel_state
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is not None and group.size() != cp:
+        raise ValueError(
+            f"parallel.cp: a YaRN model at cp={cp} runs its context parallelism itself "
+            "(megatron-core's YaRN embedding slices by the global CP group); it cannot see whole "
+            "sequences per rank (cp_mode 'loss'); use a Transformer Engine build or cp=1"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"parallel.cp: a YaRN model at cp={cp} needs CUDA (megatron-core slices its rotary "
+            "cache with a CUDA call); on CPU run it at cp=1"
+        )
