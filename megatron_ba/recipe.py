@@ -466,6 +466,20 @@ def _check_rope_scaling(m: ModelSection) -> None:
           "yarn needs model.pretrained (a fresh model has plain RoPE)")  # fmt: skip
 
 
+def _check_yarn_context(recipe: Recipe) -> None:
+    """Prompt + response must fit the context YaRN stretches the model to."""
+    r, d, g = recipe.model.rope_scaling, recipe.data, recipe.grpo
+    if r.type != "yarn" or d.max_prompt_tokens is None:
+        return
+    context = r.settings().max_context
+    _need(
+        d.max_prompt_tokens + g.max_new_tokens <= context,
+        "grpo.max_new_tokens",
+        f"{g.max_new_tokens} + data.max_prompt_tokens {d.max_prompt_tokens} exceed the context "
+        f"{context} of model.rope_scaling (factor x original_max_position_embeddings)",
+    )
+
+
 def _check_model_build(m: ModelSection) -> None:
     _check_rope_scaling(m)
     _need(m.precision in ("fp32", "bf16"), "model.precision", "must be fp32 or bf16")
@@ -573,6 +587,7 @@ def validate(recipe: Recipe) -> Recipe:
     _check_parallel(recipe.parallel)
     _check_model_build(recipe.model)
     _check_data_and_policy(recipe)
+    _check_yarn_context(recipe)
     _check_eval_and_the_rest(recipe)
     return recipe
 

@@ -127,6 +127,7 @@ RECIPE = "recipes/qwen3-32b-dapo17k-64k.yaml"
         ("model.rope_scaling.type=llama3", r"^model\.rope_scaling\.type: 'llama3' is not built"),
         ("model.rope_scaling.factor=0.5", r"^model\.rope_scaling\.factor: yarn: >= 1"),
         ("model.rope_scaling.original_max_position_embeddings=null", r"original_max_position"),
+        ("grpo.max_new_tokens=64513", r"^grpo\.max_new_tokens: 64513 \+ data\.max_prompt_tokens"),
     ],
 )
 def test_recipe_rope_scaling_keys_are_checked_by_name(override, message):
