@@ -210,3 +210,27 @@ def test_yarn_at_context_parallelism_is_refused_where_megatron_core_would_slice_
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"^parallel\.cp: a YaRN model at cp=2 needs CUDA"):
             rope.check_cp(spec, None)
+
+
+def test_yarn_config_fields_match_transformers_default_attention_factor():
+    import math
+    import types
+
+    from megatron_ba.megatron import rope
+
+    spec = spec_from_hf_config(qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1e6}))
+    assert rope.config_defaults(spec) == {"apply_rope_fusion": False}
+    assert rope.gpt_model_kwargs(spec) == {"position_embedding_type": "yarn", "rotary_base": 10**6}
+    config = types.SimpleNamespace(apply_rope_fusion=False)
+    rope.set_yarn_fields(config, spec)
+    assert (config.yarn_rotary_scaling_factor, config.yarn_original_max_position_embeddings) == (
+        4.0,
+        32768,
+    )
+    # megatron-core's concentration factor with these fields is transformers' 0.1 ln f + 1
+    concentration = pytest.importorskip(
+        "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding"
+    )._yarn_get_concentration_factor_from_config(config)
+    assert concentration == pytest.approx(0.1 * math.log(4.0) + 1, rel=1e-15)
+    with pytest.raises(ValueError, match=r"^apply_rope_fusion: must be false for a YaRN model"):
+        rope.set_yarn_fields(types.SimpleNamespace(apply_rope_fusion=True), spec)

@@ -25,8 +25,10 @@ get_mscale(factor, yarn_mscale_all_dim) unless either is None. yarn_mscale=1, ya
 gives (0.1 ln f + 1) / 1, transformers' default; configs that set mscale, mscale_all_dim or
 attention_factor are refused when read (megatron_ba.rope_scaling). Rounding of the rotary angles:
 both take cos / sin of position x inverse frequency in float32; tests/test_rope_yarn.py compares
-the logits. Transformer Engine's fused RoPE refuses an attention factor other than 1
-(rope_utils.apply_rotary_pos_emb), so a YaRN model is built with apply_rope_fusion=False.
+the logits. Transformer Engine's fused RoPE cannot apply an attention factor other than 1:
+rope_utils.apply_rotary_pos_emb (0.16.1, 0.19.2) falls back to the unfused path with a warning
+for [s, b, h, d] tensors but calls the fused kernel without it for packed (thd) sequences, so a
+YaRN model is built with apply_rope_fusion=False (set explicitly to true, it is refused).
 """
 
 from __future__ import annotations
