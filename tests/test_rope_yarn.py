@@ -11,10 +11,12 @@ converted (megatron_ba.conversion), built in megatron-core (local spec,
 `position_embedding_type="yarn"`, float32, CPU) and run on SEQ_LEN tokens, longer than
 original_max_position_embeddings so that positions past the original context are scored:
 
-- logits agree with transformers' float32 logits to AGREE32 (max abs difference; logits ~0.1-1);
-- negative controls, each seen to disagree by more than DISAGREE: the same weights with the
-  scaling dropped (plain RoPE, rope_scaling=None), and YaRN without its attention factor
-  (yarn_mscale 0: cos and sin not multiplied by 0.1 ln 4 + 1);
+- logits agree with transformers' float32 logits to AGREE32 (max abs difference; measured
+  7.2e-7 on both releases; logits ~0.1-1);
+- negative controls (on the first form; the second holds the same weights), each seen to
+  disagree by more than DISAGREE (measured 0.52 and 0.24): the same weights with the scaling
+  dropped (plain RoPE, rope_scaling=None), and YaRN without its attention factor (yarn_mscale 0:
+  cos and sin not multiplied by 0.1 ln 4 + 1);
 - exported back to Hugging Face, every tensor is bit-identical and config.json is the source's
   (same keys, values and JSON types: `json.dumps(..., sort_keys=True)` equal).
 """
@@ -81,7 +83,7 @@ def _megatron_logits(spec, model_dir, ids):
         return chunks[0](ids, torch.arange(s)[None], causal_mask(s)), chunks
 
 
-def _check(model_dir, export_dir) -> dict:
+def _check(model_dir, export_dir, controls: bool) -> dict:
     from unittest import mock
 
     from megatron_ba.conversion import export_chunks_to_hf, spec_from_hf_dir
@@ -94,12 +96,13 @@ def _check(model_dir, export_dir) -> dict:
     ref = _hf_logits(model_dir, ids)
     got, chunks = _megatron_logits(spec, model_dir, ids)
     r = {"yarn": float((got - ref).abs().max()), "kind": type(chunks[0].rotary_pos_emb).__name__}
-    plain, _ = _megatron_logits(spec.of(spec, rope_scaling=None), model_dir, ids)
-    r["plain_rope"] = float((plain - ref).abs().max())
-    real = rope.yarn_fields
-    with mock.patch.object(rope, "yarn_fields", lambda s: {**real(s), "yarn_mscale": 0.0}):
-        flat, _ = _megatron_logits(spec, model_dir, ids)
-    r["no_attention_factor"] = float((flat - ref).abs().max())
+    if controls:  # the same weights in both forms: the controls run on the first
+        plain, _ = _megatron_logits(spec.of(spec, rope_scaling=None), model_dir, ids)
+        r["plain_rope"] = float((plain - ref).abs().max())
+        real = rope.yarn_fields
+        with mock.patch.object(rope, "yarn_fields", lambda s: {**real(s), "yarn_mscale": 0.0}):
+            flat, _ = _megatron_logits(spec, model_dir, ids)
+        r["no_attention_factor"] = float((flat - ref).abs().max())
     export_chunks_to_hf(chunks, spec, export_dir, source_dir=model_dir)
     r["export"] = compare_folders(__import__("pathlib").Path(model_dir), export_dir)
     a, b = (json.loads((d / "config.json").read_text()) for d in (model_dir, export_dir))
@@ -115,7 +118,8 @@ def worker(rank: int, port: int, dirs: dict, out: str) -> None:
     setup(tp=1, pp=1, cp=1, seed=0, rank=rank, world_size=1, port=port)
     results = {}
     for name, d in dirs.items():
-        results[name] = _check(Path(d), Path(out).parent / f"export-{name}")
+        export = Path(out).parent / f"export-{name}"
+        results[name] = _check(Path(d), export, controls=name == "rope_parameters")
     Path(out).write_text(json.dumps(results))
     teardown()
 
@@ -140,9 +144,8 @@ def test_megatron_yarn_logits_equal_transformers_past_the_original_context(measu
     assert r["yarn"] < AGREE32, r
 
 
-@pytest.mark.parametrize("form", ["rope_parameters", "rope_scaling"])
-def test_negative_controls_disagree(measured, form):
-    r = measured[form]
+def test_negative_controls_disagree(measured):
+    r = measured["rope_parameters"]
     assert r["plain_rope"] > DISAGREE, r
     assert r["no_attention_factor"] > DISAGREE, r
 
