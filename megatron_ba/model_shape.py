@@ -157,7 +157,7 @@ class ModelShape:
             rope_theta=float(
                 cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e6
             ),
-            rope_scaling=rope_scaling_from_hf(cfg, f"--model {name}"),
+            rope_scaling=_rope_scaling_or_none(cfg, name),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=bool(cfg.get("attention_bias", not qwen3)),
             family=_family(cfg, qwen3),
@@ -278,6 +278,16 @@ class ModelShape:
             self.shared_expert_ffn_hidden_size,
         )
         return 4 * h + (q + 2 * kv) + q + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
+
+
+def _rope_scaling_or_none(cfg: dict, name: str) -> RopeScaling | None:
+    """The config's YaRN for the planner's context check; None for plain RoPE and for rope types
+    the megatron model does not build (llama3, DeepSeek's YaRN with mscale, ...): their shape and
+    memory are still estimated, without a context check (the model build refuses them by key)."""
+    try:
+        return rope_scaling_from_hf(cfg, f"--model {name}")
+    except ValueError:
+        return None
 
 
 def _shared_ffn(cfg: dict) -> int:

@@ -116,6 +116,9 @@ def test_spec_json_and_shape_carry_the_scaling():
     assert (plain.max_context, yarn.max_context) == (4096, 131072)
     shape = ModelShape.from_hf_config(qwen3_config(rope_parameters={**QWEN3_YARN, "rope_theta": 1}))
     assert shape.rope_scaling.factor == 4.0 and shape.max_context == 131072
+    # the planner still estimates a model whose rope type is not built here (no context check)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}
+    assert ModelShape.from_hf_config(qwen3_config(rope_parameters=llama3)).rope_scaling is None
 
 
 RECIPE = "recipes/qwen3-32b-dapo17k-64k.yaml"
