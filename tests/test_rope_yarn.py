@@ -1,6 +1,6 @@
 """YaRN RoPE scaling: a Hugging Face Qwen3 with YaRN, converted, gives transformers' logits.
 
-    python -m pytest tests/test_rope_yarn.py      # one spawned process (~30-50 s on 2 busy cores)
+    python -m pytest tests/test_rope_yarn.py      # one spawned process (~25 s on 2 cores)
 
 Two tiny random `Qwen3ForCausalLM` checkpoints saved by transformers with YaRN (factor 4 over
 original_max_position_embeddings 128, max_position_embeddings 512, rope_theta 10000: the
@@ -23,14 +23,17 @@ original_max_position_embeddings so that positions past the original context are
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("transformers")
+# found, not imported: the spawned worker imports them (the parent would pay the imports twice)
+for _name in ("megatron.core", "transformers"):
+    if importlib.util.find_spec(_name.split(".")[0]) is None:
+        pytest.skip(f"{_name} is not installed", allow_module_level=True)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -110,11 +113,12 @@ def _check(model_dir, export_dir, controls: bool) -> dict:
     return r
 
 
-def worker(rank: int, port: int, dirs: dict, out: str) -> None:
+def worker(rank: int, port: int, root: str, out: str) -> None:
     from pathlib import Path
 
     from megatron_ba.megatron.startup import setup, teardown
 
+    dirs = build_checkpoints(Path(root))
     setup(tp=1, pp=1, cp=1, seed=0, rank=rank, world_size=1, port=port)
     results = {}
     for name, d in dirs.items():
@@ -129,9 +133,8 @@ def measured(tmp_path_factory):
     from megatron_ba.parallel.world import free_port, spawn
 
     root = tmp_path_factory.mktemp("yarn")
-    dirs = build_checkpoints(root)
     out = root / "results.json"
-    spawn(worker, 1, (free_port(), dirs, str(out)))
+    spawn(worker, 1, (free_port(), str(root), str(out)))
     results = json.loads(out.read_text())
     print(json.dumps(results, indent=1), file=sys.stderr)
     return results
