@@ -10,7 +10,8 @@ scripts/gpu_check.py read it without importing torch. The model builder
 initialisation, megatron-core config overrides); the planner (megatron_ba.planning) computes
 memory and FLOPs from it.
 
-The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE, grouped-query
+The architecture is Qwen2's or Qwen3's: RMSNorm, SwiGLU MLP without biases, RoPE (plain or
+scaled by YaRN: `rope_scaling`), grouped-query
 attention with a bias on the fused QKV projection (Qwen2) or RMSNorms on each q and k head (Qwen3,
 `qk_layernorm`), an explicit head dimension (`kv_channels`), tied or untied output layer. Field
 names follow megatron-core where they overlap (Hugging Face's num_key_value_heads is
@@ -20,6 +21,8 @@ num_query_groups, intermediate_size is ffn_hidden_size, head_dim is kv_channels)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from megatron_ba.rope_scaling import RopeScaling, coerce, rope_scaling_from_hf
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 _POSITIVE = (
@@ -40,7 +43,9 @@ class ModelShape:
     family: "qwen2" (Qwen2 / Qwen2.5: QKV bias) or "qwen3" (q/k RMSNorm, no QKV bias); it names
     the Hugging Face conversion table and does not change the build: the flags do. kv_channels:
     the head dimension when it is not hidden / heads (Qwen3); None means hidden_size //
-    num_attention_heads. tie_word_embeddings: the output layer reuses the embedding. name: a
+    num_attention_heads. tie_word_embeddings: the output layer reuses the embedding.
+    rope_scaling: None (plain RoPE) or megatron_ba.rope_scaling.RopeScaling (YaRN; a dict of its
+    fields is read as one); it changes no parameter or memory count, only `max_context`. name: a
     label (a preset's name, a config.json's path); it takes no part in comparisons.
     """
 
@@ -58,6 +63,7 @@ class ModelShape:
     qk_layernorm: bool = False
     kv_channels: int | None = None
     tie_word_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
     name: str = field(default="model", compare=False)
     # Mixture of experts (0 experts: dense). A MoE layer's MLP is a router over `num_experts`
     # SwiGLU experts of `moe_ffn_hidden_size`, `moe_router_topk` per token, plus a shared expert
@@ -95,6 +101,7 @@ class ModelShape:
                 f"num_query_groups: {self.num_query_groups} must divide num_attention_heads "
                 f"({self.num_attention_heads})"
             )
+        object.__setattr__(self, "rope_scaling", coerce(self.rope_scaling))
         if self.moe_layer_pattern is not None:  # a JSON list read back from a checkpoint
             object.__setattr__(self, "moe_layer_pattern", tuple(self.moe_layer_pattern))
         if self.num_experts:
@@ -147,7 +154,10 @@ class ModelShape:
             num_query_groups=int(cfg.get("num_key_value_heads") or heads),
             ffn_hidden_size=int(cfg["intermediate_size"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            rope_theta=float(cfg.get("rope_theta", 1_000_000.0)),
+            rope_theta=float(
+                cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e6
+            ),
+            rope_scaling=_rope_scaling_or_none(cfg, name),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qkv_bias=bool(cfg.get("attention_bias", not qwen3)),
             family=_family(cfg, qwen3),
@@ -160,6 +170,14 @@ class ModelShape:
             shared_expert_ffn_hidden_size=_shared_ffn(cfg) if experts else 0,
             name=name,
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the position embedding is made for: max_position_embeddings, or
+        with YaRN factor x original_max_position_embeddings when that is longer."""
+        if self.rope_scaling is None:
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings, self.rope_scaling.max_context)
 
     @property
     def head_dim(self) -> int:
@@ -260,6 +278,16 @@ class ModelShape:
             self.shared_expert_ffn_hidden_size,
         )
         return 4 * h + (q + 2 * kv) + q + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
+
+
+def _rope_scaling_or_none(cfg: dict, name: str) -> RopeScaling | None:
+    """The config's YaRN for the planner's context check; None for plain RoPE and for rope types
+    the megatron model does not build (llama3, DeepSeek's YaRN with mscale, ...): their shape and
+    memory are still estimated, without a context check (the model build refuses them by key)."""
+    try:
+        return rope_scaling_from_hf(cfg, f"--model {name}")
+    except ValueError:
+        return None
 
 
 def _shared_ffn(cfg: dict) -> int:

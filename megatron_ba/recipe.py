@@ -38,6 +38,26 @@ NOT_IMPLEMENTED: dict[str, str] = {}
 
 
 @dataclass
+class RopeScalingSection:
+    """RoPE scaling the checkpoint's config.json must have (megatron_ba.rope_scaling): the recipe
+    states it and the run refuses a checkpoint that says otherwise. type: null (the checkpoint
+    decides), `default` (plain RoPE) or `yarn` (with factor and original_max_position_embeddings,
+    as Qwen documents them; needs model.pretrained: a fresh model has plain RoPE)."""
+
+    type: str | None = None
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def settings(self):
+        """The RopeScaling it names (None for null or default)."""
+        from megatron_ba.rope_scaling import RopeScaling
+
+        if self.type != "yarn":
+            return None
+        return RopeScaling(self.factor, self.original_max_position_embeddings, type=self.type)
+
+
+@dataclass
 class ModelSection:
     """The policy: a Hugging Face checkpoint (`pretrained`), or a fresh Qwen2-shaped decoder
     (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, untied output layer) of the shape keys below."""
@@ -51,6 +71,7 @@ class ModelSection:
     max_position_embeddings: int | None = None
     rope_theta: float | None = None
     norm_eps: float | None = None
+    rope_scaling: RopeScalingSection = field(default_factory=RopeScalingSection)
     init_std: float = 0.02
     # fp32 | bf16 (CUDA only: bf16 parameters, fp32 main weights, megatron-core's distributed
     # optimiser); megatron_ba.megatron.build_options checks it against the rank's device.
@@ -426,7 +447,41 @@ def _check_parallel(p: ParallelSection) -> None:
     )
 
 
+def _check_rope_scaling(m: ModelSection) -> None:
+    r = m.rope_scaling
+    _need(
+        r.type in (None, "default", "yarn"),
+        "model.rope_scaling.type",
+        f"{r.type!r} is not built by the model here (null: the checkpoint's, default, yarn)",
+    )
+    if r.type != "yarn":
+        for key in ("factor", "original_max_position_embeddings"):
+            _need(getattr(r, key) is None, f"model.rope_scaling.{key}", "needs type: yarn")
+        return
+    _need(r.factor is not None and r.factor >= 1, "model.rope_scaling.factor", "yarn: >= 1")
+    omp = r.original_max_position_embeddings
+    _need(omp is not None and omp >= 1, "model.rope_scaling.original_max_position_embeddings",
+          "yarn: the pretraining context, >= 1")  # fmt: skip
+    _need(m.pretrained is not None, "model.rope_scaling.type",
+          "yarn needs model.pretrained (a fresh model has plain RoPE)")  # fmt: skip
+
+
+def _check_yarn_context(recipe: Recipe) -> None:
+    """Prompt + response must fit the context YaRN stretches the model to."""
+    r, d, g = recipe.model.rope_scaling, recipe.data, recipe.grpo
+    if r.type != "yarn" or d.max_prompt_tokens is None:
+        return
+    context = r.settings().max_context
+    _need(
+        d.max_prompt_tokens + g.max_new_tokens <= context,
+        "grpo.max_new_tokens",
+        f"{g.max_new_tokens} + data.max_prompt_tokens {d.max_prompt_tokens} exceed the context "
+        f"{context} of model.rope_scaling (factor x original_max_position_embeddings)",
+    )
+
+
 def _check_model_build(m: ModelSection) -> None:
+    _check_rope_scaling(m)
     _need(m.precision in ("fp32", "bf16"), "model.precision", "must be fp32 or bf16")
     _need(
         m.transformer_impl in ("auto", "local", "transformer_engine"),
@@ -532,6 +587,7 @@ def validate(recipe: Recipe) -> Recipe:
     _check_parallel(recipe.parallel)
     _check_model_build(recipe.model)
     _check_data_and_policy(recipe)
+    _check_yarn_context(recipe)
     _check_eval_and_the_rest(recipe)
     return recipe
 

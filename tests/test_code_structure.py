@@ -229,8 +229,9 @@ CORE = frozenset(
     {"errors", "rules", "_checks", "aggregation", "advantages", "loss", "diagnostics"}
     | {"rollout_correction"}
 )
-# The model's shape and its presets: pure Python that every layer above the math may read.
-SHAPE = frozenset({"model_shape"})
+# The model's shape, its presets and its RoPE scaling settings: pure Python that every layer
+# above the math may read.
+SHAPE = frozenset({"model_shape", "rope_scaling"})
 # Folder (or top-level module of megatron_ba, or benchmarks / scripts) -> what it may import
 # besides itself. Read bottom-up: core <- parallel <- megatron <- conversion / generation <-
 # train <- commands; recipe.py is a schema the others read and imports none of them.
@@ -244,7 +245,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "diagnostics": frozenset({"_checks", "aggregation"}),
     "rollout_correction": frozenset({"loss", "rules"}),
     "megatron_ba": frozenset({"rules", "aggregation", "advantages", "loss", "diagnostics"}),
-    "model_shape": frozenset(),
+    "model_shape": frozenset({"rope_scaling"}),
+    "rope_scaling": frozenset(),
     "recipe": frozenset({"errors", "rules"}) | SHAPE,
     "tokenization": frozenset({"errors"}),
     "rewards": frozenset({"errors"}),

@@ -195,7 +195,10 @@ def test_qwen2spec_name_still_builds_the_qwen2_shape():
     "change, match",
     [
         ({"model_type": "llama"}, "model_type"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+            "rope_parameters.rope_type 'llama3'",
+        ),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_theta": 5.0}, "disagrees"),

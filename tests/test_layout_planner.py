@@ -207,7 +207,7 @@ def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):
     seen = {}
     monkeypatch.setattr(rollouts, "VLLMEngine", lambda *a, **kw: seen.update(kw))
     recipe = load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["rollout.gpu_memory_utilization=0.45"])
-    policy = types.SimpleNamespace(spec=types.SimpleNamespace(max_position_embeddings=64))
+    policy = types.SimpleNamespace(spec=types.SimpleNamespace(max_context=64))
     rollouts._vllm_engine(recipe, ROOT, policy, None)
     assert seen["gpu_memory_utilization"] == 0.45
 

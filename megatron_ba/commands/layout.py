@@ -6,7 +6,10 @@
         --gpu H100 --seq-len 10240 --tp 4 --pp 2 --ep 8 --recompute full --json
 
 Models: the presets of megatron_ba.model_shape.PRESETS (dense and MoE), or any HF config.json
-(or a folder holding one) through --model or --model-config. The estimate's terms and
+(or a folder holding one) through --model or --model-config. RoPE scaling (YaRN, from the
+config.json or --yarn FACTOR,ORIGINAL) changes no memory term, only the context: a sequence longer
+than factor x original is refused (without scaling no context is checked: the presets'
+max_position_embeddings are not the models'). The estimate's terms and
 assumptions: megatron_ba/planning/memory.py; its verdicts against public runs that ran or went
 out of memory: docs/cluster-planning.md. Exit status: 0 a layout fits, 1 none does (with
 --json the closest is printed, "fits" false), 2 a bad option.
@@ -15,6 +18,7 @@ out of memory: docs/cluster-planning.md. Exit status: 0 a layout fits, 1 none do
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -22,6 +26,7 @@ from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
 from megatron_ba.planning.memory import LOGPROBS, RECOMPUTE, VLLMShare, load_model
 from megatron_ba.planning.verdict import GPU_MEMORY_GIB, gpu_memory_gib
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
+from megatron_ba.rope_scaling import RopeScaling
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-response-len", type=int, help="tokens per response")
     p.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt (default 512)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (prompt + response; SFT)")
+    p.add_argument(
+        "--yarn",
+        metavar="FACTOR,ORIGINAL",
+        help=(
+            "YaRN RoPE scaling, as config.json's rope_scaling would set it (e.g. 2,32768 for "
+            "Qwen3 at 64K): memory is unchanged, the context becomes FACTOR x ORIGINAL"
+        ),
+    )
     p.add_argument("--group-size", type=int, help="responses per prompt (grpo.group_size)")
     p.add_argument("--prompts-per-step", type=int, help="prompts per step (grpo.prompts_per_step)")
     p.add_argument(
@@ -160,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         _check(args)
         offload, cpu_adam = parse_offload(args.offload)
         gpu_mem = args.gpu_mem if args.gpu_mem is not None else gpu_memory_gib(args.gpu)
-        shape = load_model(args.model or args.model_config)
+        shape = _with_yarn(load_model(args.model or args.model_config), args)
     except ValueError as e:
         print(f"layout: {e}", file=sys.stderr)
         return 2
@@ -201,12 +214,36 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"layout: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(plan.to_json(), indent=2) if args.json else _text(plan))
+    j = plan.to_json()
+    j["max_context"] = shape.max_context if shape.rope_scaling is not None else None
+    j["rope_scaling"] = None if shape.rope_scaling is None else shape.rope_scaling.hf_fields()
+    print(json.dumps(j, indent=2) if args.json else _text(j))
     return 0
 
 
-def _text(plan) -> str:
-    j = plan.to_json()
+def _with_yarn(shape, args: argparse.Namespace):
+    """`shape` with --yarn's scaling; ValueError when the sequence outgrows a scaled context."""
+    if args.yarn is not None:
+        try:
+            factor, original = args.yarn.split(",")
+            scaling = RopeScaling(float(factor), int(original))
+        except ValueError as e:
+            raise ValueError(f"--yarn {args.yarn}: FACTOR,ORIGINAL such as 2,32768 ({e})") from None
+        shape = dataclasses.replace(shape, rope_scaling=scaling)
+    if shape.rope_scaling is None:
+        return shape
+    seq = args.seq_len or args.prompt_len + args.max_response_len
+    s = shape.rope_scaling
+    if seq > shape.max_context:
+        flag = "--seq-len" if args.seq_len else "--max-response-len + --prompt-len"
+        raise ValueError(
+            f"{flag}: {seq} tokens exceed the model's context {shape.max_context} (YaRN factor "
+            f"{s.factor:g} x original_max_position_embeddings {s.original_max_position_embeddings})"
+        )
+    return shape
+
+
+def _text(j: dict) -> str:
     b = j["breakdown_gib"]
     lines = [
         f"{j['model']} ({j['params_billion']} B parameters) on {j['nodes']} x {j['gpus_per_node']}"
@@ -226,6 +263,14 @@ def _text(plan) -> str:
         f"    CUDA context, NCCL buffers, fragmentation {b['overhead']}",
         "  recipe overrides: " + " ".join(j["overrides"]),
     ]
+    r = j["rope_scaling"]
+    if r is not None:
+        omp = r["original_max_position_embeddings"]
+        lines.insert(
+            1,
+            f"  context: {j['max_context']} tokens (YaRN factor {r['factor']:g} x {omp}; the "
+            "memory estimate is the plain-RoPE model's)",
+        )
     for a in j["alternatives"]:
         lines.append(
             f"  also fits: tp={a['tp']} pp={a['pp']} cp={a['cp']} dp={a['dp']} "

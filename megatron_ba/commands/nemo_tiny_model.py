@@ -33,6 +33,11 @@ def nemo_model_config(spec, tokenizer_dir: Path) -> dict:
     and 2 and the embedding's shape, hence the checkpoint, does not depend on the layout."""
     if spec.vocab_size % 2:
         raise ValueError(f"spec.vocab_size: {spec.vocab_size} is odd; NeMo would pad it per TP")
+    if spec.rope_scaling is not None:
+        raise ValueError(
+            f"spec.rope_scaling: {spec.rope_scaling.type} is not written into NeMo's config here "
+            "(plain RoPE only)"
+        )
     fusions_off = dict.fromkeys(
         ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_add_fusion",
          "apply_rope_fusion", "gradient_accumulation_fusion", "persist_layer_norm"), False

@@ -22,6 +22,7 @@ script that saves must guard its entry point (`if __name__ == "__main__":`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,6 +47,8 @@ def spec_to_json(spec) -> dict:
     skip = ("config_overrides", "name")
     out = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name not in skip}
     out["params_dtype"] = DTYPE_NAMES[spec.params_dtype]
+    if spec.rope_scaling is not None:  # read back as a dict (ModelShape coerces it)
+        out["rope_scaling"] = dataclasses.asdict(spec.rope_scaling)
     return {"format_version": FORMAT_VERSION, "spec": out}
 
 

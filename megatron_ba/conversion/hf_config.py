@@ -4,8 +4,11 @@ transformers 5 keeps RoPE settings in `rope_parameters` ({"rope_type", "rope_the
 most hub configs have a top-level `rope_theta`. Both are read (they must agree when both exist);
 a config written from scratch gets both, so that either transformers generation reads the same
 theta (5.x prefers `rope_parameters`, 4.x ignores it and would otherwise fall back to 10000).
-Features the megatron model here does not build (rope scaling, sliding windows, activations other
-than SiLU) are refused with the field named, never silently dropped.
+RoPE scaling (YaRN) is read by megatron_ba.rope_scaling from either `rope_parameters` or 4.x's
+`rope_scaling` and written back in the form the source used (a source whose settings the spec
+keeps is left as it was, so HF -> megatron -> HF gives its config.json back unchanged). Features the
+megatron model here does not build (other rope types, sliding windows, activations other than
+SiLU) are refused with the field named, never silently dropped.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from megatron_ba.rope_scaling import RopeScaling, rope_scaling_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -25,15 +30,8 @@ def _field(cfg: dict, key: str, where: str):
 
 
 def rope_theta(cfg: dict, where: str = "config.json") -> float:
+    """RoPE's base: rope_parameters.rope_theta or the top-level rope_theta (they must agree)."""
     params = cfg.get("rope_parameters") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    scaling = cfg.get("rope_scaling")
-    scaled = scaling and scaling.get("rope_type", scaling.get("type")) != "default"
-    if rope_type != "default" or scaled:
-        raise ValueError(
-            f"{where}: rope scaling ({params or scaling}) is not supported by the megatron model "
-            "here (plain RoPE only)"
-        )
     nested, top = params.get("rope_theta"), cfg.get("rope_theta")
     if nested is not None and top is not None and float(nested) != float(top):
         raise ValueError(
@@ -45,13 +43,24 @@ def rope_theta(cfg: dict, where: str = "config.json") -> float:
     return float(theta)
 
 
-def set_rope_theta(cfg: dict, theta: float) -> None:
-    """Write theta where `cfg` keeps it (both places for a config written from scratch)."""
+def set_rope(cfg: dict, theta: float, scaling: RopeScaling | None = None) -> None:
+    """Write theta and the scaling where `cfg` keeps them (both forms for a config written from
+    scratch); a config that already says exactly this is left as it is."""
+    try:
+        if rope_theta(cfg) == theta and rope_scaling_from_hf(cfg) == scaling:
+            return
+    except ValueError:
+        pass  # settings the spec replaces
     has_nested, has_top = "rope_parameters" in cfg, "rope_theta" in cfg
+    fields = scaling.hf_fields() if scaling is not None else {"rope_type": "default"}
     if has_nested or not has_top:
-        cfg["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+        cfg["rope_parameters"] = {"rope_theta": theta, **fields}
     if has_top or not has_nested:
         cfg["rope_theta"] = theta
+    if scaling is not None and (has_top or not has_nested or "rope_scaling" in cfg):
+        cfg["rope_scaling"] = scaling.hf_fields()
+    elif cfg.get("rope_scaling"):
+        cfg["rope_scaling"] = None
 
 
 def dtype(cfg: dict) -> torch.dtype:
@@ -84,6 +93,7 @@ def common_spec_fields(cfg: dict, family: str) -> dict[str, Any]:
         kv_channels=None if head_dim is None else int(head_dim),
         max_position_embeddings=int(_field(cfg, "max_position_embeddings", where)),
         rope_theta=rope_theta(cfg, where),
+        rope_scaling=rope_scaling_from_hf(cfg, where),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         init_std=float(cfg.get("initializer_range", 0.02)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -114,7 +124,9 @@ def common_config_fields(spec, table) -> dict[str, Any]:
     return cfg
 
 
-def merged_config(spec_fields: dict, theta: float, base: dict | None) -> dict:
+def merged_config(
+    spec_fields: dict, theta: float, base: dict | None, scaling: RopeScaling | None = None
+) -> dict:
     """`base` (the source checkpoint's config.json, kept for the fields a spec does not hold:
     token ids, transformers_version, ...) updated with the spec's fields; from scratch without."""
     cfg = dict(base or {"attention_dropout": 0.0, "use_sliding_window": False})
@@ -127,5 +139,5 @@ def merged_config(spec_fields: dict, theta: float, base: dict | None) -> dict:
             if spec_fields["head_dim"] == hidden // heads:  # implied: keep the source's form
                 spec_fields = {k: v for k, v in spec_fields.items() if k != "head_dim"}
     cfg.update(spec_fields)
-    set_rope_theta(cfg, theta)
+    set_rope(cfg, theta, scaling)
     return cfg

@@ -54,4 +54,4 @@ def config_from_spec(spec, base: dict | None = None) -> dict:
             f"(got qkv_bias={spec.qkv_bias}, qk_layernorm={spec.qk_layernorm})"
         )
     fields = hf_config.common_config_fields(spec, TABLE)
-    return hf_config.merged_config(fields, float(spec.rope_theta), base)
+    return hf_config.merged_config(fields, float(spec.rope_theta), base, spec.rope_scaling)

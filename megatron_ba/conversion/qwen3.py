@@ -51,4 +51,4 @@ def config_from_spec(spec, base: dict | None = None) -> dict:
     fields = hf_config.common_config_fields(spec, TABLE)
     fields["head_dim"] = spec.head_dim
     fields["attention_bias"] = False
-    return hf_config.merged_config(fields, float(spec.rope_theta), base)
+    return hf_config.merged_config(fields, float(spec.rope_theta), base, spec.rope_scaling)

@@ -122,4 +122,4 @@ def config_from_spec(spec, base: dict | None = None) -> dict:
         **{key: spec.num_experts},
         **_sparse_fields(spec, base),
     )
-    return hf_config.merged_config(fields, float(spec.rope_theta), base)
+    return hf_config.merged_config(fields, float(spec.rope_theta), base, spec.rope_scaling)

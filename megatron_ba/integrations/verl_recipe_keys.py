@@ -20,7 +20,9 @@ _WARMSTART = (
 LOCAL_ONLY: dict[str, str] = {
     **{f"model.{k}": _SHAPE for k in (
         "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-        "ffn_hidden_size", "max_position_embeddings", "rope_theta", "norm_eps")},
+        "ffn_hidden_size", "max_position_embeddings", "rope_theta", "norm_eps",
+        "rope_scaling.type", "rope_scaling.factor",
+        "rope_scaling.original_max_position_embeddings")},
     "model.init_std": _WARMSTART,
     "model.attention": "the local spec's core attention (verl's megatron uses its own)",
     "tokenizer.vocab_size": "the trained BPE's (verl uses the checkpoint's tokenizer)",

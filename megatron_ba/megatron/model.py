@@ -6,8 +6,8 @@
     chunks = build_model_chunks(spec)                # [DDP(GPTModel)] for this rank's stage
     load_full_state_dict(chunks, full_init_state_dict(spec, seed=0))  # parallel.full_shape
 
-The architecture is megatron_ba.model_shape's (Qwen2 / Qwen3 / Qwen3-MoE; RoPE not interleaved;
-MoE layers: `moe_config_fields`, `moe_layer_spec`).
+The architecture is megatron_ba.model_shape's (Qwen2 / Qwen3 / Qwen3-MoE; RoPE not interleaved,
+or YaRN: megatron_ba.megatron.rope; MoE layers: `moe_config_fields`, `moe_layer_spec`).
 By default it is built from megatron-core's `get_gpt_layer_local_spec()` (no Transformer Engine),
 so it runs on CPU with megatron_ba.megatron.cpu_compat installed; on GPUs pass a Transformer Engine
 layer spec (`layer_spec=`) for fused kernels and context-parallel attention
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_ba.megatron import cpu_compat
+from megatron_ba.megatron import cpu_compat, rope
 from megatron_ba.model_shape import PRESETS, ModelShape
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.full_shape import unwrap
@@ -114,9 +114,12 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
         if cpu:
             cpu_compat.install_moe()
         kwargs.update(moe_config_fields(spec, cpu=cpu))
+    kwargs.update(rope.config_defaults(spec))
     kwargs.update(spec.config_overrides)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    rope.set_yarn_fields(config, spec)
+    return config
 
 
 def moe_config_fields(spec: ModelSpec, *, cpu: bool) -> dict[str, Any]:
@@ -212,6 +215,8 @@ def build_gpt_model(
         )
     elif spec.num_experts:
         _check_moe_layer_spec(layer_spec)
+    rope.set_yarn_fields(config, spec)  # a config built elsewhere
+    rope.check_cp(spec, pg_collection)
     kwargs: dict[str, Any] = {}
     if pg_collection is not None:  # megatron-core >= 0.14 only
         kwargs["pg_collection"] = pg_collection
@@ -228,8 +233,7 @@ def build_gpt_model(
         # Tied: at PP > 1 the last stage holds a copy of the embedding that megatron-core
         # all-reduces at build time with `.cuda()` (0.16.1): tied models need PP=1 on CPU.
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta),
+        **rope.gpt_model_kwargs(spec),
         **kwargs,
     )
 

@@ -143,9 +143,11 @@ def build_tiny_qwen3(
     intermediate_size: int = TINY_QWEN3.ffn_hidden_size,
     max_position_embeddings: int = TINY_QWEN3.max_position_embeddings,
     seed: int = 0,
+    **config,
 ) -> Path:
     """Write a random Qwen3ForCausalLM (q/k RMSNorm, no QKV bias, explicit head_dim, tied
-    embeddings) and its tokenizer to `out_dir`; return the path."""
+    embeddings) and its tokenizer to `out_dir`; return the path. `config`: further Qwen3Config
+    fields (e.g. rope_parameters with YaRN)."""
     if head_dim < 32:
         raise ValueError(f"head_dim: must be >= 32 (vLLM CPU attention), got {head_dim}")
     return _write_tiny(
@@ -160,6 +162,7 @@ def build_tiny_qwen3(
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
+        **config,
     )
 
 

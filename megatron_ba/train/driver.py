@@ -104,7 +104,7 @@ class Trainer:
                 self.task,
                 recipe,
                 self.tokenizer,
-                context=self.policy.spec.max_position_embeddings,
+                context=self.policy.spec.max_context,
             )
         if resume:
             self.rollouts.sync(self.policy)  # the engine starts from the checkpoint's weights

@@ -45,6 +45,15 @@ def check_shape_keys(recipe: Recipe, spec, source: Path) -> None:
                 f"model.{key}: the recipe says {value} but {source}/config.json says {have}; "
                 f"remove model.{key} (the checkpoint decides the architecture)"
             )
+    rope = recipe.model.rope_scaling
+    if rope.type is not None and rope.settings() != spec.rope_scaling:
+        have = "plain RoPE" if spec.rope_scaling is None else spec.rope_scaling.hf_fields()
+        want = "plain RoPE" if rope.type == "default" else rope.settings().hf_fields()
+        raise ValueError(
+            f"model.rope_scaling: the recipe says {want} but {source}/config.json says {have}; "
+            "set rope_scaling in config.json as the recipe's header says (the checkpoint decides "
+            "the architecture; vLLM reads the same file)"
+        )
 
 
 class Policy:

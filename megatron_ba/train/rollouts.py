@@ -245,7 +245,7 @@ def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
     return VLLMEngine(
         str(hf_dir),
         in_process=r.in_process,
-        max_model_len=policy.spec.max_position_embeddings,
+        max_model_len=policy.spec.max_context,  # with YaRN: factor x original
         seed=recipe.seed,
         kv_cache_gb=r.kv_cache_gb,
         threads=r.threads,

@@ -1,6 +1,6 @@
 """Rewards and evaluation of a local GRPO run (rank 0).
 
-    scorer = Scorer(task, recipe, tokenizer, context=policy.spec.max_position_embeddings)
+    scorer = Scorer(task, recipe, tokenizer, context=policy.spec.max_context)
     rewards = scorer.score(prompts, samples)          # one float per sample, prompt-major
     metrics = scorer.evaluate(rollouts, seed=s)       # the metrics.jsonl keys of an evaluation
 

@@ -15,7 +15,7 @@ import yaml
 from conftest import REPO, needs_nemo
 
 from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
-from megatron_ba.recipe import load_recipe
+from megatron_ba.recipe import RopeScalingSection, load_recipe
 
 CONF = REPO / "megatron_ba/integrations/nemo_aligner/conf/gpt_grpo_balanced.yaml"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -50,6 +50,13 @@ def test_every_recipe_translates_to_keys_of_the_shipped_config(path):
         with pytest.raises(ValueError, match=r"^model\.pretrained: NeMo-Aligner restores a .nemo"):
             recipe_to_nemo_overrides(recipe)
         recipe = load_recipe(path, [f"model.pretrained={recipe.model.pretrained}.nemo"])
+        if recipe.model.rope_scaling.type is not None:  # the long-context recipes' YaRN
+            with pytest.raises(ValueError, match=r"^model\.rope_scaling: the nemo_aligner"):
+                recipe_to_nemo_overrides(recipe)
+            recipe = load_recipe(path, [f"model.pretrained={recipe.model.pretrained}"])
+            recipe = dataclasses.replace(
+                recipe, model=dataclasses.replace(recipe.model, rope_scaling=RopeScalingSection())
+            )
         got = _as_dict(recipe_to_nemo_overrides(recipe))
         assert got["pretrained_checkpoint.restore_from_path"].endswith(".nemo")
         return

@@ -46,6 +46,11 @@ def recipe_to_nemo_overrides(
     devices = recipe.parallel.tp * recipe.parallel.pp if devices is None else devices
     step_sequences, dp = _sequences_per_optimizer_step(recipe, num_nodes, devices)
     restore = _restore_path(recipe.model.pretrained, hf_checkpoint)
+    if recipe.model.rope_scaling.type is not None:
+        raise ValueError(
+            "model.rope_scaling: the nemo_aligner backend restores a .nemo whose own config "
+            "decides the position embedding (this translation writes no RoPE scaling); leave it out"
+        )
     pairs = [
         ("trainer.num_nodes", num_nodes),
         ("trainer.devices", devices),
