@@ -97,3 +97,19 @@ def test_impossible_expert_layouts_are_refused_naming_the_flag(layout, flag):
 
     with pytest.raises(ValueError, match=flag):
         check_layout_possible(layout, CORE)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--model", "tiny-moe", "--tp", "2", "--dp", "2", "--ep", "2"], "--tp"),
+        (["--dp", "2", "--ep", "2"], "--ep"),
+        (["--dp", "2", "--negative-control-experts"], "--negative-control-experts"),
+        (["--model", "tiny-moe", "--dp", "2", "--ep", "0"], "--ep"),
+    ],
+)
+def test_check_layout_command_refuses_impossible_expert_layouts(args, flag, capsys):
+    from megatron_ba.cli import main
+
+    assert main(["check-layout", *args]) == 2  # refused before any launch
+    assert flag in capsys.readouterr().err
