@@ -107,6 +107,8 @@ def _tp_of(name: str) -> tuple[int, int, object]:
 def global_expert_names(names) -> dict[str, str]:
     """Local full name -> the name with the global expert number, for this rank's experts
     (EP rank r of size n per layer: local j is r*n + j); other names map to themselves."""
+    if not any(LOCAL_EXPERT.match(name) for name in names):
+        return {name: name for name in names}
     from megatron.core import parallel_state as ps
 
     ep_rank = ps.get_expert_model_parallel_rank()
@@ -205,8 +207,9 @@ def gather_full_state_dict(
             t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=group)
         # a copy: buffers change at the next step
         (experts if is_expert_name(name) else local)[names[name]] = t.to(param.dtype).clone()
-    ep_group = parallel_state.get_expert_model_parallel_group()
-    local.update(collectives.gather_pipeline_stages(experts, group=ep_group))
+    if experts:  # every rank of an EP group holds experts (the same layers)
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        local.update(collectives.gather_pipeline_stages(experts, group=ep_group))
     merged = collectives.gather_pipeline_stages(local, group=pp_group)
     return {k: v.cpu() for k, v in sorted(merged.items(), key=lambda kv: _order(kv[0]))}
 
