@@ -260,3 +260,15 @@ def test_hf_to_te_names_and_back_is_the_identity(family):
     )
     with pytest.raises(KeyError, match="layernorm_weight"):
         dict(hf_named_tensors(te, spec))
+
+
+def test_a_moe_spec_gets_the_moe_block_spec_from_its_config():
+    """A mixture-of-experts spec's layer spec follows its TransformerConfig (moe_layer_freq):
+    without one it is refused by name. With one it is model.moe_layer_spec(config), which the
+    MoE layout check (tests/test_moe_layout.py) and tests/test_moe_aux_loss.py build through."""
+    from megatron_ba.megatron.model import ModelSpec
+    from megatron_ba.model_shape import PRESETS
+
+    spec = ModelSpec.of(PRESETS["tiny-moe"])
+    with pytest.raises(ValueError, match=r"^config: a mixture-of-experts layer spec"):
+        resolve_build_options(device=CPU).layer_spec(spec)

@@ -8,6 +8,7 @@
     megatron-ba check-layout --pp 2 --dp 2 --sequences 14 --token-budget 40 --rule balanced
     megatron-ba check-layout --tp 2 --micro-batches 2 --attention sdpa
     megatron-ba check-layout --dp 2 --micro-batches 3 --rollout-correction sequence_reject
+    megatron-ba check-layout --model tiny-moe --dp 4 --ep 2 --micro-batches 3 --rule balanced
 
 Launches tp*pp*cp*dp gloo processes on CPU with a tiny Qwen2-shaped megatron-core GPTModel
 (RMSNorm, SwiGLU, RoPE, GQA), runs one GRPO forward/backward on a fixed synthetic batch
@@ -52,6 +53,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (loss level on CPU)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    p.add_argument(
+        "--model",
+        choices=("debug", "tiny-moe"),
+        default="debug",
+        help="the checked model: the dense debug preset, or the tiny-moe preset (8 experts, "
+        "top-2, untied embeddings, router aux loss off)",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (tiny-moe), carved out of DP x CP as megatron-core does",
+    )
+    p.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert-tensor-parallel size (tiny-moe; default: megatron-core's, the TP size)",
+    )
     p.add_argument(
         "--micro-batches",
         type=int,
@@ -101,6 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="check a deliberately wrong loss (normalised per micro-batch, as NeMo-Aligner "
         "does): passes with one micro-batch for the whole batch, fails otherwise",
     )
+    p.add_argument(
+        "--negative-control-experts",
+        action="store_true",
+        help="check a deliberately wrong expert-gradient reduction (each rank keeps its own "
+        "experts' gradients, not summed over the expert-data-parallel group): passes where "
+        "expert-DP is 1, fails otherwise",
+    )
 
 
 def unsupported_megatron_core() -> str | None:
@@ -136,7 +163,16 @@ def run(args: argparse.Namespace) -> int:
     if unsupported:
         print(f"check-layout: {unsupported}", file=sys.stderr)
         return 2
-    layout = Layout(tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, attention=args.attention)
+    layout = Layout(
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        dp=args.dp,
+        attention=args.attention,
+        model=args.model,
+        ep=args.ep,
+        etp=args.etp,
+    )
     case = Case(
         rule=args.rule,
         num_microbatches=args.micro_batches,
@@ -145,8 +181,11 @@ def run(args: argparse.Namespace) -> int:
         normalization="per_microbatch" if args.negative_control else "plan",
         token_budget=args.token_budget,
         rollout_correction=args.rollout_correction,
+        expert_grads_unreduced=args.negative_control_experts,
     )
     try:
+        if args.negative_control_experts and args.model == "debug":
+            raise ValueError("--negative-control-experts: needs --model tiny-moe")
         if not (isinstance(args.micro_batches, int) and args.micro_batches >= 1):
             raise ValueError(f"--micro-batches: must be >= 1, got {args.micro_batches}")
         if args.token_budget is not None and args.micro_batches != 1:

@@ -4,7 +4,8 @@
                                  sequence_parallel=True, recompute="selective",
                                  device=ctx.device, tp=2, cp=2)
     config = model.transformer_config(spec, **opts.config_fields())
-    chunks = model.build_model_chunks(spec, config=config, layer_spec=opts.layer_spec(spec),
+    chunks = model.build_model_chunks(spec, config=config,
+                                      layer_spec=opts.layer_spec(spec, config),
                                       pg_collection=opts.pg_collection(), ...)
 
 The recipe keys are `model.precision`, `model.transformer_impl`, `model.attention`,
@@ -36,12 +37,17 @@ naming the key. What runs where (megatron-core 0.16.1):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_ba.megatron.model import local_layer_spec, model_pg_collection_without_cp
+from megatron_ba.megatron.model import (
+    local_layer_spec,
+    model_pg_collection_without_cp,
+    moe_layer_spec,
+)
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 ATTENTIONS = ("auto", "sdpa", "unfused")
@@ -98,8 +104,12 @@ class BuildOptions:
             out.update(recompute_granularity="selective")  # recompute_modules: ["core_attn"]
         return out
 
-    def layer_spec(self, spec):
-        """The layer spec: Transformer Engine's or the local one (q/k norms as `spec` says)."""
+    def layer_spec(self, spec, config=None):
+        """The layer spec: Transformer Engine's or the local one (q/k norms as `spec` says).
+        A mixture-of-experts spec gets model.moe_layer_spec(config), the decoder block spec
+        following the config's pattern of expert and dense layers (`config` required)."""
+        if spec.num_experts:
+            return self._moe_layer_spec(config)
         if self.transformer_impl == "transformer_engine":
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec,
@@ -114,6 +124,20 @@ class BuildOptions:
 
             return sdpa_layer_spec(local)
         return local
+
+    def _moe_layer_spec(self, config):
+        if config is None:
+            raise ValueError(
+                "config: a mixture-of-experts layer spec follows the TransformerConfig's "
+                "moe_layer_freq; pass layer_spec(spec, config)"
+            )
+        block = moe_layer_spec(config, transformer_engine=self.transformer_impl != "local")
+        if self.attention != "sdpa":
+            return block
+        from megatron_ba.megatron.sdpa_attention import sdpa_layer_spec
+
+        layers = [sdpa_layer_spec(layer) for layer in block.layer_specs]
+        return dataclasses.replace(block, layer_specs=layers)
 
     def pg_collection(self):
         """Process groups of the model: the defaults, except that a local-spec model at CP > 1

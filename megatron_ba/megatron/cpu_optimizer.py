@@ -15,7 +15,10 @@ optimizer/clip_grads.py, so it cannot):
 2. the global gradient norm: squares summed over this rank's parameters, counting a parameter
    that is replicated across tensor-parallel ranks (norm weights, row-parallel biases) on TP rank
    0 only (megatron-core's `param_is_not_tensor_parallel_duplicate`), then a SUM over the
-   model-parallel group (TP x PP). DP and CP ranks hold the same reduced gradient;
+   model-parallel group (TP x PP); experts' squares are summed over the
+   expert-tensor-model-pipeline group (ETP x EP x PP) instead, as megatron-core's
+   get_grad_norm_fp32 does for its expert-parallel parameters. DP and CP ranks hold the same
+   reduced gradient;
 3. clipping by `clip_grad / (norm + 1e-6)` when the norm exceeds `clip_grad` (megatron-core's
    clip_grad_by_total_norm_fp32 factor); a non-finite norm skips the step;
 4. torch.optim.AdamW on the shards (element-wise, so sharding does not change it), with
@@ -35,6 +38,7 @@ import math
 import torch
 
 from megatron_ba.parallel import collectives
+from megatron_ba.parallel.full_shape import is_expert_name
 
 
 class ShardedAdamW:
@@ -55,6 +59,14 @@ class ShardedAdamW:
         if not (clip_grad >= 0):
             raise ValueError(f"clip_grad: must be >= 0 (0 disables clipping), got {clip_grad!r}")
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        # Experts (megatron-core marks them allreduce=False under expert parallelism, and names
+        # them `.experts.`): their norm is summed over the expert-parallel ranks.
+        self._expert_ids = {
+            id(p)
+            for c in chunks
+            for n, p in c.named_parameters()
+            if p.requires_grad and is_expert_name(n)
+        }
         bad = [p.dtype for p in self.params if p.dtype != torch.float32]
         if bad:
             raise ValueError(f"chunks: ShardedAdamW needs fp32 parameters, got {bad[0]}")
@@ -72,16 +84,27 @@ class ShardedAdamW:
             group["weight_decay"] = self._weight_decay * group["wd_mult"]
 
     def grad_norm(self) -> float:
-        """The L2 norm of the whole model's gradient (a collective over TP x PP)."""
+        """The L2 norm of the whole model's gradient (a collective over TP x PP, and over
+        ETP x EP x PP for a mixture-of-experts model)."""
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-        sq = torch.zeros((), dtype=torch.float64)
+        dense = torch.zeros((), dtype=torch.float64)
+        experts = torch.zeros((), dtype=torch.float64)
         for p in self.params:
             if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-                sq += p.grad.detach().double().pow(2).sum().cpu()
-        group = parallel_state.get_model_parallel_group()
-        return math.sqrt(float(collectives.all_reduce_sum(sq, group=group)))
+                sq = p.grad.detach().double().pow(2).sum().cpu()
+                if id(p) in self._expert_ids:
+                    experts += sq
+                else:
+                    dense += sq
+        total = collectives.all_reduce_sum(dense, group=parallel_state.get_model_parallel_group())
+        if self._expert_ids:
+            # Each expert lives on one rank of the expert-tensor-model-pipeline group
+            # (ETP x EP x PP); a TP x PP sum would miss the other EP ranks' experts.
+            group = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+            total = total + collectives.all_reduce_sum(experts, group=group)
+        return math.sqrt(float(total))
 
     def step(self) -> tuple[bool, float]:
         """Clip and step; returns (applied, norm of the gradient before clipping)."""

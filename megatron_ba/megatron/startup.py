@@ -31,15 +31,19 @@ def setup(
     rank: int | None = None,
     world_size: int | None = None,
     port: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> DistContext:
     """Join the world (parallel.world.join_world: torchrun's environment, a world of one, or a
     spawned worker with rank / world_size / port), initialise megatron-core's parallel state
-    and seed its model-parallel RNG; with CUDA, this process is bound to its GPU first."""
+    (`ep`, `etp`: expert and expert-tensor parallelism, carved out of DP x CP) and seed its
+    model-parallel RNG; with CUDA, this process is bound to its GPU first."""
     device = world.join_world(backend, rank=rank, world_size=world_size, port=port)
     world.check_world_divides(tp, pp, cp)
+    world.check_expert_layout(tp, pp, cp, ep, etp)
     if not torch.cuda.is_available():
         cpu_compat.install()
-    world.init_model_parallel(tp, pp, cp)
+    world.init_model_parallel(tp, pp, cp, ep, etp)
     if torch.cuda.is_available():
         from megatron.core import tensor_parallel  # megatron-core: imported on first use
 

@@ -11,6 +11,13 @@ its own layers from 0 (`local_to_full_names` renumbers them). Which rows or colu
 tensor a rank holds is the parameter's own TP sharding (megatron-core's `tensor_model_parallel`,
 `partition_dim`, `partition_stride` attributes; parallel.sharding.tp_shard cuts it). Nothing
 here knows the model's architecture: any megatron-core module tree with `decoder.layers` works.
+
+Mixture-of-experts: an expert's parameter (`...mlp.experts.local_experts.{j}...`) is sharded
+over the expert-tensor-parallel group (megatron-core's `expert_tensor_parallel_size`, by default
+the TP group) and, under expert parallelism (EP), EP rank r holds experts r*n .. r*n + n - 1 of
+each layer as local 0 .. n-1. `gather_full_state_dict` and `load_full_state_dict` name experts by
+their global number (gathered over the EP group); `local_to_full_names`, `load_full_tensors` and
+`iter_full_tensors` keep the local number (megatron_ba.conversion.experts renumbers those).
 The process groups come from megatron-core's parallel_state (imported lazily: callers of the pure
 helpers need no megatron-core). The Hugging Face names of these tensors are
 megatron_ba.conversion's business; it names layers with the helpers below, so that the model's
@@ -29,6 +36,7 @@ from megatron_ba.parallel.sharding import tp_shard
 
 MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EMBEDDING = "embedding.word_embeddings.weight"
+LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..+)$")
 
 
 def split_megatron_layer(name: str) -> tuple[int, str] | None:
@@ -73,6 +81,53 @@ def tp_sharding(param: torch.nn.Parameter) -> tuple[bool, int, int]:
     )
 
 
+def is_expert_name(name: str) -> bool:
+    """An expert's parameter (routed experts; not the router, not shared experts)."""
+    return ".experts." in name and ".shared_experts." not in name
+
+
+def _tp_of(name: str) -> tuple[int, int, object]:
+    """(rank, size, group) of the tensor-parallel group that shards parameter `name`: the
+    expert-tensor-parallel one for experts."""
+    from megatron.core import parallel_state as ps
+
+    if is_expert_name(name):
+        return (
+            ps.get_expert_tensor_parallel_rank(),
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_group(),
+        )
+    return (
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_group(),
+    )
+
+
+def global_expert_names(names) -> dict[str, str]:
+    """Local full name -> the name with the global expert number, for this rank's experts
+    (EP rank r of size n per layer: local j is r*n + j); other names map to themselves."""
+    if not any(LOCAL_EXPERT.match(name) for name in names):
+        return {name: name for name in names}
+    from megatron.core import parallel_state as ps
+
+    ep_rank = ps.get_expert_model_parallel_rank()
+    per_layer: dict[str, int] = {}
+    for name in names:
+        m = LOCAL_EXPERT.match(name)
+        if m:
+            per_layer[m.group(1)] = max(per_layer.get(m.group(1), 0), int(m.group(2)) + 1)
+    out = {}
+    for name in names:
+        m = LOCAL_EXPERT.match(name)
+        if m is None:
+            out[name] = name
+        else:
+            j = ep_rank * per_layer[m.group(1)] + int(m.group(2))
+            out[name] = f"{m.group(1)}{j}{m.group(3)}"
+    return out
+
+
 @torch.no_grad()
 def load_full_tensors(
     chunks: list[torch.nn.Module], read: Callable[[str], torch.Tensor]
@@ -83,14 +138,11 @@ def load_full_tensors(
     A tied model's last stage at PP > 1 holds a copy of the embedding (`output_layer.weight`,
     marked `shared_embedding` by megatron-core): it is read as the embedding.
     """
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
     loaded = []
     for name, (param, _) in local_to_full_names(chunks).items():
         source = EMBEDDING if getattr(param, "shared_embedding", False) else name
         src = read(source)
+        rank, tp, _ = _tp_of(name)
         sharded, dim, stride = tp_sharding(param)
         piece = tp_shard(src, dim=dim, stride=stride, rank=rank, size=tp) if sharded else src
         if piece.shape != param.shape:
@@ -115,7 +167,8 @@ def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Te
             raise ValueError(f"full: missing parameter {name!r}")
         return full[name]
 
-    load_full_tensors(chunks, read)
+    names = global_expert_names(list(local_to_full_names(chunks)))
+    load_full_tensors(chunks, lambda name: read(names.get(name, name)))
 
 
 def _local_tensor(param: torch.nn.Parameter, grads: bool) -> torch.Tensor:
@@ -135,20 +188,28 @@ def gather_full_state_dict(
     A collective over the tensor- and pipeline-parallel groups: every rank of them must call it.
     Gradients are read from `main_grad` (megatron-core DDP) or `.grad`; call it after the
     schedule's `finalize_model_grads` to see the data-parallel-reduced gradient. Tensors come
-    back as CPU copies in the parameters' dtype. Holds the whole model once more; to stream
-    (an export), use `iter_full_tensors`.
+    back as CPU copies in the parameters' dtype. Experts: gathered over their own tensor-parallel
+    group, then over the expert-parallel group, under global expert numbers. Holds the whole
+    model once more; to stream (an export), use `iter_full_tensors`.
     """
     from megatron.core import parallel_state
 
-    tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
+    held = local_to_full_names(chunks)
+    names = global_expert_names(list(held))
     local: dict[str, torch.Tensor] = {}
-    for name, (param, _) in local_to_full_names(chunks).items():
+    experts: dict[str, torch.Tensor] = {}
+    for name, (param, _) in held.items():
         t = _local_tensor(param, grads)
         sharded, dim, stride = tp_sharding(param)
         if sharded:
-            t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=tp_group)
-        local[name] = t.to(param.dtype).clone()  # a copy: buffers change at the next step
+            group = _tp_of(name)[2]
+            t = collectives.gather_tensor_parallel(t, dim=dim, stride=stride, group=group)
+        # a copy: buffers change at the next step
+        (experts if is_expert_name(name) else local)[names[name]] = t.to(param.dtype).clone()
+    if experts:  # every rank of an EP group holds experts (the same layers)
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        local.update(collectives.gather_pipeline_stages(experts, group=ep_group))
     merged = collectives.gather_pipeline_stages(local, group=pp_group)
     return {k: v.cpu() for k, v in sorted(merged.items(), key=lambda kv: _order(kv[0]))}
 

@@ -8,6 +8,7 @@ spawned on this host.
     device = join_world("gloo", rank=r, world_size=4, port=port)   # in a spawned worker
     check_world_divides(tp, pp, cp)
     init_model_parallel(tp, pp, cp)               # megatron-core's parallel_state
+    init_model_parallel(tp, pp, cp, ep=2, etp=1)  # experts split over 2 ranks of DP x CP
     ctx = world_context(tp, pp, cp, device)       # ctx.is_main, ctx.dp, ctx.broadcast(obj), ...
     leave_world()
 
@@ -138,15 +139,38 @@ def check_world_divides(tp: int, pp: int, cp: int) -> None:
         )
 
 
-def init_model_parallel(tp: int, pp: int, cp: int) -> None:
-    """megatron-core's model-parallel groups of the joined world (once per process)."""
+def check_expert_layout(tp: int, pp: int, cp: int, ep: int, etp: int | None) -> None:
+    """ValueError unless megatron-core can carve expert parallelism out of this world: the
+    experts' grid is etp x ep x expert-DP x pp over the same ranks (parallel_state.
+    initialize_model_parallel), so etp x ep must divide tp x cp x dp (the ranks of one stage)."""
+    world = collectives.world_rank_and_size()[1]
+    if not (isinstance(ep, int) and ep >= 1):
+        raise ValueError(f"--ep: must be an integer >= 1, got {ep!r}")
+    if etp is not None and not (isinstance(etp, int) and etp >= 1):
+        raise ValueError(f"--etp: must be an integer >= 1, got {etp!r}")
+    per_stage = world // (tp * pp * cp) * tp * cp
+    expert_model = (tp if etp is None else etp) * ep
+    if per_stage % expert_model:
+        raise ValueError(
+            f"--ep: etp*ep = {expert_model} does not divide the {per_stage} ranks of a pipeline "
+            f"stage (tp*cp*dp); megatron-core carves expert parallelism out of them"
+        )
+
+
+def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> None:
+    """megatron-core's model-parallel groups of the joined world (once per process); `ep` and
+    `etp`: expert (tensor) parallelism (etp None: megatron-core's default, tp)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
+        experts = {} if ep == 1 and etp is None else dict(expert_model_parallel_size=ep)
+        if etp is not None:
+            experts["expert_tensor_parallel_size"] = etp
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
+            **experts,
         )
 
 

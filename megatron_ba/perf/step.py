@@ -210,7 +210,7 @@ def run_benchmark(args) -> dict:
         chunks = mm.build_model_chunks(
             spec,
             config=config,
-            layer_spec=opts.layer_spec(spec),
+            layer_spec=opts.layer_spec(spec, config),
             # the distributed optimiser needs DDP's contiguous buffers (as the trainer builds)
             ddp_config_overrides=ddp_overrides(args.dtype, device),
         )

@@ -176,7 +176,7 @@ def train_run(spec, precision: str, steps: int, data, args, device, init=None, l
     chunks = mm.build_model_chunks(
         spec,
         config=config,
-        layer_spec=opts.layer_spec(spec),
+        layer_spec=opts.layer_spec(spec, config),
         ddp_config_overrides=ddp_overrides(precision, device),
     )
     if init is None:

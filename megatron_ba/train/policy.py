@@ -88,7 +88,7 @@ class Policy:
         check_shape_keys(recipe, spec, hf_dir)
         spec.check_layout(p.tp, p.pp)
         config = transformer_config(spec, cpu=device.type == "cpu", **opts.config_fields())
-        build = dict(config=config, layer_spec=opts.layer_spec(spec))
+        build = dict(config=config, layer_spec=opts.layer_spec(spec, config))
         build["pg_collection"] = opts.pg_collection()
         chunks = build_model_chunks(
             spec, ddp_config_overrides=ddp_overrides(m.precision, device), **build

@@ -17,8 +17,9 @@ from megatron_ba.loss import GRPOLossConfig
 from megatron_ba.megatron import grpo_step
 from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.layout_equivalence import controls
-from megatron_ba.megatron.model import tiny_qwen2_spec
+from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
+from megatron_ba.model_shape import PRESETS
 from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
 
 TOLERANCE = 1e-5
@@ -50,14 +51,28 @@ class Layout:
     # The local spec's core attention of the layout under test (model.attention); the
     # single-process reference always runs megatron-core's unfused core.
     attention: str = "unfused"
+    # The check's model (MODELS) and, for a mixture-of-experts one, expert parallelism carved
+    # out of DP x CP (megatron-core's expert grid etp x ep x expert-DP x pp over the same
+    # ranks); etp None: megatron-core's default, the TP size.
+    model: str = "debug"
+    ep: int = 1
+    etp: int | None = None
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: the ranks holding the same experts' shards."""
+        return self.world // ((self.etp or self.tp) * self.ep * self.pp)
+
     def __str__(self) -> str:
         core = f" ({self.attention} attention)" if self.attention != "unfused" else ""
-        return f"TP{self.tp}xPP{self.pp}xCP{self.cp}xDP{self.dp}{core}"
+        experts = ""
+        if self.model != "debug":
+            experts = f" {self.model} EP{self.ep}" + (f" ETP{self.etp}" if self.etp else "")
+        return f"TP{self.tp}xPP{self.pp}xCP{self.cp}xDP{self.dp}{experts}{core}"
 
 
 NORMALIZATIONS = ("plan", "per_microbatch")
@@ -85,6 +100,9 @@ class Case:
     # Negative control of the rejection: the rejected tokens keep their place in the mask (weight
     # 0), so they stay in the plan's denominators; must fail for a rejecting mode.
     rejected_kept_in_denominators: bool = False
+    # Negative control of expert parallelism: each rank keeps its own experts' gradients, scaled
+    # by DDP but not summed over the expert-data-parallel group; must fail where expert-DP > 1.
+    expert_grads_unreduced: bool = False
 
     def step_function(self):
         """The step this case runs: grpo_step.forward_backward, or one of the controls."""
@@ -94,6 +112,8 @@ class Case:
             return controls.per_microbatch_plan(self.assume_megatron_version)
         if self.assume_megatron_version is not None:
             return controls.scaled_as(self.assume_megatron_version)
+        if self.expert_grads_unreduced:
+            return controls.expert_grads_unreduced
         return grpo_step.forward_backward
 
     def __str__(self) -> str:
@@ -106,6 +126,8 @@ class Case:
             extra += f" rollout-correction={self.rollout_correction}"
         if self.rejected_kept_in_denominators:
             extra += " REJECTED-KEPT-IN-DENOMINATORS"
+        if self.expert_grads_unreduced:
+            extra += " EXPERT-GRADS-UNREDUCED"
         split = (
             f"M={self.num_microbatches}"
             if self.token_budget is None
@@ -155,10 +177,55 @@ def num_groups(sequences: int) -> int:
     return -(-sequences // GROUP_SIZE)
 
 
-def tiny_spec():
-    """The model of the check: megatron_ba.megatron.model.tiny_qwen2_spec()."""
+MODELS = ("debug", "tiny-moe")
 
-    return tiny_qwen2_spec()
+
+def tiny_spec(model: str = "debug"):
+    """The model of the check: "debug", megatron_ba.megatron.model.tiny_qwen2_spec(); "tiny-moe",
+    the tiny-moe preset (8 experts, top-2) with untied embeddings (a tied model cannot run PP > 1
+    on CPU) and the router's auxiliary loss off (not layout-invariant: docs/parallelism.md)."""
+    if model not in MODELS:
+        raise ValueError(f"--model: must be one of {', '.join(MODELS)}, got {model!r}")
+    if model == "debug":
+        return tiny_qwen2_spec()
+    return ModelSpec.of(PRESETS[model], tie_word_embeddings=False, moe_aux_loss_coeff=0.0)
+
+
+def check_expert_layout(layout: Layout) -> None:
+    """ValueError naming the flag when megatron-core cannot carve `layout`'s experts."""
+    spec = tiny_spec(layout.model)
+    for name in ("ep", "etp"):
+        v = getattr(layout, name)
+        if not (v is None and name == "etp") and not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"--{name}: must be an integer >= 1, got {v!r}")
+    if not spec.num_experts:
+        if layout.ep != 1 or layout.etp is not None:
+            raise ValueError("--ep/--etp: need a mixture-of-experts --model (tiny-moe)")
+        return
+    if layout.tp > 1:
+        # Without sequence parallelism every TP rank holds the same tokens and the MoE layer
+        # routes each of them once per TP rank: the experts' gradients come out TP times too
+        # large (measured: exactly 2x at TP2 x EP2, ETP 2 or 1; the forward is right).
+        # megatron-core refuses to train MoE at TP > 1 without sequence parallelism, which the
+        # local spec (CPU) cannot run.
+        raise ValueError(
+            f"--tp: {layout.tp} with a mixture-of-experts model needs "
+            "sequence parallelism (megatron-core's MoE layer), which needs Transformer Engine "
+            "(GPUs); the CPU check runs MoE at tp=1 (expert TP, --etp, is allowed)"
+        )
+    etp = layout.etp or layout.tp
+    if spec.num_experts % layout.ep:
+        raise ValueError(f"--ep: {layout.ep} does not divide the {spec.num_experts} experts")
+    if spec.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"--etp: {etp} does not divide moe_ffn_hidden_size={spec.moe_ffn_hidden_size}"
+        )
+    per_stage = layout.tp * layout.cp * layout.dp
+    if per_stage % (etp * layout.ep):
+        raise ValueError(
+            f"--ep: etp*ep = {etp * layout.ep} does not divide tp*cp*dp = {per_stage}, the "
+            "ranks of a pipeline stage megatron-core carves expert parallelism out of"
+        )
 
 
 def check_layout_possible(
@@ -175,7 +242,8 @@ def check_layout_possible(
             raise ValueError(f"--{name}: must be an integer >= 1, got {v!r}")
     if world_size is not None and world_size != layout.world:
         raise ValueError(f"world size {world_size} != tp*pp*cp*dp = {layout.world}")
-    tiny_spec().check_layout(layout.tp, layout.pp)
+    tiny_spec(layout.model).check_layout(layout.tp, layout.pp)
+    check_expert_layout(layout)
     if not (isinstance(sequences, int) and sequences >= 1):
         raise ValueError(f"--sequences: must be an integer >= 1, got {sequences!r}")
     if sequences < layout.dp:
@@ -197,11 +265,13 @@ def check_layout_possible(
             )
 
 
-def synthetic_batch(seed: int, sequences: int = SEQUENCES) -> dict[str, torch.Tensor]:
+def synthetic_batch(
+    seed: int, sequences: int = SEQUENCES, model: str = "debug"
+) -> dict[str, torch.Tensor]:
     """The global batch (without log-probs): rows grouped by prompt, groups of 3 (rewards
     cycling through REWARDS; the last group smaller when 3 does not divide `sequences`)."""
     g = torch.Generator().manual_seed(seed)
-    spec = tiny_spec()
+    spec = tiny_spec(model)
     n = sequences
     per_group = torch.tensor(REWARDS, dtype=torch.float64)
     rewards = per_group[torch.arange(num_groups(n)) % len(REWARDS)].reshape(-1)[:n]

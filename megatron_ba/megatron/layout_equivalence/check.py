@@ -51,11 +51,13 @@ __all__ = [
 ]
 
 
-def compute_reference(cases: list[Case], seed: int, path: str, sequences: int = SEQUENCES) -> None:
+def compute_reference(
+    cases: list[Case], seed: int, path: str, sequences: int = SEQUENCES, model: str = "debug"
+) -> None:
     """The single-process results of every (rule, scope, rollout correction) in `cases`, saved
-    to `path`."""
+    to `path` (`model`: the check's model, cases.MODELS; one process holds every expert)."""
     keys = sorted({(c.rule, c.scope, c.rollout_correction) for c in cases})
-    spawn(workers.reference_worker, 1, (free_port(), seed, keys, path, sequences))
+    spawn(workers.reference_worker, 1, (free_port(), seed, keys, path, sequences, model))
 
 
 def run_layout(
@@ -76,7 +78,7 @@ def run_layout(
     with tempfile.TemporaryDirectory() as tmp:
         if reference is None:
             reference = os.path.join(tmp, "reference.pt")
-            compute_reference(cases, seed, reference, sequences)
+            compute_reference(cases, seed, reference, sequences, layout.model)
         out = os.path.join(tmp, "report.json")
         args = (layout.world, free_port(), layout, cases, reference, out)
         spawn(workers.layout_worker, layout.world, args)

@@ -10,6 +10,10 @@ grpo_step.forward_backward in the one property it exposes:
     statistics, and the step's loss is the mean over micro-batches and DP ranks of each
     micro-batch's self-normalised loss (NeMo-Aligner's normalisation). Equal to the exact step
     where a micro-batch is the global batch (DP1 x 1 micro-batch); wrong elsewhere.
+  * `expert_grads_unreduced`: the exact step, but each rank keeps its own expert gradients:
+    scaled by DDP's 1 / (DP x CP) but not summed over the expert-data-parallel group (as if the
+    ranks holding the same experts were not data-parallel replicas). Equal to the exact step
+    where expert-DP = 1 (every expert on one rank per stage); wrong elsewhere.
 
 The check must see each control fail wherever its property matters (tests/test_layout_matrix.py).
 """
@@ -17,6 +21,7 @@ The check must see each control fail wherever its property matters (tests/test_l
 from __future__ import annotations
 
 from megatron_ba.megatron.grpo_step import PreparedStep, StepLoss, StepResult
+from megatron_ba.parallel.full_shape import is_expert_name
 
 
 def scaled_as(version: tuple[int, int]):
@@ -49,3 +54,34 @@ def per_microbatch_plan(version: tuple[int, int] | None = None):
         )
 
     return step
+
+
+def expert_grads_unreduced(chunks, batch, loss: StepLoss, split, *, reducer=None) -> StepResult:
+    """forward_backward whose expert gradients skip the expert-data-parallel reduction."""
+    from megatron.core.utils import get_model_config
+
+    prepared = PreparedStep.start(chunks, batch, split, reducer)
+    config = get_model_config(chunks[0])
+    config.finalize_model_grads_func = _experts_kept_local(config.finalize_model_grads_func, chunks)
+    plan = prepared.plan(loss) if prepared.last else None
+    return prepared.run(loss, plan_of=lambda rows: plan.select(rows), scale=prepared.scale())
+
+
+def _experts_kept_local(finalize, chunks):
+    """`finalize` (megatron-core's finalize_model_grads), after which every expert parameter's
+    gradient is put back to this rank's own, times DDP's 1 / (DP x CP)."""
+    from megatron.core import parallel_state
+
+    experts = [
+        p for c in chunks for n, p in c.named_parameters() if is_expert_name(n) and p.requires_grad
+    ]
+    dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+
+    def wrapped(*args, **kwargs):
+        own = [p.main_grad.detach().clone() for p in experts]
+        out = finalize(*args, **kwargs)
+        for p, g in zip(experts, own, strict=True):
+            p.main_grad.copy_(g / dp_cp)
+        return out
+
+    return wrapped

@@ -63,19 +63,27 @@ def _init(rank: int, world: int, port: int, layout: Layout) -> None:
         rank=rank,
         world_size=world,
         port=port,
+        ep=layout.ep,
+        etp=layout.etp,
     )
 
 
-def _build(per_token_loss: bool, seed: int, attention: str = "unfused"):
-    spec = tiny_spec()
-    config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss)
+def _build(per_token_loss: bool, seed: int, layout: Layout):
+    spec = tiny_spec(layout.model)
+    experts = {}
+    if spec.num_experts:  # the config's EP decides which expert parameters DDP reduces where
+        experts = dict(
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp or layout.tp,
+        )
+    config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss, **experts)
     # The world's device (gloo: the CPU): the layout check runs where its collectives do.
     device = collectives.comm_device(None)
-    layer_spec = resolve_build_options(device=device, attention=attention).layer_spec(spec)
+    options = resolve_build_options(device=device, attention=layout.attention)
     chunks = mm.build_model_chunks(
         spec,
         config=config,
-        layer_spec=layer_spec,
+        layer_spec=options.layer_spec(spec, config),
         pg_collection=mm.model_pg_collection_without_cp(),
     )
     full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, seed))
@@ -103,14 +111,19 @@ def _local_batch(batch: dict, rows: torch.Tensor, case: Case):
     )
 
 
-def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
-    from megatron.core import parallel_state
-
-    loss = StepLoss(
+def step_loss(batch: dict, case: Case) -> StepLoss:
+    """The GRPO loss of `case` on the whole synthetic `batch`."""
+    return StepLoss(
         num_groups=num_groups(batch["tokens"].shape[0]),
         aggregation=AggregationSettings(rule=case.rule, scope=case.scope, max_length=16),
         loss=LOSS_CONFIG,
     )
+
+
+def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
+    from megatron.core import parallel_state
+
+    loss = step_loss(batch, case)
     split = MicroBatchSpec(case.num_microbatches, max_tokens_per_microbatch=case.token_budget)
     reducer = StatisticsReducer(parallel_state.get_data_parallel_group())
     step = case.step_function()
@@ -153,12 +166,13 @@ def _direct_logprobs(chunks, tokens: torch.Tensor):
 
 
 def reference_worker(
-    rank: int, port: int, seed: int, keys: list, out_path: str, sequences: int
+    rank: int, port: int, seed: int, keys: list, out_path: str, sequences: int, model: str
 ) -> None:
-    _init(rank, 1, port, Layout())
+    one = Layout(model=model)
+    _init(rank, 1, port, one)
 
-    chunks = _build(False, seed)
-    batch = synthetic_batch(seed, sequences)
+    chunks = _build(False, seed, one)
+    batch = synthetic_batch(seed, sequences, model)
     logp, ent = compute_logprobs(chunks, batch["tokens"], with_entropy=True)
     lp_direct, ent_direct = _direct_logprobs(chunks, batch["tokens"])
     g = torch.Generator().manual_seed(seed + 1)
@@ -217,7 +231,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     batch = ref["batch"]
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_ok = all(collectives.all_gather_object(_cp_layout_matches_megatron(batch["tokens"])))
-    models = {False: _build(False, ref["seed"], layout.attention)}
+    models = {False: _build(False, ref["seed"], layout)}
     # Forward-only log-probs on the first case's rows and micro-batches (token budget: each row
     # run on its prompt + response only; the positions past it are 0 and not compared).
     first = cases[0]
@@ -240,7 +254,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     report = []
     for case in cases:
         if case.per_token_loss not in models:
-            models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"], layout.attention)
+            models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"], layout)
         rows = case_rows(batch, layout, case, dp_rank)
         result, calls, grads = _run_case(models[case.per_token_loss], batch, rows, case)
         loss_ref, grads_ref = ref["results"][(case.rule, case.scope, case.rollout_correction)]

@@ -1,0 +1,115 @@
+"""The layout check on a mixture-of-experts model: expert parallelism gives the single-process
+loss and gradients.
+
+    python -m pytest tests/test_moe_layout.py        # 177 s on 2 cores (~5-6 min when shared)
+
+The model is the tiny-moe preset (8 experts, top-2, SequentialMLP experts, the allgather
+dispatcher; untied embeddings, the router's auxiliary loss off: layout_equivalence.cases.tiny_spec).
+One launch computes the single-process reference, which holds every expert; then one launch per
+layout runs the rules token, sequence and balanced (3 micro-batches each) and compares the loss
+and every parameter's gradient (experts gathered over their tensor- and expert-parallel groups
+under global expert numbers, the router included), the forward-only log-probs and one clipped
+AdamW step (its gradient norm sums the experts over the expert-parallel ranks).
+
+Layouts: EP2 (DP2, expert-DP 1), DP4 x EP2 (expert-DP 2: the expert-data-parallel group differs
+from the data-parallel group), DP4 x EP2 x ETP2 (experts tensor-parallel over 2 ranks, expert-DP
+1), PP2 (one MoE layer per stage). TP > 1 is refused for MoE (it needs sequence parallelism:
+Transformer Engine); the refusal is tested here without a launch.
+The negative control keeps each rank's expert gradients unreduced over the expert-data-parallel
+group: it must fail on DP4 x EP2 and pass where expert-DP is 1 (EP2), which shows it differs from
+the real step in that reduction alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_ba.megatron.layout_equivalence.check import (
+    TOLERANCE,
+    Case,
+    Layout,
+    compute_reference,
+    expected_reducer_calls,
+    run_layout,
+)
+
+MODEL = "tiny-moe"
+CORE = [Case(rule, 3) for rule in ("token", "sequence", "balanced")]
+EXPERTS_UNREDUCED = Case("balanced", 3, expert_grads_unreduced=True)
+
+LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
+    "EP2": (Layout(dp=2, ep=2, model=MODEL), [*CORE, EXPERTS_UNREDUCED]),
+    "DP4xEP2": (Layout(dp=4, ep=2, model=MODEL), [*CORE, EXPERTS_UNREDUCED]),
+    "DP4xEP2xETP2": (Layout(dp=4, ep=2, etp=2, model=MODEL), CORE),
+    "PP2": (Layout(pp=2, model=MODEL), CORE),
+}
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("moe-layout") / "reference.pt")
+    compute_reference(CORE, seed=0, path=path, model=MODEL)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layout_matches_single_process(name, moe_reference):
+    layout, cases = LAYOUTS[name]
+    report = run_layout(layout, cases, seed=0, reference=moe_reference)
+    assert report.logprobs_err <= TOLERANCE and report.entropy_err <= TOLERANCE
+    assert report.grad_norm_rel_err <= TOLERANCE
+    assert report.update_rel_err <= 1e-3  # AdamW's g / (|g| + eps) amplifies rounding by ~lr/eps
+    failures = []
+    for r in report.cases:
+        # The figures docs/parallelism.md quotes (seen with `pytest -s`).
+        err = f"max_rel_grad_err={r.max_rel_grad_err:.3e} loss_err={r.loss_err:.3e}"
+        print(f"{layout} {r.case}: {err}")
+        assert r.reducer_calls == expected_reducer_calls(layout, r.case), str(r.case)
+        if r.case.expert_grads_unreduced and layout.expert_dp > 1:
+            if r.max_rel_grad_err < 1e-2:  # must fail clearly, not by rounding
+                failures.append(f"negative control passed: {r.case}: {r.max_rel_grad_err:.2e}")
+        elif not r.ok:
+            failures.append(
+                f"{r.case}: max_rel_grad_err={r.max_rel_grad_err:.2e} loss_err={r.loss_err:.2e}"
+            )
+    print(
+        f"{layout}: grad-norm rel err {report.grad_norm_rel_err:.2e}, "
+        f"update rel err {report.update_rel_err:.2e}"
+    )
+    assert not failures, f"{layout}: " + "; ".join(failures)
+    assert len(report.cases) == len(cases)
+
+
+@pytest.mark.parametrize(
+    "layout, flag",
+    [
+        (Layout(tp=2, dp=2, ep=2, model=MODEL), "--tp"),
+        (Layout(dp=2, ep=3, model=MODEL), "--ep"),  # 3 does not divide 8 experts
+        (Layout(dp=2, ep=4, model=MODEL), "--ep"),  # 4 > the 2 ranks of the stage
+        (Layout(dp=2, ep=2), "--ep"),  # the dense model has no experts
+        (Layout(dp=4, ep=2, etp=3, model=MODEL), "--etp"),
+    ],
+)
+def test_impossible_expert_layouts_are_refused_naming_the_flag(layout, flag):
+    from megatron_ba.megatron.layout_equivalence.check import check_layout_possible
+
+    with pytest.raises(ValueError, match=flag):
+        check_layout_possible(layout, CORE)
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--model", "tiny-moe", "--tp", "2", "--dp", "2", "--ep", "2"], "--tp"),
+        (["--dp", "2", "--ep", "2"], "--ep"),
+        (["--dp", "2", "--negative-control-experts"], "--negative-control-experts"),
+        (["--model", "tiny-moe", "--dp", "2", "--ep", "0"], "--ep"),
+    ],
+)
+def test_check_layout_command_refuses_impossible_expert_layouts(args, flag, capsys):
+    from megatron_ba.cli import main
+
+    assert main(["check-layout", *args]) == 2  # refused before any launch
+    assert flag in capsys.readouterr().err
