@@ -12,7 +12,7 @@ dicts.
 
 from __future__ import annotations
 
-from megatron_ba.integrations.verl_recipe_keys import keys_table
+from megatron_ba.integrations.verl_recipe_keys import CHECKPOINT_SHAPE_KEYS, keys_table
 
 _SHAPE = "the checkpoint's config.json decides the model under NeMo-RL; leave it out"
 _ARITHMETIC = "the arithmetic task's (NeMo-RL trains on DAPO-Math-17k's release)"
@@ -21,11 +21,7 @@ _WARMSTART = "the local backend's warm start of a fresh tiny model (NeMo-RL star
 _CORRECTION = "the local backend's rollout correction"
 # Keys NeMo-RL has no counterpart for: accepted only at the schema's default value.
 LOCAL_ONLY: dict[str, str] = {
-    **{f"model.{k}": _SHAPE for k in (
-        "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-        "ffn_hidden_size", "max_position_embeddings", "rope_theta", "norm_eps",
-        "rope_scaling.type", "rope_scaling.factor",
-        "rope_scaling.original_max_position_embeddings")},
+    **dict.fromkeys(CHECKPOINT_SHAPE_KEYS, _SHAPE),
     "model.init_std": _WARMSTART,
     "model.attention": "the local spec's core attention (NeMo-RL's megatron uses its own)",
     "tokenizer.vocab_size": "the trained BPE's (NeMo-RL uses the checkpoint's tokenizer)",

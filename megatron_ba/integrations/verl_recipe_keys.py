@@ -16,13 +16,14 @@ _ARITHMETIC = "the arithmetic task's (verl trains on the data.path file)"
 _WARMSTART = (
     "the local backend's warm start of a fresh tiny model (verl starts from model.pretrained)"
 )
+# The model keys a Hugging Face checkpoint's config.json decides under an engine (verl, NeMo-RL).
+CHECKPOINT_SHAPE_KEYS = tuple(f"model.{k}" for k in (
+    "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "max_position_embeddings", "rope_theta", "norm_eps", "rope_scaling.type",
+    "rope_scaling.factor", "rope_scaling.original_max_position_embeddings"))  # fmt: skip
 # Keys verl has no counterpart for: accepted only at the schema's default value.
 LOCAL_ONLY: dict[str, str] = {
-    **{f"model.{k}": _SHAPE for k in (
-        "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
-        "ffn_hidden_size", "max_position_embeddings", "rope_theta", "norm_eps",
-        "rope_scaling.type", "rope_scaling.factor",
-        "rope_scaling.original_max_position_embeddings")},
+    **dict.fromkeys(CHECKPOINT_SHAPE_KEYS, _SHAPE),
     "model.init_std": _WARMSTART,
     "model.attention": "the local spec's core attention (verl's megatron uses its own)",
     "tokenizer.vocab_size": "the trained BPE's (verl uses the checkpoint's tokenizer)",

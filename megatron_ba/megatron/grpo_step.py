@@ -101,8 +101,7 @@ def forward_backward(
     its calls.
     """
     step = PreparedStep.start(chunks, batch, split, reducer)
-    plan = step.plan(loss) if step.last else None  # the loss exists on the last stage only
-    return step.run(loss, plan_of=lambda rows: plan.select(rows), scale=step.scale())
+    return step.run(loss, scale=step.scale())
 
 
 class PreparedStep:
@@ -150,11 +149,20 @@ class PreparedStep:
         )
 
     def run(
-        self, loss: StepLoss, plan_of: Callable, *, scale: float, share: float = 1.0
+        self,
+        loss: StepLoss,
+        *,
+        scale: float,
+        plan_of: Callable | None = None,
+        share: float = 1.0,
     ) -> StepResult:
         """The schedule over the micro-batches: each one's loss is grpo_loss with the plan
-        `plan_of(rows)` (padded to its rows), `share` of it counted in the step's loss, times
-        `scale` on the way to the gradient."""
+        `plan_of(rows)` (padded to its rows; default: its rows of the global batch's plan, built
+        here), `share` of it counted in the step's loss, times `scale` on the way to the
+        gradient."""
+        if plan_of is None:
+            plan = self.plan(loss) if self.last else None  # the loss exists on the last stage only
+            plan_of = lambda rows: plan.select(rows)  # noqa: E731
         loss_func = _part_loss(loss, self.parts, plan_of, scale, share)
         store = run_schedule(self.chunks, self.parts, forward_only=False, loss_func=loss_func)
         return _global_result(store, self.last, self.reducer)

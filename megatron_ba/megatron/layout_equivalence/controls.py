@@ -29,10 +29,7 @@ def scaled_as(version: tuple[int, int]):
 
     def step(chunks, batch, loss: StepLoss, split, *, reducer=None) -> StepResult:
         prepared = PreparedStep.start(chunks, batch, split, reducer)
-        plan = prepared.plan(loss) if prepared.last else None
-        return prepared.run(
-            loss, plan_of=lambda rows: plan.select(rows), scale=prepared.scale(version)
-        )
+        return prepared.run(loss, scale=prepared.scale(version))
 
     return step
 
@@ -63,8 +60,7 @@ def expert_grads_unreduced(chunks, batch, loss: StepLoss, split, *, reducer=None
     prepared = PreparedStep.start(chunks, batch, split, reducer)
     config = get_model_config(chunks[0])
     config.finalize_model_grads_func = _experts_kept_local(config.finalize_model_grads_func, chunks)
-    plan = prepared.plan(loss) if prepared.last else None
-    return prepared.run(loss, plan_of=lambda rows: plan.select(rows), scale=prepared.scale())
+    return prepared.run(loss, scale=prepared.scale())
 
 
 def _experts_kept_local(finalize, chunks):
