@@ -66,6 +66,17 @@ ASSUMED["nemorl-pr957-qwen3-32b-32xh100-128k"] = {
 for _case in ("swift-sft-qwen3-32b-8k-8x80gib-tp8", "swift-sft-qwen25-7b-2k-mbs16-2x80gib-tp2"):
     ASSUMED[_case] = {"gpu": ("H100", "the header gives 80 GiB GPUs, not the model")}
 ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp4"] = ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp2"]
+_H100_SMALLEST = (
+    "H100",
+    "not named; the smallest part of NeMo-RL's published runs (80 GB): a run that fits on it "
+    "fits on the larger ones",
+)
+ASSUMED["nemorl-nightly-qwen3-30b-a3b-32xgpu-32k-tp4ep8"] = {"gpu": _H100_SMALLEST}
+for _case in ("swe1", "swe2"):
+    ASSUMED[f"nemorl-{_case}-qwen3-30b-a3b-thinking-128k-tp{2 if _case == 'swe1' else 4}pp2cp4ep8"] = {
+        "gpu": _H100_SMALLEST,
+        "model": ("Qwen3-30B-A3B", "the -Thinking-2507 checkpoint has the base model's shapes"),
+    }
 
 # Verdicts the planner gets wrong, and why it cannot get them right.
 _CONTESTED = (
@@ -141,7 +152,7 @@ def planner_inputs(case: dict) -> dict:
         logprobs="chunked" if case["fused_logprob_kernels"] else defaults["logprobs"],
     )
     vllm = None
-    if case["task"] != "SFT":
+    if case["task"] != "SFT" and case["colocated_generation"] is not False:
         util = case["colocated_vllm_gpu_memory_utilization"] or defaults["vllm_util"]
         vllm = VLLMShare(util, sleeps=True, tp=case["rollout_tp"]) if util else None
     return {"shape": shape, "layout": layout, "gpu_mem_gib": gpu, "vllm": vllm, "seq_len": seq_len}
