@@ -9,7 +9,13 @@ import pytest
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS, ModelShape
-from megatron_ba.planning.cluster_layout import NoLayoutFits, propose
+from megatron_ba.planning.cluster_layout import (
+    RECOMPUTE_COST,
+    NoLayoutFits,
+    Settings,
+    propose,
+    rank_key,
+)
 from megatron_ba.planning.memory import (
     GIB,
     Layout,
@@ -357,3 +363,32 @@ def test_vllm_engine_tp_is_part_of_the_verdict(capsys):
     assert cli_main([*args, "--vllm-tp", "2"]) == 0
     j = json.loads(capsys.readouterr().out)
     assert (j["tp"], j["micro_batch_size"], j["fits"], j["why_not"]) == (4, 2, True, "")
+
+
+def test_compute_ranking_prefers_no_recomputation_by_hand():
+    """Settings(prefer="compute"): the least recomputed compute first. Qwen2.5-1.5B at 262,144
+    tokens on 4 x 8 GPUs of 79.11 GiB: the default proposal needs full recomputation, the compute
+    ranking splits the sequence further instead."""
+    shape = load_model("Qwen2.5-1.5B")
+    # h 1536, 12 query heads of 128 (q 1536), 2 KV heads (kv 256), MLP 8960, 28 layers
+    a = 4 * 1536 + (1536 + 2 * 256) + 1536 + 3 * 8960
+    assert a == shape.layer_activation_elements() == 36608
+    kw = dict(nodes=4, gpus_per_node=8, gpu_mem_gib=79.11, max_response_len=1, seq_len=262144)
+    default = propose(shape, **kw)
+    compute = propose(shape, **kw, settings=Settings(prefer="compute"))
+    assert default.layout.recompute_mode == "full"
+    assert compute.layout.recompute_mode == "none"
+    lo = compute.layout
+    assert (lo.tp, lo.pp, lo.cp, lo.dp) == (2, 1, 8, 2)
+    # no recomputation: every layer's activations of 262,144 / cp tokens, sharded over tp, bf16
+    assert compute.estimate.activations == 28 * a * 2 * (262144 / 8) / 2
+    # the default's layout without recomputation does not fit: 28 layers x a x 2 bytes x
+    # 262,144 / (tp 2 x cp 2) tokens = 117.3 GiB of activations alone
+    d = default.layout
+    assert 28 * a * 2 * 262144 / (d.tp * d.cp) / GIB > 0.9 * 79.11
+    # full recomputation redoes each forward: 2 N S of the 6 N S model FLOPs per step
+    assert RECOMPUTE_COST["full"] == (6 + 2) / 6
+    assert rank_key(d, 1, "compute") > rank_key(lo, 1, "compute")
+    assert rank_key(d, 1) < rank_key(lo, 1)  # the default ranks by model parallelism first
+    with pytest.raises(ValueError, match="prefer"):
+        propose(shape, **kw, settings=Settings(prefer="speed"))
