@@ -111,6 +111,24 @@ def test_activations_and_logits_by_hand():
     assert half.activations_full_recompute == e.activations_full_recompute / 2
 
 
+def test_fp32_logprob_path_by_hand():
+    """NeMo-RL's DistributedLogprob on fp32 logits: three fp32 tensors of the logits' size at
+    its peak (the fp32 logits, the max-shifted copy, its exp; then the logits, the
+    log-softmax, the softmax it saves), 12 bytes per logit; megatron-core's path 8."""
+    T = 131072
+    lo = Layout(tp=8, pp=1, cp=1, dp=4, micro_batch_tokens=T, recompute="full", logprobs="fp32")
+    q32 = load_model("Qwen3-32B")
+    e = estimate(q32, lo, gpu_mem_gib=79.11, vllm=None)
+    assert e.logits == 131072 * (151936 / 8) * 12
+    assert round(e.logits / GIB, 2) == 27.82
+    mega = estimate(q32, Layout(**{**lo.__dict__, "logprobs": "megatron"}), gpu_mem_gib=79.11)
+    assert mega.logits == 131072 * (151936 / 8) * 8
+    assert e.train_phase - mega.train_phase == 131072 * (151936 / 8) * 4
+    # CP splits the tokens, so the logits with them
+    cp4 = Layout(**{**lo.__dict__, "cp": 4, "dp": 1})
+    assert estimate(q32, cp4, gpu_mem_gib=79.11).logits == e.logits / 4
+
+
 def test_pipeline_stages_by_hand():
     assert stage_params(Q7, 2, 0) == 14 * Q7_LAYER + 152064 * 3584
     assert stage_params(Q7, 2, 1) == 14 * Q7_LAYER + 152064 * 3584 + 3584

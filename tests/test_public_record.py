@@ -34,15 +34,18 @@ from megatron_ba.planning.verdict import assess, gpu_memory_gib
 FIXTURE = Path(__file__).parent / "fixtures" / "public_runs.json"
 CASES = json.loads(FIXTURE.read_text())["cases"]
 
-# What each framework does where a case is silent, from its default configuration:
+# What each framework does where a case is silent, from its default configuration and code:
 # verl's verl/trainer/config/ppo_megatron_trainer.yaml (028af31: param/grad/optimizer offload
 # false, rollout gpu_memory_utilization 0.5; use_fused_kernels false: megatron-core's
 # vocab-parallel log-prob); NeMo-RL (optimiser and gradients leave the GPU before generation,
-# the weights stay: the planner's "auto"; vLLM 0.6); SkyRL as NeMo-RL; ms-swift's `megatron sft`
-# (megatron-core's cross entropy).
+# the weights stay: the planner's "auto"; vLLM 0.6; the model's logits cast to fp32 unless
+# defer_fp32_logits, into DistributedLogprob unless logprob_chunk_size: the planner's "fp32",
+# nemo_rl/models/policy/megatron_policy_worker.py and nemo_rl/distributed/model_utils.py
+# @33ca684, August 2025, unchanged in that respect @7ea279a); SkyRL as NeMo-RL but with
+# megatron-core's cross entropy; ms-swift's `megatron sft` (megatron-core's cross entropy).
 FRAMEWORK_DEFAULTS = {
     "verl": {"offload": "none", "vllm_util": 0.5, "logprobs": "megatron"},
-    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "megatron"},
+    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "fp32"},
     "SkyRL": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
     "ms-swift": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
 }
@@ -106,10 +109,11 @@ EXPECTED_MISSES: dict[str, str] = {
         "verdict"
     ),
     "nemorl-903-qwen-1.5b-sft-32k-cp2": (
-        "the reporter's NeMo-RL (August 2025) ran out of memory where NeMo-Aligner did not; the "
-        "log-prob path that version used is not in the record: with megatron-core's "
-        "cross entropy (the default here) the estimate is 64.0 GiB, with `--logprobs naive` "
-        "(fp32 log-softmax through autograd) 97.2 GiB, and the CP 4 case 55.1 GiB (right both ways)"
+        "the reporter's NeMo-RL (August 2025) ran out of memory where NeMo-Aligner did not; with "
+        "NeMo-RL's log-prob path (fp32 logits into DistributedLogprob, the default here) the "
+        "estimate is 73.5 GiB of 79.11, with `--logprobs naive` (fp32 log-softmax through "
+        "autograd) 97.2 GiB, and the CP 4 case 43.2 GiB (right both ways); what else that "
+        "version kept (its loss's copies of the logits, the allocator's state) is not in the record"
     ),
 }
 
@@ -151,8 +155,11 @@ def planner_inputs(case: dict) -> dict:
         offload=offload,
         cpu_adam=case["optimizer_cpu_offload_fraction"] or 0.0,
         reference=bool(case["reference_model_on_gpu"]),
-        # verl's fused kernels never hold the full logits: at most what the chunked path holds
-        logprobs="chunked" if case["fused_logprob_kernels"] else defaults["logprobs"],
+        # verl's fused kernels and NeMo-RL's logprob_chunk_size never hold the full logits in
+        # fp32: at most what the chunked path holds
+        logprobs="chunked"
+        if case["fused_logprob_kernels"] or case["logprob_chunk_size"]
+        else defaults["logprobs"],
     )
     vllm = None
     if case["task"] != "SFT" and case["colocated_generation"] is not False:
@@ -253,18 +260,19 @@ LONG_CONTEXT_READINGS: dict[str, str] = {
         "the record (no step times for the alternatives)"
     ),
     "nemorl-pr957-qwen3-32b-32xh100-128k": (
-        "nothing fits without recomputation on 4 x 8 H100 at 128K, so both rankings give TP8 "
-        "CP1 DP4 with full recomputation (with megatron-core's cross entropy); the PR reports "
-        "the layout that ran (TP8 CP4), not that CP1 or CP2 went out of memory, so the record "
-        "cannot say which is right. Not modelled, and the likeliest to need CP: NeMo-RL's "
-        "log-prob pass before training (forward only, fp32 logits of the whole sequence next "
-        "to the trainer's states); with autograd's fp32 log-softmax as the log-prob path "
-        "(--logprobs naive, 22 bytes per logit) the proposal becomes TP8 CP2"
+        "with NeMo-RL's log-prob path (fp32 logits, 12 bytes per logit: 27.8 GiB at 131,072 "
+        "tokens on one GPU of TP8) TP8 CP1 needs 81.6 GiB and does not fit, so the planner "
+        "splits the sequence too, but takes the least CP that fits: TP8 CP2 DP2 with full "
+        "recomputation (55.0 GiB of training tensors, 59.3 GiB with the generation phase's "
+        "vLLM share); the run used CP4 (44.7 GiB of training tensors). The PR reports the "
+        "layout that ran, not that CP2 went out of memory, so the record cannot say which is "
+        "right; with megatron-core's cross entropy (8 bytes per logit) CP1 would fit (72.1 GiB)"
     ),
     "nemorl-903-qwen-1.5b-sft-32k-cp4": (
         "the reporter moved from CP2 (out of memory) to CP4; the planner, choosing among "
         "layouts that fit, gives TP1 DP512 with full recomputation or, by compute, TP2 DP256 "
-        "without it; at CP2 its estimate says the run fits, the miss explained above"
+        "without it; at CP2 its estimate says the run fits (the miss explained above), so it "
+        "has no reason to add CP"
     ),
     "swift-sft-qwen25-7b-32k-4xa100": (
         "both rankings give TP2 DP2 with full recomputation (72.3 GiB of 79.15, within the "
@@ -272,9 +280,9 @@ LONG_CONTEXT_READINGS: dict[str, str] = {
         "for TP4 and leaves a third of the memory free (published 50 GB)"
     ),
     "nemorl-nightly-qwen3-30b-a3b-32xgpu-32k-tp4ep8": (
-        "the recipe sets the trainer's TP to its vLLM engine's TP4; the planner takes TP2 DP16 "
-        "with full recomputation (64.4 GiB), or by compute TP4 CP2 without it (68.5 GiB); "
-        "both hold the same engine"
+        "the recipe sets the trainer's TP to its vLLM engine's TP4; the planner takes TP1 DP32 "
+        "with full recomputation (75.2 GiB), or by compute TP4 CP2 without it (66.4 GiB), "
+        "both with the same engine"
     ),
     "nemorl-swe1-qwen3-30b-a3b-thinking-128k-tp2pp2cp4ep8": _SWE,
     "nemorl-swe2-qwen3-30b-a3b-thinking-128k-tp4pp2cp4ep8": _SWE,
