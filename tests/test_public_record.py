@@ -15,6 +15,11 @@ optimiser), or one sequence per micro-batch (the least memory any batching gives
 OOM stays an OOM under any other); what a case's source does not say at all (a GPU, a model id)
 is in ASSUMED with why.
 
+At long context (LONG_CONTEXT tokens or more), each run that ran is also set beside the
+planner's own proposals on its cluster under both rankings (test_long_context_proposals_agree_
+or_are_explained): a proposal agrees when its tp, pp, cp and recomputation are the published
+ones; every difference must be in LONG_CONTEXT_READINGS with its reason.
+
 The check can fail: with the outcome of vmp-grpo-qwen25-7b-tp2-nooffload flipped to "ran" in a
 copy of the fixture, test_every_verdict_is_right_or_an_expected_miss fails (run while this test
 was written; test_a_flipped_outcome_fails repeats it).
