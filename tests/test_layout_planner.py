@@ -113,18 +113,14 @@ def test_activations_and_logits_by_hand():
 
 def test_fp32_logprob_path_by_hand():
     """NeMo-RL's DistributedLogprob on fp32 logits: three fp32 tensors of the logits' size at
-    its peak (the fp32 logits, the max-shifted copy, its exp; then the logits, the
-    log-softmax, the softmax it saves), 12 bytes per logit; megatron-core's path 8."""
-    T = 131072
-    lo = Layout(tp=8, pp=1, cp=1, dp=4, micro_batch_tokens=T, recompute="full", logprobs="fp32")
-    q32 = load_model("Qwen3-32B")
-    e = estimate(q32, lo, gpu_mem_gib=79.11, vllm=None)
-    assert e.logits == 131072 * (151936 / 8) * 12
-    assert round(e.logits / GIB, 2) == 27.82
+    its peak (fp32 logits, shifted copy, exp; then logits, log-softmax, saved softmax): 12 bytes
+    per logit of T x V / tp, megatron-core's path 8; CP splits the tokens, so the logits."""
+    lo = Layout(8, 1, 1, 4, 131072, recompute="full", logprobs="fp32")
+    q32, per_byte = load_model("Qwen3-32B"), 131072 * (151936 / 8)
+    e = estimate(q32, lo, gpu_mem_gib=79.11)
+    assert e.logits == per_byte * 12 and round(e.logits / GIB, 2) == 27.82
     mega = estimate(q32, Layout(**{**lo.__dict__, "logprobs": "megatron"}), gpu_mem_gib=79.11)
-    assert mega.logits == 131072 * (151936 / 8) * 8
-    assert e.train_phase - mega.train_phase == 131072 * (151936 / 8) * 4
-    # CP splits the tokens, so the logits with them
+    assert mega.logits == per_byte * 8 and e.train_phase - mega.train_phase == per_byte * 4
     cp4 = Layout(**{**lo.__dict__, "cp": 4, "dp": 1})
     assert estimate(q32, cp4, gpu_mem_gib=79.11).logits == e.logits / 4
 
@@ -384,28 +380,20 @@ def test_vllm_engine_tp_is_part_of_the_verdict(capsys):
 
 
 def test_compute_ranking_prefers_no_recomputation_by_hand():
-    """Settings(prefer="compute"): the least recomputed compute first. Qwen2.5-1.5B at 262,144
-    tokens on 4 x 8 GPUs of 79.11 GiB: the default proposal needs full recomputation, the compute
-    ranking splits the sequence further instead."""
+    """Settings(prefer="compute"), least recomputed compute first: Qwen2.5-1.5B at 262,144
+    tokens on 4 x 8 GPUs of 79.11 GiB; the default recomputes, this splits the sequence more."""
     shape = load_model("Qwen2.5-1.5B")
-    # h 1536, 12 query heads of 128 (q 1536), 2 KV heads (kv 256), MLP 8960, 28 layers
-    a = 4 * 1536 + (1536 + 2 * 256) + 1536 + 3 * 8960
+    a = 4 * 1536 + (1536 + 2 * 256) + 1536 + 3 * 8960  # h, q, 2 KV heads of 128, MLP 8960
     assert a == shape.layer_activation_elements() == 36608
     kw = dict(nodes=4, gpus_per_node=8, gpu_mem_gib=79.11, max_response_len=1, seq_len=262144)
-    default = propose(shape, **kw)
+    d = propose(shape, **kw).layout
     compute = propose(shape, **kw, settings=Settings(prefer="compute"))
-    assert default.layout.recompute_mode == "full"
-    assert compute.layout.recompute_mode == "none"
     lo = compute.layout
+    assert d.recompute_mode == "full" and lo.recompute_mode == "none"
     assert (lo.tp, lo.pp, lo.cp, lo.dp) == (2, 1, 8, 2)
-    # no recomputation: every layer's activations of 262,144 / cp tokens, sharded over tp, bf16
-    assert compute.estimate.activations == 28 * a * 2 * (262144 / 8) / 2
-    # the default's layout without recomputation does not fit: 28 layers x a x 2 bytes x
-    # 262,144 / (tp 2 x cp 2) tokens = 117.3 GiB of activations alone
-    d = default.layout
-    assert 28 * a * 2 * 262144 / (d.tp * d.cp) / GIB > 0.9 * 79.11
-    # full recomputation redoes each forward: 2 N S of the 6 N S model FLOPs per step
-    assert RECOMPUTE_COST["full"] == (6 + 2) / 6
+    assert compute.estimate.activations == 28 * a * 2 * (262144 / 8) / 2  # bf16, / cp, / tp
+    assert 28 * a * 2 * 262144 / (d.tp * d.cp) / GIB > 0.9 * 79.11  # the default's, unrecomputed
+    assert RECOMPUTE_COST["full"] == (6 + 2) / 6  # a second forward, 2 N S on 6 N S
     assert rank_key(d, 1, "compute") > rank_key(lo, 1, "compute")
     assert rank_key(d, 1) < rank_key(lo, 1)  # the default ranks by model parallelism first
     with pytest.raises(ValueError, match="prefer"):
