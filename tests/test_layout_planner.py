@@ -9,7 +9,13 @@ import pytest
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS, ModelShape
-from megatron_ba.planning.cluster_layout import NoLayoutFits, propose
+from megatron_ba.planning.cluster_layout import (
+    RECOMPUTE_COST,
+    NoLayoutFits,
+    Settings,
+    propose,
+    rank_key,
+)
 from megatron_ba.planning.memory import (
     GIB,
     Layout,
@@ -103,6 +109,20 @@ def test_activations_and_logits_by_hand():
     half = estimate(Q7, Layout(2, 1, 2, 8, T, recompute=True), gpu_mem_gib=80, vllm=None)
     assert half.activations == half.activations_full_recompute
     assert half.activations_full_recompute == e.activations_full_recompute / 2
+
+
+def test_fp32_logprob_path_by_hand():
+    """NeMo-RL's DistributedLogprob on fp32 logits: three fp32 tensors of the logits' size at
+    its peak (fp32 logits, shifted copy, exp; then logits, log-softmax, saved softmax): 12 bytes
+    per logit of T x V / tp, megatron-core's path 8; CP splits the tokens, so the logits."""
+    lo = Layout(8, 1, 1, 4, 131072, recompute="full", logprobs="fp32")
+    q32, per_byte = load_model("Qwen3-32B"), 131072 * (151936 / 8)
+    e = estimate(q32, lo, gpu_mem_gib=79.11)
+    assert e.logits == per_byte * 12 and round(e.logits / GIB, 2) == 27.82
+    mega = estimate(q32, Layout(**{**lo.__dict__, "logprobs": "megatron"}), gpu_mem_gib=79.11)
+    assert mega.logits == per_byte * 8 and e.train_phase - mega.train_phase == per_byte * 4
+    cp4 = Layout(**{**lo.__dict__, "cp": 4, "dp": 1})
+    assert estimate(q32, cp4, gpu_mem_gib=79.11).logits == e.logits / 4
 
 
 def test_pipeline_stages_by_hand():
@@ -357,3 +377,24 @@ def test_vllm_engine_tp_is_part_of_the_verdict(capsys):
     assert cli_main([*args, "--vllm-tp", "2"]) == 0
     j = json.loads(capsys.readouterr().out)
     assert (j["tp"], j["micro_batch_size"], j["fits"], j["why_not"]) == (4, 2, True, "")
+
+
+def test_compute_ranking_prefers_no_recomputation_by_hand():
+    """Settings(prefer="compute"), least recomputed compute first: Qwen2.5-1.5B at 262,144
+    tokens on 4 x 8 GPUs of 79.11 GiB; the default recomputes, this splits the sequence more."""
+    shape = load_model("Qwen2.5-1.5B")
+    a = 4 * 1536 + (1536 + 2 * 256) + 1536 + 3 * 8960  # h, q, 2 KV heads of 128, MLP 8960
+    assert a == shape.layer_activation_elements() == 36608
+    kw = dict(nodes=4, gpus_per_node=8, gpu_mem_gib=79.11, max_response_len=1, seq_len=262144)
+    d = propose(shape, **kw).layout
+    compute = propose(shape, **kw, settings=Settings(prefer="compute"))
+    lo = compute.layout
+    assert d.recompute_mode == "full" and lo.recompute_mode == "none"
+    assert (lo.tp, lo.pp, lo.cp, lo.dp) == (2, 1, 8, 2)
+    assert compute.estimate.activations == 28 * a * 2 * (262144 / 8) / 2  # bf16, / cp, / tp
+    assert 28 * a * 2 * 262144 / (d.tp * d.cp) / GIB > 0.9 * 79.11  # the default's, unrecomputed
+    assert RECOMPUTE_COST["full"] == (6 + 2) / 6  # a second forward, 2 N S on 6 N S
+    assert rank_key(d, 1, "compute") > rank_key(lo, 1, "compute")
+    assert rank_key(d, 1) < rank_key(lo, 1)  # the default ranks by model parallelism first
+    with pytest.raises(ValueError, match="prefer"):
+        propose(shape, **kw, settings=Settings(prefer="speed"))

@@ -15,6 +15,11 @@ optimiser), or one sequence per micro-batch (the least memory any batching gives
 OOM stays an OOM under any other); what a case's source does not say at all (a GPU, a model id)
 is in ASSUMED with why.
 
+At long context (LONG_CONTEXT tokens or more), each run that ran is also set beside the
+planner's own proposals on its cluster under both rankings (test_long_context_proposals_agree_
+or_are_explained): a proposal agrees when its tp, pp, cp and recomputation are the published
+ones; every difference must be in LONG_CONTEXT_READINGS with its reason.
+
 The check can fail: with the outcome of vmp-grpo-qwen25-7b-tp2-nooffload flipped to "ran" in a
 copy of the fixture, test_every_verdict_is_right_or_an_expected_miss fails (run while this test
 was written; test_a_flipped_outcome_fails repeats it).
@@ -27,21 +32,25 @@ import json
 import statistics
 from pathlib import Path
 
+from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
 from megatron_ba.planning.memory import GIB, Layout, VLLMShare, load_model
 from megatron_ba.planning.verdict import assess, gpu_memory_gib
 
 FIXTURE = Path(__file__).parent / "fixtures" / "public_runs.json"
 CASES = json.loads(FIXTURE.read_text())["cases"]
 
-# What each framework does where a case is silent, from its default configuration:
+# What each framework does where a case is silent, from its default configuration and code:
 # verl's verl/trainer/config/ppo_megatron_trainer.yaml (028af31: param/grad/optimizer offload
 # false, rollout gpu_memory_utilization 0.5; use_fused_kernels false: megatron-core's
 # vocab-parallel log-prob); NeMo-RL (optimiser and gradients leave the GPU before generation,
-# the weights stay: the planner's "auto"; vLLM 0.6); SkyRL as NeMo-RL; ms-swift's `megatron sft`
-# (megatron-core's cross entropy).
+# the weights stay: the planner's "auto"; vLLM 0.6; the model's logits cast to fp32 unless
+# defer_fp32_logits, into DistributedLogprob unless logprob_chunk_size: the planner's "fp32",
+# nemo_rl/models/policy/megatron_policy_worker.py and nemo_rl/distributed/model_utils.py
+# @33ca684, August 2025, unchanged in that respect @7ea279a); SkyRL as NeMo-RL but with
+# megatron-core's cross entropy; ms-swift's `megatron sft` (megatron-core's cross entropy).
 FRAMEWORK_DEFAULTS = {
     "verl": {"offload": "none", "vllm_util": 0.5, "logprobs": "megatron"},
-    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "megatron"},
+    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "fp32"},
     "SkyRL": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
     "ms-swift": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
 }
@@ -66,6 +75,19 @@ ASSUMED["nemorl-pr957-qwen3-32b-32xh100-128k"] = {
 for _case in ("swift-sft-qwen3-32b-8k-8x80gib-tp8", "swift-sft-qwen25-7b-2k-mbs16-2x80gib-tp2"):
     ASSUMED[_case] = {"gpu": ("H100", "the header gives 80 GiB GPUs, not the model")}
 ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp4"] = ASSUMED["nemorl-903-qwen-1.5b-sft-32k-cp2"]
+_H100_SMALLEST = (
+    "H100",
+    "not named; the smallest part of NeMo-RL's published runs (80 GB): a run that fits on it "
+    "fits on the larger ones",
+)
+ASSUMED["nemorl-nightly-qwen3-30b-a3b-32xgpu-32k-tp4ep8"] = {"gpu": _H100_SMALLEST}
+for _case in ("swe1", "swe2"):
+    ASSUMED[
+        f"nemorl-{_case}-qwen3-30b-a3b-thinking-128k-tp{2 if _case == 'swe1' else 4}pp2cp4ep8"
+    ] = {
+        "gpu": _H100_SMALLEST,
+        "model": ("Qwen3-30B-A3B", "the -Thinking-2507 checkpoint has the base model's shapes"),
+    }
 
 # Verdicts the planner gets wrong, and why it cannot get them right.
 _CONTESTED = (
@@ -92,10 +114,11 @@ EXPECTED_MISSES: dict[str, str] = {
         "verdict"
     ),
     "nemorl-903-qwen-1.5b-sft-32k-cp2": (
-        "the reporter's NeMo-RL (August 2025) ran out of memory where NeMo-Aligner did not; the "
-        "log-prob path that version used is not in the record: with megatron-core's "
-        "cross entropy (the default here) the estimate is 64.0 GiB, with `--logprobs naive` "
-        "(fp32 log-softmax through autograd) 97.2 GiB, and the CP 4 case 55.1 GiB (right both ways)"
+        "the reporter's NeMo-RL (August 2025) ran out of memory where NeMo-Aligner did not; with "
+        "NeMo-RL's log-prob path (fp32 logits into DistributedLogprob, the default here) the "
+        "estimate is 73.5 GiB of 79.11, with `--logprobs naive` (fp32 log-softmax through "
+        "autograd) 97.2 GiB, and the CP 4 case 43.2 GiB (right both ways); what else that "
+        "version kept (its loss's copies of the logits, the allocator's state) is not in the record"
     ),
 }
 
@@ -137,11 +160,14 @@ def planner_inputs(case: dict) -> dict:
         offload=offload,
         cpu_adam=case["optimizer_cpu_offload_fraction"] or 0.0,
         reference=bool(case["reference_model_on_gpu"]),
-        # verl's fused kernels never hold the full logits: at most what the chunked path holds
-        logprobs="chunked" if case["fused_logprob_kernels"] else defaults["logprobs"],
+        # verl's fused kernels and NeMo-RL's logprob_chunk_size never hold the full logits in
+        # fp32: at most what the chunked path holds
+        logprobs="chunked"
+        if case["fused_logprob_kernels"] or case["logprob_chunk_size"]
+        else defaults["logprobs"],
     )
     vllm = None
-    if case["task"] != "SFT":
+    if case["task"] != "SFT" and case["colocated_generation"] is not False:
         util = case["colocated_vllm_gpu_memory_utilization"] or defaults["vllm_util"]
         vllm = VLLMShare(util, sleeps=True, tp=case["rollout_tp"]) if util else None
     return {"shape": shape, "layout": layout, "gpu_mem_gib": gpu, "vllm": vllm, "seq_len": seq_len}
@@ -217,3 +243,129 @@ def test_a_flipped_outcome_fails():
     case["outcome"] = "ran"
     misses = {r["case"]["id"] for r in evaluate(flipped) if not r["right"]}
     assert misses != set(EXPECTED_MISSES)
+
+
+# Long contexts: the planner's own proposal on each long run's cluster, beside the published
+# layout. A proposal agrees when its tp, pp, cp and recomputation equal the published ones under
+# either ranking (megatron_ba.planning.cluster_layout: "parallelism", the default, or "compute");
+# every other row needs its reason here.
+LONG_CONTEXT = 32768
+_SWE = (
+    "the published layout leaves the most memory unused of the record's long runs (generation on "
+    "other GPUs, so no vLLM share): PP2 halves the states and CP4 the activations, where the "
+    "planner takes the least model parallelism that fits; the ranking has no term that would "
+    "add PP without need, and the recipe gives no reason for its split"
+)
+LONG_CONTEXT_READINGS: dict[str, str] = {
+    "nemorl-nightly-qwen25-1.5b-32xh100-256k-cp32": (
+        "the compute ranking agrees on no recomputation and on splitting the sequence with CP; "
+        "it takes TP2 CP8 where the recipe has TP1 CP32, because the planner puts TP before CP "
+        "and takes the least model parallelism (16 GPUs per replica, DP2), while the recipe "
+        "changes only context_parallel_size of its TP1 1B parent; which is faster is not in "
+        "the record (no step times for the alternatives)"
+    ),
+    "nemorl-pr957-qwen3-32b-32xh100-128k": (
+        "with NeMo-RL's log-prob path (fp32 logits, 12 bytes per logit: 27.8 GiB at 131,072 "
+        "tokens on one GPU of TP8) TP8 CP1 needs 81.6 GiB and does not fit, so the planner "
+        "splits the sequence too, but takes the least CP that fits: TP8 CP2 DP2 with full "
+        "recomputation (55.0 GiB of training tensors, 59.3 GiB with the generation phase's "
+        "vLLM share); the run used CP4 (44.7 GiB of training tensors). The PR reports the "
+        "layout that ran, not that CP2 went out of memory, so the record cannot say which is "
+        "right; with megatron-core's cross entropy (8 bytes per logit) CP1 would fit (72.1 GiB)"
+    ),
+    "nemorl-903-qwen-1.5b-sft-32k-cp4": (
+        "the reporter moved from CP2 (out of memory) to CP4; the planner, choosing among "
+        "layouts that fit, gives TP1 DP512 with full recomputation or, by compute, TP2 DP256 "
+        "without it; at CP2 its estimate says the run fits (the miss explained above), so it "
+        "has no reason to add CP"
+    ),
+    "swift-sft-qwen25-7b-32k-4xa100": (
+        "both rankings give TP2 DP2 with full recomputation (72.3 GiB of 79.15, within the "
+        "headroom): the planner takes data parallelism first; the example uses all four GPUs "
+        "for TP4 and leaves a third of the memory free (published 50 GB)"
+    ),
+    "nemorl-nightly-qwen3-30b-a3b-32xgpu-32k-tp4ep8": (
+        "the recipe sets the trainer's TP to its vLLM engine's TP4; the planner takes TP1 DP32 "
+        "with full recomputation (75.2 GiB), or by compute TP4 CP2 without it (66.4 GiB), "
+        "both with the same engine"
+    ),
+    "nemorl-swe1-qwen3-30b-a3b-thinking-128k-tp2pp2cp4ep8": _SWE,
+    "nemorl-swe2-qwen3-30b-a3b-thinking-128k-tp4pp2cp4ep8": _SWE,
+}
+
+
+def propose_for(case: dict, prefer: str):
+    """The planner's proposal on the case's cluster, with everything but tp, pp, cp and
+    recomputation as the case has it (the same sequences per micro-batch, engine, log-prob path,
+    offload, expert parallelism), or None when no layout fits."""
+    inputs = planner_inputs(case)
+    lo, seq = inputs["layout"], inputs["seq_len"]
+    settings = Settings(
+        ep=lo.ep,
+        micro_batch_size=max(1, lo.micro_batch_tokens // seq),
+        offload=lo.offload,
+        cpu_adam=lo.cpu_adam,
+        distributed_optimizer=lo.distributed_optimizer,
+        logprobs=lo.logprob_mode,
+        prefer=prefer,
+    )
+    world = lo.tp * lo.pp * lo.cp * lo.dp
+    try:
+        return propose(
+            inputs["shape"], nodes=world // 8 if world % 8 == 0 else 1,
+            gpus_per_node=min(8, world), gpu_mem_gib=inputs["gpu_mem_gib"],
+            max_response_len=seq, prompt_len=0, seq_len=seq, vllm=inputs["vllm"],
+            settings=settings,
+        )  # fmt: skip
+    except NoLayoutFits:
+        return None
+
+
+def _say(lo, gib: float) -> str:
+    return f"tp{lo.tp} pp{lo.pp} cp{lo.cp} dp{lo.dp} {lo.recompute_mode} ({gib:.1f} GiB)"
+
+
+def long_context_rows(cases: list[dict]) -> list[dict]:
+    rows = []
+    for case in cases:
+        inputs = planner_inputs(case)
+        if inputs["seq_len"] < LONG_CONTEXT or case["outcome"] != "ran":
+            continue  # a layout that went out of memory is no layout to agree with
+        published = assess(**inputs)
+        plans = {p: propose_for(case, p) for p in ("parallelism", "compute")}
+        same = [
+            p
+            for p, plan in plans.items()
+            if plan is not None
+            and all(
+                getattr(plan.layout, k) == getattr(inputs["layout"], k) for k in "tp pp cp".split()
+            )
+            and plan.layout.recompute_mode == inputs["layout"].recompute_mode
+        ]
+        rows.append({"case": case, "seq": inputs["seq_len"], "published": published,
+                     "layout": inputs["layout"], "plans": plans, "agrees": same})  # fmt: skip
+    return rows
+
+
+def long_context_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        c, pub = r["case"], r["published"]
+        plans = "; ".join(
+            f"{p}: " + ("none fits" if plan is None else _say(plan.layout, plan.estimate.total_gib))
+            for p, plan in r["plans"].items()
+        )
+        agree = f"agrees ({', '.join(r['agrees'])})" if r["agrees"] else "differs"
+        lines.append(
+            f"{c['id']} @ {r['seq']}: published {_say(r['layout'], pub.estimate.total_gib)}"
+            f" | proposed {plans} | {agree}"
+        )
+    return "\n".join(lines)
+
+
+def test_long_context_proposals_agree_or_are_explained():
+    rows = long_context_rows(CASES)
+    print("\n" + long_context_table(rows))
+    assert len(rows) >= 6
+    unexplained = {r["case"]["id"] for r in rows if not r["agrees"]}
+    assert unexplained == set(LONG_CONTEXT_READINGS), unexplained ^ set(LONG_CONTEXT_READINGS)

@@ -9,9 +9,16 @@ whole, and TP stays inside a node, on NVLink), every pp dividing the layers, cp 
 dp what is left of the world; for each, the largest micro-batch (whole sequences of
 prompt_len + max_response_len tokens, padded) whose estimate leaves `headroom` of the GPU free,
 first without activation recomputation, then with it. Among the layouts that fit one sequence
-per micro-batch the proposal is the one with the most data parallelism (the least model
-parallelism), then the smallest pp and cp (TP is the cheapest split inside a node), then no
-recomputation, then the largest micro-batch.
+per micro-batch the proposal is, by `Settings.prefer`:
+
+* "parallelism" (the default): the most data parallelism (the least model parallelism), then
+  the smallest pp and cp (TP is the cheapest split inside a node), then no recomputation, then
+  the largest micro-batch;
+* "compute": the least recomputed compute first (RECOMPUTE_COST: full recomputation redoes
+  every layer's forward, 4/3 of a step's model FLOPs; none and selective with flash attention
+  redo nothing), then the "parallelism" order. On a given number of GPUs every layout shares
+  the step's model FLOPs equally, so recomputation is the compute that differs between them;
+  what TP, CP and PP cost in communication and bubbles is not modelled, only ordered as above.
 """
 
 from __future__ import annotations
@@ -31,6 +38,12 @@ from megatron_ba.planning.memory import (
 )
 from megatron_ba.planning.verdict import Verdict, assess
 from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
+
+# A step's compute relative to its model FLOPs (forward 1/3, backward 2/3 of 6 N S): full
+# recomputation runs each layer's forward twice; selective (core attention) with flash attention
+# recomputes nothing the estimate counts (it keeps what none keeps).
+RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4 / 3}
+PREFER = ("parallelism", "compute")
 
 DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep while training
 
@@ -145,7 +158,8 @@ class NoLayoutFits(UserError):
 class Settings:
     """What the search does not choose: expert parallelism, recomputation (None: none, then full
     where needed), micro-batch (sequences, or tokens per GPU; None: the largest that fits),
-    offload, hybrid CPU Adam's fraction, the distributed optimiser."""
+    offload, hybrid CPU Adam's fraction, the distributed optimiser, the log-prob path, and how
+    the fitting layouts are ranked (`prefer`, module docstring)."""
 
     ep: int = 1
     recompute: str | None = None
@@ -155,6 +169,18 @@ class Settings:
     cpu_adam: float = 0.0
     distributed_optimizer: bool = True
     logprobs: str = "chunked"
+    prefer: str = "parallelism"
+
+
+def rank_key(layout: Layout, micro_batch_size: int, prefer: str = "parallelism") -> tuple:
+    """The sort key of a fitting layout (smallest first) under `prefer` (module docstring)."""
+    if prefer not in PREFER:
+        raise ValueError(f"prefer: one of {', '.join(PREFER)}, got {prefer!r}")
+    lo = layout
+    key = (lo.tp * lo.pp * lo.cp, lo.pp, lo.cp, lo.recompute_mode != "none", -micro_batch_size)
+    if prefer == "compute":
+        return (RECOMPUTE_COST[lo.recompute_mode], *key)
+    return key
 
 
 def _divisors(n: int) -> list[int]:
@@ -309,6 +335,8 @@ def propose(
     to estimate a given layout instead of searching over it; `seq_len` (prompt + response)
     replaces prompt_len + max_response_len."""
     _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_len, headroom)
+    if settings.prefer not in PREFER:
+        raise ValueError(f"prefer: one of {', '.join(PREFER)}, got {settings.prefer!r}")
     sequences = None
     if group_size is not None and prompts_per_step is not None:
         sequences = group_size * prompts_per_step
@@ -343,11 +371,7 @@ def propose(
             closest=plan,
         )
 
-    def rank(item):
-        lo, _, mbs = item
-        return (lo.tp * lo.pp * lo.cp, lo.pp, lo.cp, lo.recompute_mode != "none", -mbs)
-
-    fits.sort(key=rank)
+    fits.sort(key=lambda item: rank_key(item[0], item[2], settings.prefer))
     lo, e, mbs = fits[0]
     return Plan(shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
                 _alternatives(fits), vllm=vllm)  # fmt: skip

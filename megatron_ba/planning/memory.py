@@ -80,7 +80,7 @@ def overhead_bytes(torch_bytes: float) -> float:
 
 
 RECOMPUTE = ("none", "selective", "full")
-LOGPROBS = ("chunked", "megatron", "naive")
+LOGPROBS = ("chunked", "megatron", "fp32", "naive")
 OFFLOAD = ("auto", "none", "states")
 
 
@@ -108,8 +108,9 @@ class Layout:
     cpu_adam: float = 0.0  # the fraction of the optimiser megatron's hybrid CPU Adam keeps on CPU
     reference: bool = False  # a reference policy's bf16 weights stay on the GPU (KL loss)
     # The log-prob / loss path over the vocabulary: "chunked" (this project's), "megatron"
-    # (megatron-core's vocab-parallel cross entropy: an fp32 softmax), "naive" (autograd's
-    # log_softmax of fp32 logits); chunked_logprobs=False means "naive".
+    # (megatron-core's vocab-parallel cross entropy: an fp32 softmax), "fp32" (NeMo-RL's
+    # DistributedLogprob on the model's fp32 logits), "naive" (autograd's log_softmax of fp32
+    # logits); chunked_logprobs=False means "naive".
     logprobs: str = "chunked"
 
     @property
@@ -267,9 +268,9 @@ def _activations(shape, layout, stage, prec):
 
 
 def _logits(shape, layout, stage, tokens, prec):
-    """(naive, chunked, megatron) bytes of the log-prob path on this stage."""
+    """(naive, chunked, megatron, fp32) bytes of the log-prob path on this stage."""
     if stage != layout.pp - 1:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     v_local = shape.vocab_size / layout.tp
     # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
     # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
@@ -282,15 +283,21 @@ def _logits(shape, layout, stage, tokens, prec):
     # megatron-core's vocab_parallel_cross_entropy: the bf16 logits, their fp32 softmax kept for
     # the backward (which turns it into the gradient in place), the bf16 gradient it returns.
     megatron = tokens * v_local * (prec.logits_bytes + 4 + prec.logits_bytes)
-    return naive, chunked, megatron
+    # NeMo-RL's unchunked path (DistributedLogprob, from NeMo-Aligner; nemo_rl/distributed/
+    # model_utils.py) on the fp32 logits the model returns unless defer_fp32_logits (the bf16
+    # ones are freed by the cast): at its peak three fp32 tensors of the logits' size live at
+    # once: the fp32 logits, their max-shifted copy and its exp (summed), then the fp32 logits,
+    # the log-softmax and its exp, the softmax saved for the backward.
+    fp32 = tokens * v_local * 3 * 4
+    return naive, chunked, megatron, fp32
 
 
 def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
     weights, grads, optimizer = _states(shape, layout, stage, prec)
     no_recompute, full_recompute, tokens = _activations(shape, layout, stage, prec)
     activations = full_recompute if layout.recompute_mode == "full" else no_recompute
-    logits_naive, logits_chunked, logits_megatron = _logits(shape, layout, stage, tokens, prec)
-    logits = {"naive": logits_naive, "chunked": logits_chunked, "megatron": logits_megatron}[
+    naive, chunked, megatron, fp32 = _logits(shape, layout, stage, tokens, prec)
+    logits = {"naive": naive, "chunked": chunked, "megatron": megatron, "fp32": fp32}[
         layout.logprob_mode
     ]
 
@@ -319,8 +326,8 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
         activations_no_recompute=no_recompute,
         activations_full_recompute=full_recompute,
         logits=logits,
-        logits_naive=logits_naive,
-        logits_chunked=logits_chunked,
+        logits_naive=naive,
+        logits_chunked=chunked,
         vllm_train_phase=vllm_train,
         vllm_kv_cache=kv_cache,
         train_phase=train_phase,
