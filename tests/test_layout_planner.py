@@ -379,7 +379,7 @@ def test_vllm_engine_tp_is_part_of_the_verdict(capsys):
     assert (j["tp"], j["micro_batch_size"], j["fits"], j["why_not"]) == (4, 2, True, "")
 
 
-def test_compute_ranking_prefers_no_recomputation_by_hand():
+def test_compute_ranking_prefers_no_recomputation_by_hand(capsys):
     """Settings(prefer="compute"), least recomputed compute first: Qwen2.5-1.5B at 262,144
     tokens on 4 x 8 GPUs of 79.11 GiB; the default recomputes, this splits the sequence more."""
     shape = load_model("Qwen2.5-1.5B")
@@ -398,3 +398,8 @@ def test_compute_ranking_prefers_no_recomputation_by_hand():
     assert rank_key(d, 1) < rank_key(lo, 1)  # the default ranks by model parallelism first
     with pytest.raises(ValueError, match="prefer"):
         propose(shape, **kw, settings=Settings(prefer="speed"))
+    cli = ["layout", "--model", "Qwen2.5-1.5B", "--seq-len", "262144", "--nodes", "4", "--json"]
+    capsys.readouterr()
+    assert cli_main([*cli, "--gpus-per-node", "8", "--gpu", "H100", "--prefer", "compute"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [out[k] for k in ("tp", "cp", "dp", "recompute_mode")] == [2, 8, 2, "none"]

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import sys
 
-from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
+from megatron_ba.planning.cluster_layout import PREFER, NoLayoutFits, Settings, propose
 from megatron_ba.planning.memory import LOGPROBS, RECOMPUTE, VLLMShare, load_model
 from megatron_ba.planning.verdict import GPU_MEMORY_GIB, gpu_memory_gib
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
@@ -112,7 +112,18 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
         default="chunked",
         help=(
             "the log-prob / loss path over the vocabulary: chunked (megatron-ba's, default), "
-            "megatron (megatron-core's vocab-parallel cross entropy, fp32 softmax), naive"
+            "megatron (megatron-core's vocab-parallel cross entropy, fp32 softmax), fp32 "
+            "(NeMo-RL's: the logits cast to fp32, then a vocab-parallel log-softmax), naive"
+        ),
+    )
+    p.add_argument(
+        "--prefer",
+        choices=PREFER,
+        default="parallelism",
+        help=(
+            "how fitting layouts are ranked: parallelism (default: least model parallelism, "
+            "then least recomputation) or compute (least recomputation first: full "
+            "recomputation costs 4/3 of the compute)"
         ),
     )
     p.add_argument(
@@ -189,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_adam=cpu_adam,
         distributed_optimizer=not args.no_distributed_optimizer,
         logprobs=args.logprobs,
+        prefer=args.prefer,
     )
     try:
         plan = propose(
