@@ -3,7 +3,7 @@ groups, and leave it. One process, `torchrun` ranks (NCCL on GPUs, gloo on CPU),
 spawned on this host.
 
     port = free_port()
-    spawn(worker, nprocs=4, args=(port, ...))     # worker(rank, port, ...) in 4 fresh processes
+    spawn(worker, nprocs=4, args=(port, ...))     # worker(rank, port, ...) in 4 new processes
     device = join_world()                         # torchrun's RANK/WORLD_SIZE, else a world of one
     device = join_world("gloo", rank=r, world_size=4, port=port)   # in a spawned worker
     check_world_divides(tp, pp, cp)
@@ -28,6 +28,7 @@ imported inside the functions that need its parallel_state.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 from dataclasses import dataclass
@@ -68,12 +69,74 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What every worker `spawn` starts imports first: loaded once into the fork server, so that a
+# worker forks with it imported (megatron-core's import costs ~6 s of CPU per process; a layout
+# check starts up to 8 workers, and the tests start hundreds). A name that does not import is
+# skipped by the server (a light install without megatron-core).
+SPAWN_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.dist_checkpointing",
+)
+
+
 def spawn(fn, nprocs: int, args: tuple) -> None:
-    """Run fn(rank, *args) in `nprocs` fresh interpreters ("spawn": no state of this process is
-    inherited) and wait for all; a worker's exception is raised here."""
+    """Run fn(rank, *args) in `nprocs` new worker processes on this host and wait for all; a
+    worker's exception is raised here.
+
+    The workers fork from multiprocessing's fork server, which imported SPAWN_PRELOAD once and
+    holds no other state of this process: no process group, no model, no thread pool. Each
+    worker gets what a fresh interpreter started now would: this process's sys.path and working
+    directory (multiprocessing's preparation data), and its environment and stdout/stderr as of
+    this call (the server's own are from when it started: under pytest, another test's capture)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(SPAWN_PRELOAD))  # read when the server first starts
+    inherited = (dict(os.environ), _ParentFd(1), _ParentFd(2))
+    mp.start_processes(
+        _as_if_started_now,
+        args=(fn, inherited, args),
+        nprocs=nprocs,
+        join=True,
+        start_method="forkserver",
+    )
+
+
+class _ParentFd:
+    """A file descriptor of the spawning process, duplicated into the worker when multiprocessing
+    pickles the worker's arguments (its fd-passing DupFd); it arrives as the worker's fd number."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _as_if_started_now(rank: int, fn, inherited: tuple, args: tuple) -> None:
+    environment, stdout_fd, stderr_fd = inherited
+    os.environ.clear()
+    os.environ.update(environment)
+    for fd, target in ((stdout_fd, 1), (stderr_fd, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    # A worker killed by a signal (an abort inside gloo, a segfault) leaves no Python exception
+    # for the parent to raise: its threads' Python stacks on stderr say where it was.
+    faulthandler.enable()
+    fn(rank, *args)
 
 
 def rank_device(local_rank: int | None = None) -> torch.device:
