@@ -54,7 +54,15 @@ class Trainer:
         self.run_dir = self.folder.path
         self.rollouts = self.scorer = None
         parallel = recipe.parallel
-        self.ctx = setup(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, seed=recipe.seed)
+        self.ctx = setup(
+            tp=parallel.tp,
+            pp=parallel.pp,
+            cp=parallel.cp,
+            seed=recipe.seed,
+            ep=parallel.ep,
+            etp=parallel.etp,
+            expert_keys=("parallel.ep", "parallel.etp"),
+        )
         if recipe.rollout.threads:
             torch.set_num_threads(recipe.rollout.threads)
         if self.ctx.is_main:
