@@ -282,3 +282,13 @@ def test_the_moe_recipe_loads_and_the_build_refuses_tp_and_bad_etp_by_key():
     dense = ModelSpec.of(PRESETS["tiny"])
     with pytest.raises(ValueError, match=r"parallel\.ep"):
         check_expert_parallel(dense, tp=1, ep=2, etp=None, keys=RECIPE_KEYS)
+
+
+def test_nemo_aligner_backend_refuses_expert_parallelism_by_key():
+    from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
+    from megatron_ba.recipe import load_recipe
+
+    for override, key in (("parallel.ep=2", "parallel.ep"), ("parallel.etp=1", "parallel.etp")):
+        recipe = load_recipe("recipes/tiny-moe-cpu.yaml", ["parallel.ep=1", override])
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            recipe_to_nemo_overrides(recipe)
