@@ -262,10 +262,13 @@ RECIPE_KEYS = {
 }
 
 
-def check_expert_parallel(spec, *, tp: int, ep: int, etp: int | None, keys: dict) -> None:
+def check_expert_parallel(
+    spec, *, tp: int, ep: int, etp: int | None, keys: dict, sequence_parallel: bool = False
+) -> None:
     """ValueError naming the key (`keys`: CHECK_LAYOUT_KEYS or RECIPE_KEYS) when `spec` cannot
     be built with expert parallelism `ep` and expert tensor parallelism `etp` (None: megatron-
-    core's default, tp) at tensor parallelism `tp`. Whether the world's ranks can carve it:
+    core's default, tp) at tensor parallelism `tp` (MoE at tp > 1 only with sequence
+    parallelism: Transformer Engine, never run here). Whether the world's ranks can carve it:
     megatron_ba.parallel.world.check_expert_layout."""
     for name, v in (("ep", ep), ("etp", etp)):
         if not (v is None and name == "etp") and not (isinstance(v, int) and v >= 1):
@@ -277,7 +280,7 @@ def check_expert_parallel(spec, *, tp: int, ep: int, etp: int | None, keys: dict
                 f"({keys['model']}); this one is dense"
             )
         return
-    if tp > 1:
+    if tp > 1 and not sequence_parallel:
         # Without sequence parallelism every TP rank holds the same tokens and the MoE layer
         # routes each of them once per TP rank: the experts' gradients come out TP times too
         # large (measured: exactly 2x at TP2 x EP2, ETP 2 or 1; the forward is right).

@@ -92,7 +92,14 @@ class Policy:
         spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32, init_std=m.init_std)
         check_shape_keys(recipe, spec, hf_dir)
         spec.check_layout(p.tp, p.pp)
-        check_expert_parallel(spec, tp=p.tp, ep=p.ep, etp=p.etp, keys=RECIPE_KEYS)
+        check_expert_parallel(
+            spec,
+            tp=p.tp,
+            ep=p.ep,
+            etp=p.etp,
+            keys=RECIPE_KEYS,
+            sequence_parallel=opts.sequence_parallel,
+        )
         if p.ep > 1 and p.pp > 1:
             raise ValueError(
                 "parallel.ep: expert parallelism with parallel.pp > 1 is not trained here yet "
