@@ -1,20 +1,22 @@
 """A mixture-of-experts run saved under expert parallelism resumes at EP1, exactly.
 
-    python -m pytest tests/test_moe_resume.py      # 2 gloo launches: DP2 x EP2, then one process
+    python -m pytest tests/test_moe_resume.py   # 3 gloo launches: DP2 x EP2, EP1, DP2 x EP1
 
 Two gloo processes (DP 2 x EP 2: each holds 4 of the 8 experts of every layer) train the tiny-moe
 model (router aux loss off, untied) 2 GRPO steps with ShardedAdamW (its gradient norm sums the
 experts' squares over EP), save a training checkpoint (train/checkpoint.py), and record the next
-step. A world of one (EP 1: every expert on one rank) loads it: the weights and both Adam moments,
-under global expert numbers, equal the saved ones bit for bit (dist_checkpointing reshards the
-experts' global offsets), and the next step repeats the uninterrupted run's to float tolerance.
+step. A world of one (EP 1: every expert on one rank) loads it, and so do two processes at
+DP 2 x EP 1 (every expert on both, their gradients reduced over expert-DP 2): the weights and
+both Adam moments, under global expert numbers, equal the saved ones bit for bit
+(dist_checkpointing reshards the experts' global offsets), and the next step repeats the
+uninterrupted run's to float tolerance.
 Negative control: the same load with the experts' halves exchanged afterwards (each EP rank's
 experts put in the other's place, as a loader that took local expert numbers for global ones
 would): the weights differ and the next step ends elsewhere.
 
-Measured (`-s` prints it): the resumed step's loss equal, grad norm to 1.0e-10 relative, the
-updated weights to 7.5e-9 (megatron-core 0.16.1 and 0.19.2 alike); 29-40 s for the whole file on
-2 busy cores.
+Measured (`-s` prints it), megatron-core 0.16.1 and 0.19.2 alike: the resumed step's loss equal;
+grad norm within 1.0e-10 (EP1) and 2.1e-13 (DP2 x EP1) relative; updated weights within 7.5e-9
+and 3.7e-9. The whole file: 26-56 s on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -174,13 +176,29 @@ def resume_worker(rank: int, port: int, run_dir: str, out: str) -> None:
     torch.save(res, out)
 
 
+def resume_dp2_worker(rank: int, world: int, port: int, run_dir: str, out: str) -> None:
+    """DP 2 x EP 1: both ranks hold every expert (expert-DP 2: their gradients are reduced)."""
+    from megatron_ba.train import checkpoint
+
+    ctx = _setup(rank, world, port, ep=1)
+    _, chunks, opt = _policy(INIT_SEED + 1, ep=1)
+    checkpoint.load(ctx, checkpoint.latest_dir(run_dir), chunks, opt, seed=SEED, log=lambda _: None)
+    res = {"resumed": _state(chunks, opt), "next": _step(ctx, chunks, opt, SAVED_STEP)}
+    res["after"] = _state(chunks, opt)["params"]
+    if rank == 0:
+        torch.save(res, out)
+
+
 # -- the tests ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-ckpt")
     spawn(save_worker, 2, (2, free_port(), str(root / "ep2"), str(root / "ep2.pt")))
     spawn(resume_worker, 1, (free_port(), str(root / "ep2"), str(root / "ep1.pt")))
-    return torch.load(root / "ep2.pt"), torch.load(root / "ep1.pt", weights_only=False), root
+    spawn(resume_dp2_worker, 2, (2, free_port(), str(root / "ep2"), str(root / "dp2.pt")))
+    res = torch.load(root / "ep1.pt", weights_only=False)
+    res["dp2"] = torch.load(root / "dp2.pt", weights_only=False)
+    return torch.load(root / "ep2.pt"), res, root
 
 
 def _differing(a: dict, b: dict) -> list[str]:
@@ -214,8 +232,12 @@ def test_resume_at_ep1_restores_weights_and_moments_bit_for_bit(runs):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_next_step_after_resume_matches_the_uninterrupted_ep2_run(runs):
+@pytest.mark.parametrize("where", ["ep1", "dp2"])
+def test_next_step_after_resume_matches_the_uninterrupted_ep2_run(runs, where):
     saved, res, _ = runs
+    res = res if where == "ep1" else res["dp2"]
+    for part in ("params", "exp_avg", "exp_avg_sq"):  # DP2 x EP1 loads bit for bit too
+        assert _differing(saved["saved"][part], res["resumed"][part]) == [], part
     a, b = saved["next"], res["next"]
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
     assert b["norm"] == pytest.approx(a["norm"], rel=1e-5)
@@ -223,7 +245,7 @@ def test_next_step_after_resume_matches_the_uninterrupted_ep2_run(runs):
         torch.testing.assert_close(b["grads"][name], g, rtol=1e-4, atol=1e-6)
     diff = max((res["after"][n] - saved["after"][n]).abs().max().item() for n in saved["after"])
     print(
-        f"EP1 resume vs EP2: loss rel err {abs(b['loss'] - a['loss']) / abs(a['loss']):.1e}, "
+        f"{where} resume vs EP2: loss rel err {abs(b['loss'] - a['loss']) / abs(a['loss']):.1e}, "
         f"grad norm rel err {abs(b['norm'] - a['norm']) / a['norm']:.1e}, "
         f"updated weights max abs diff {diff:.1e}"
     )
