@@ -71,6 +71,12 @@ class ModelSection:
     max_position_embeddings: int | None = None
     rope_theta: float | None = None
     norm_eps: float | None = None
+    # Mixture of experts (a fresh model: Qwen3-MoE, every layer's MLP a router over num_experts
+    # SwiGLU experts of moe_ffn_hidden_size, moe_router_topk per token; 0 experts: dense).
+    num_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_aux_loss_coeff: float | None = None
     rope_scaling: RopeScalingSection = field(default_factory=RopeScalingSection)
     init_std: float = 0.02
     # fp32 | bf16 (CUDA only: bf16 parameters, fp32 main weights, megatron-core's distributed
@@ -93,6 +99,10 @@ class ModelSection:
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
             "norm_eps": self.norm_eps,
+            "num_experts": self.num_experts,
+            "moe_router_topk": self.moe_router_topk,
+            "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
+            "moe_aux_loss_coeff": self.moe_aux_loss_coeff,
         }
 
     def shape(self) -> dict[str, Any]:
@@ -199,6 +209,8 @@ class ParallelSection:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism (mixture-of-experts models), carved out of DP x CP
+    etp: int | None = None  # expert tensor parallelism; null: megatron-core's default, tp
     micro_batch_size: int = 64  # sequences per micro-batch on each data-parallel rank
     # Token-budget micro-batches (prompt + response tokens, rows x longest on CPU); null: fixed
     # micro_batch_size sequences. Replaces micro_batch_size when set.
@@ -430,8 +442,9 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
 
 
 def _check_parallel(p: ParallelSection) -> None:
-    for k in ("tp", "pp", "cp", "micro_batch_size"):
+    for k in ("tp", "pp", "cp", "ep", "micro_batch_size"):
         _need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")
+    _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
     for k in ("max_tokens_per_microbatch", "logprob_chunk_size"):
         v = getattr(p, k)
         _need(v is None or v >= 1, f"parallel.{k}", f"must be a positive integer or null, got {v}")
@@ -546,6 +559,27 @@ def _check_data_and_policy(recipe: Recipe) -> None:
     _need(
         shape["num_layers"] % recipe.parallel.pp == 0, "parallel.pp", "must divide model.num_layers"
     )
+    _check_experts(shape, recipe.parallel)
+
+
+def _check_experts(shape: dict[str, Any], p: ParallelSection) -> None:
+    """A fresh model's mixture-of-experts keys (a checkpoint's config.json decides its own; the
+    build checks parallel.ep against it)."""
+    n = shape["num_experts"]
+    _need(n >= 0, "model.num_experts", f"must be >= 0 (0: a dense MLP), got {n}")
+    if n == 0:
+        for key in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff"):
+            _need(not shape[key], f"model.{key}", "needs model.num_experts > 0")
+        _need(p.ep == 1, "parallel.ep", f"{p.ep} needs a mixture-of-experts model "
+              "(model.num_experts > 0); this one is dense")  # fmt: skip
+        _need(p.etp is None, "parallel.etp", "needs a mixture-of-experts model")
+        return
+    k = shape["moe_router_topk"]
+    _need(1 <= k <= n, "model.moe_router_topk", f"must be in [1, model.num_experts={n}], got {k}")
+    f = shape["moe_ffn_hidden_size"]
+    _need(f >= 1, "model.moe_ffn_hidden_size", f"must be >= 1 with experts, got {f}")
+    _need(shape["moe_aux_loss_coeff"] >= 0, "model.moe_aux_loss_coeff", "must be >= 0")
+    _need(n % p.ep == 0, "parallel.ep", f"{p.ep} does not divide model.num_experts={n}")
 
 
 def _check_eval_and_the_rest(recipe: Recipe) -> None:

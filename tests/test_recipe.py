@@ -284,6 +284,9 @@ def test_every_recipe_translates_for_nemo_aligner(path):
     if r.model.rope_scaling.type is not None:  # the .nemo decides RoPE: the key is refused
         assert out.returncode == 2 and "model.rope_scaling: the nemo_aligner" in out.stderr
         return
+    if r.parallel.ep != 1:  # expert parallelism is the local backend's: the key is refused
+        assert out.returncode == 2 and "parallel.ep: expert parallelism" in out.stderr
+        return
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert f"++model.tensor_model_parallel_size={r.parallel.tp}" in lines

@@ -10,8 +10,12 @@ not an all-gather), each stage's TP rank 0 sends its full tensors to the engine 
 point to point), and the engine rank converts each megatron tensor to Hugging Face names
 (fused QKV split, gate/up split) and fills the bucket. At no time does a rank hold more than its
 shards, one full parameter and one bucket. Context-parallel peers hold identical weights: only
-cp rank 0 takes part. Tensors are cast to the engine's dtype before they travel (exact: a cast
-commutes with concatenation) and stay on the parameters' device.
+cp rank 0 takes part. Under expert parallelism (EP; TP 1, one pipeline stage) a replica holds
+only its EP rank's experts: every rank of each EP group (CP peers included) gathers every expert
+tensor, one at a time, and the engine ranks stream them under their global expert numbers
+(conversion/experts.py), so each engine gets every expert. Tensors are cast to the engine's
+dtype before they travel (exact: a cast commutes with concatenation) and stay on the
+parameters' device.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ba.conversion import table_for
+from megatron_ba.conversion.experts import expert_layout, global_name
 from megatron_ba.conversion.family_table import OUTPUT_LAYER, canonical_name, hf_tensors, is_skipped
 from megatron_ba.generation.weight_buckets import iter_buckets
 from megatron_ba.parallel import collectives
@@ -69,10 +74,17 @@ class WeightRefit:
         self.spec, self.groups, self.dtype = spec, groups, dtype
         self.bucket_bytes = bucket_bytes
         held = local_to_full_names(chunks)
+        self.ep_rank, ep, self.ep_group = expert_layout(spec)
+        self.experts = []  # (global name, local parameter): gathered over EP at each refit
+        for name, (param, _) in held.items():
+            g = global_name(name, spec, self.ep_rank, ep) if ep > 1 else None
+            if g is not None:
+                self.experts.append((g, param))
+        expert_params = {id(p) for _, p in self.experts}
         self.local = [
             (name, param, tp_sharding(param))
             for name, (param, _) in held.items()
-            if not _skipped(spec, name)
+            if not _skipped(spec, name) and id(param) not in expert_params
         ]  # same order on every TP rank of a stage (module order)
         self.stage_meta: list | None = None
         if groups.cp_rank == 0 and groups.tp_rank == 0:
@@ -108,6 +120,8 @@ class WeightRefit:
         device = self.local[0][1].device if self.local else None
         for name, param, layout in self.local:
             yield from hf_tensors(table, self.spec, name, self._full(param, layout))
+        for name, t in self._gathered_experts():
+            yield from hf_tensors(table, self.spec, name, t)
         for stage in range(1, len(self.stage_meta)):
             for name, shape in self.stage_meta[stage]:
                 t = collectives.send_within_group(
@@ -121,10 +135,22 @@ class WeightRefit:
                 )
                 yield from hf_tensors(table, self.spec, name, t)
 
+    def _gathered_experts(self):
+        """(global name, full tensor) of every EP rank's experts, one gather at a time (a
+        collective over the EP group: each of its ranks walks the same names in order)."""
+        for name, param in self.experts:
+            every = collectives.gather_pipeline_stages(
+                {name: param.detach().to(self.dtype)}, group=self.ep_group
+            )
+            yield from sorted(every.items())
+
     def stream(self, sink: Callable[[list[tuple[str, torch.Tensor]]], None]) -> int:
         """Refit: every rank of the replica calls it; `sink(bucket)` on the engine rank. Returns
         the bytes streamed to the engine (0 elsewhere)."""
         g = self.groups
+        if not g.is_engine_rank:  # its EP peers' engines need this rank's experts
+            for _ in self._gathered_experts():
+                pass
         if g.cp_rank != 0:
             return 0
         if g.is_engine_rank:

@@ -16,11 +16,13 @@ _ARITHMETIC = "the arithmetic task's (verl trains on the data.path file)"
 _WARMSTART = (
     "the local backend's warm start of a fresh tiny model (verl starts from model.pretrained)"
 )
+_EXPERTS = "the local backend's expert parallelism (not translated to verl's megatron config)"
 # The model keys a Hugging Face checkpoint's config.json decides under an engine (verl, NeMo-RL).
 CHECKPOINT_SHAPE_KEYS = tuple(f"model.{k}" for k in (
     "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
     "max_position_embeddings", "rope_theta", "norm_eps", "rope_scaling.type",
-    "rope_scaling.factor", "rope_scaling.original_max_position_embeddings"))  # fmt: skip
+    "rope_scaling.factor", "rope_scaling.original_max_position_embeddings", "num_experts",
+    "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff"))  # fmt: skip
 # Keys verl has no counterpart for: accepted only at the schema's default value.
 LOCAL_ONLY: dict[str, str] = {
     **dict.fromkeys(CHECKPOINT_SHAPE_KEYS, _SHAPE),
@@ -42,6 +44,8 @@ LOCAL_ONLY: dict[str, str] = {
     "loss.rollout_correction.low": "the local backend's rollout correction",
     "loss.rollout_correction.high": "the local backend's rollout correction",
     "parallel.logprob_chunk_size": "the local backend's vocab-parallel log-softmax",
+    "parallel.ep": _EXPERTS,
+    "parallel.etp": _EXPERTS,
     "rollout.in_process": "the local backend's engine placement (verl places its own)",
     "rollout.kv_cache_gb": "vLLM's CPU KV cache (verl runs on GPUs)",
     "rollout.threads": "the local trainer's torch threads",

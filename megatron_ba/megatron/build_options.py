@@ -249,3 +249,61 @@ def _resolve_attention(attention: str, impl: str, cuda: bool) -> str:
     if attention == "auto":
         return "sdpa" if cuda else "unfused"
     return attention
+
+
+# The names under which the expert-parallel settings reach a user: the layout check's flags, the
+# recipe's keys. Each error names the one at fault.
+CHECK_LAYOUT_KEYS = {"tp": "--tp", "ep": "--ep", "etp": "--etp", "model": "--model"}
+RECIPE_KEYS = {
+    "tp": "parallel.tp",
+    "ep": "parallel.ep",
+    "etp": "parallel.etp",
+    "model": "model.num_experts",
+}
+
+
+def check_expert_parallel(
+    spec, *, tp: int, ep: int, etp: int | None, keys: dict, sequence_parallel: bool = False
+) -> None:
+    """ValueError naming the key (`keys`: CHECK_LAYOUT_KEYS or RECIPE_KEYS) when `spec` cannot
+    be built with expert parallelism `ep` and expert tensor parallelism `etp` (None: megatron-
+    core's default, tp) at tensor parallelism `tp` (MoE at tp > 1 only with sequence
+    parallelism: Transformer Engine, never run here). Whether the world's ranks can carve it:
+    megatron_ba.parallel.world.check_expert_layout."""
+    for name, v in (("ep", ep), ("etp", etp)):
+        if not (v is None and name == "etp") and not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{keys[name]}: must be an integer >= 1, got {v!r}")
+    if not spec.num_experts:
+        if ep != 1 or etp is not None:
+            raise ValueError(
+                f"{keys['ep']}/{keys['etp']}: need a mixture-of-experts model "
+                f"({keys['model']}); this one is dense"
+            )
+        return
+    if tp > 1 and not sequence_parallel:
+        # Without sequence parallelism every TP rank holds the same tokens and the MoE layer
+        # routes each of them once per TP rank: the experts' gradients come out TP times too
+        # large (measured: exactly 2x at TP2 x EP2, ETP 2 or 1; the forward is right).
+        # megatron-core refuses to train MoE at TP > 1 without sequence parallelism, which the
+        # local spec (CPU) cannot run.
+        raise ValueError(
+            f"{keys['tp']}: {tp} with a mixture-of-experts model needs sequence parallelism "
+            "(megatron-core's MoE layer), which needs Transformer Engine (GPUs); on CPU MoE "
+            f"runs at tp=1 (expert TP, {keys['etp']}, is allowed)"
+        )
+    if spec.num_experts % ep:
+        raise ValueError(f"{keys['ep']}: {ep} does not divide the {spec.num_experts} experts")
+    if spec.moe_ffn_hidden_size % (etp or tp):
+        raise ValueError(
+            f"{keys['etp']}: {etp or tp} does not divide "
+            f"moe_ffn_hidden_size={spec.moe_ffn_hidden_size}"
+        )
+
+
+def expert_config_fields(spec, *, tp: int, ep: int, etp: int | None) -> dict[str, Any]:
+    """TransformerConfig fields of expert parallelism for `spec` (none for a dense model): the
+    config's EP decides how many experts each rank builds and which parameters megatron-core's
+    DDP reduces over the expert-data-parallel group instead of the data-parallel one."""
+    if not spec.num_experts:
+        return {}
+    return dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)

@@ -33,14 +33,16 @@ def setup(
     port: int | None = None,
     ep: int = 1,
     etp: int | None = None,
+    expert_keys: tuple[str, str] = ("--ep", "--etp"),
 ) -> DistContext:
     """Join the world (parallel.world.join_world: torchrun's environment, a world of one, or a
     spawned worker with rank / world_size / port), initialise megatron-core's parallel state
     (`ep`, `etp`: expert and expert-tensor parallelism, carved out of DP x CP) and seed its
-    model-parallel RNG; with CUDA, this process is bound to its GPU first."""
+    model-parallel RNG; with CUDA, this process is bound to its GPU first. `expert_keys`: how
+    the errors name ep and etp (a recipe passes ("parallel.ep", "parallel.etp"))."""
     device = world.join_world(backend, rank=rank, world_size=world_size, port=port)
     world.check_world_divides(tp, pp, cp)
-    world.check_expert_layout(tp, pp, cp, ep, etp)
+    world.check_expert_layout(tp, pp, cp, ep, etp, expert_keys)
     if not torch.cuda.is_available():
         cpu_compat.install()
     world.init_model_parallel(tp, pp, cp, ep, etp)
@@ -50,7 +52,7 @@ def setup(
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         cpu_compat.seed_model_parallel_rng(seed)
-    return world.world_context(tp, pp, cp, device)
+    return world.world_context(tp, pp, cp, device, ep, etp)
 
 
 def teardown() -> None:

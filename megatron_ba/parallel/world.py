@@ -48,6 +48,8 @@ class DistContext:
     dp: int
     dp_rank: int
     device: torch.device  # this rank's: cuda:LOCAL_RANK with CUDA, else cpu
+    ep: int = 1  # expert parallelism, carved out of DP x CP
+    etp: int | None = None  # expert tensor parallelism (None: megatron-core's default, tp)
 
     @property
     def is_main(self) -> bool:
@@ -202,21 +204,24 @@ def check_world_divides(tp: int, pp: int, cp: int) -> None:
         )
 
 
-def check_expert_layout(tp: int, pp: int, cp: int, ep: int, etp: int | None) -> None:
+def check_expert_layout(
+    tp: int, pp: int, cp: int, ep: int, etp: int | None, keys: tuple[str, str] = ("--ep", "--etp")
+) -> None:
     """ValueError unless megatron-core can carve expert parallelism out of this world: the
     experts' grid is etp x ep x expert-DP x pp over the same ranks (parallel_state.
-    initialize_model_parallel), so etp x ep must divide tp x cp x dp (the ranks of one stage)."""
+    initialize_model_parallel), so etp x ep must divide tp x cp x dp (the ranks of one stage).
+    `keys`: the names of ep and etp in the errors (the layout check's flags, a recipe's keys)."""
     world = collectives.world_rank_and_size()[1]
     if not (isinstance(ep, int) and ep >= 1):
-        raise ValueError(f"--ep: must be an integer >= 1, got {ep!r}")
+        raise ValueError(f"{keys[0]}: must be an integer >= 1, got {ep!r}")
     if etp is not None and not (isinstance(etp, int) and etp >= 1):
-        raise ValueError(f"--etp: must be an integer >= 1, got {etp!r}")
+        raise ValueError(f"{keys[1]}: must be an integer >= 1, got {etp!r}")
     per_stage = world // (tp * pp * cp) * tp * cp
     expert_model = (tp if etp is None else etp) * ep
     if per_stage % expert_model:
         raise ValueError(
-            f"--ep: etp*ep = {expert_model} does not divide the {per_stage} ranks of a pipeline "
-            f"stage (tp*cp*dp); megatron-core carves expert parallelism out of them"
+            f"{keys[0]}: etp*ep = {expert_model} does not divide the {per_stage} ranks of a "
+            "pipeline stage (tp*cp*dp); megatron-core carves expert parallelism out of them"
         )
 
 
@@ -237,7 +242,9 @@ def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None 
         )
 
 
-def world_context(tp: int, pp: int, cp: int, device: torch.device) -> DistContext:
+def world_context(
+    tp: int, pp: int, cp: int, device: torch.device, ep: int = 1, etp: int | None = None
+) -> DistContext:
     """This rank's place in the initialised world and model-parallel groups."""
     from megatron.core import parallel_state
 
@@ -251,6 +258,8 @@ def world_context(tp: int, pp: int, cp: int, device: torch.device) -> DistContex
         dp=parallel_state.get_data_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         device=device,
+        ep=ep,
+        etp=etp,
     )
 
 

@@ -103,7 +103,13 @@ def step_dir_name(step: int) -> str:
 
 
 def layout_of(ctx) -> dict:
-    return {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp}
+    """The saved layout; expert parallelism only when the run has it (a dense run's layout reads
+    as it did before EP existed, so its RNG states still restore)."""
+    layout = {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp}
+    ep, etp = getattr(ctx, "ep", 1), getattr(ctx, "etp", None)
+    if ep != 1 or etp is not None:
+        layout.update(ep=ep, etp=etp)
+    return layout
 
 
 def _sharded_state(chunks, optimizer, *, is_loading: bool = False) -> dict:

@@ -2,6 +2,7 @@
 
     megatron-ba train recipes/tiny-cpu.yaml [key=value ...] [--run-dir DIR] [--resume DIR]
     torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
+    torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-moe-cpu.yaml   # DP2 x EP2
 
 One step: rank 0 picks P prompts, each data-parallel replica's engine samples G responses for
 its share of them and rank 0 scores them all (train/rollouts.py, train/scoring.py); every rank
@@ -54,7 +55,15 @@ class Trainer:
         self.run_dir = self.folder.path
         self.rollouts = self.scorer = None
         parallel = recipe.parallel
-        self.ctx = setup(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, seed=recipe.seed)
+        self.ctx = setup(
+            tp=parallel.tp,
+            pp=parallel.pp,
+            cp=parallel.cp,
+            seed=recipe.seed,
+            ep=parallel.ep,
+            etp=parallel.etp,
+            expert_keys=("parallel.ep", "parallel.etp"),
+        )
         if recipe.rollout.threads:
             torch.set_num_threads(recipe.rollout.threads)
         if self.ctx.is_main:

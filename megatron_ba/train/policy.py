@@ -28,7 +28,12 @@ from megatron_ba.conversion import (
     spec_from_hf_dir,
 )
 from megatron_ba.conversion.hf_config import dtype as config_dtype
-from megatron_ba.megatron.build_options import resolve_build_options
+from megatron_ba.megatron.build_options import (
+    RECIPE_KEYS,
+    check_expert_parallel,
+    expert_config_fields,
+    resolve_build_options,
+)
 from megatron_ba.megatron.model import build_model_chunks, transformer_config
 from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
 from megatron_ba.parallel.full_shape import gather_full_state_dict
@@ -87,7 +92,23 @@ class Policy:
         spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32, init_std=m.init_std)
         check_shape_keys(recipe, spec, hf_dir)
         spec.check_layout(p.tp, p.pp)
-        config = transformer_config(spec, cpu=device.type == "cpu", **opts.config_fields())
+        check_expert_parallel(
+            spec,
+            tp=p.tp,
+            ep=p.ep,
+            etp=p.etp,
+            keys=RECIPE_KEYS,
+            sequence_parallel=opts.sequence_parallel,
+        )
+        if p.ep > 1 and p.pp > 1:
+            raise ValueError(
+                "parallel.ep: expert parallelism with parallel.pp > 1 is not trained here yet "
+                "(the rollout engines' refit gathers experts within one pipeline stage)"
+            )
+        experts = expert_config_fields(spec, tp=p.tp, ep=p.ep, etp=p.etp)
+        config = transformer_config(
+            spec, cpu=device.type == "cpu", **opts.config_fields(), **experts
+        )
         build = dict(config=config, layer_spec=opts.layer_spec(spec, config))
         build["pg_collection"] = opts.pg_collection()
         chunks = build_model_chunks(

@@ -45,11 +45,20 @@ def warmstart_seed(recipe: Recipe) -> int:
     return recipe.seed if recipe.warmstart.seed is None else recipe.warmstart.seed
 
 
+# The model keys a dense recipe's cache key has always held (the MoE keys joined later).
+_DENSE = frozenset(
+    "pretrained hidden_size num_layers num_attention_heads num_query_groups ffn_hidden_size "
+    "max_position_embeddings rope_theta norm_eps rope_scaling init_std precision "
+    "transformer_impl attention".split()
+)
+
+
 def cache_key(recipe: Recipe) -> str:
     parts = {
         "version": WARMSTART_VERSION,
         "seed": warmstart_seed(recipe),
-        "model": recipe.model.__dict__,
+        # the mixture-of-experts keys only when set: a dense recipe keeps its cached warm start
+        "model": {k: v for k, v in recipe.model.__dict__.items() if v is not None or k in _DENSE},
         "tokenizer": recipe.tokenizer.__dict__,
         "data": {k: v for k, v in recipe.data.__dict__.items() if k != "eval_prompts"},
         "warmstart": {k: v for k, v in recipe.warmstart.__dict__.items() if k != "seed"},
@@ -59,20 +68,25 @@ def cache_key(recipe: Recipe) -> str:
 
 
 def _hf_model(recipe: Recipe, vocab_size: int, eos_id: int):
-    """A fresh transformers Qwen2 with the policy's exact shape (one config source)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A fresh transformers model with the policy's exact shape (one config source): Qwen2, or
+    Qwen3-MoE when the recipe sets model.num_experts (the "tiny-moe" preset's family: q/k norms,
+    no QKV bias; untied, as the dense policy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     # The one source of both the megatron-core policy and its Hugging Face twin (warm start,
     # vLLM, exports): the recipe's shape keys.
+    shape = recipe.model.shape()
+    base = PRESETS["tiny-moe"] if shape["num_experts"] else PRESETS["tiny"]
     spec = ModelSpec.of(
-        PRESETS["tiny"],
+        base,
         vocab_size=vocab_size,
         init_std=recipe.model.init_std,
-        **recipe.model.shape(),
+        kv_channels=None,
+        tie_word_embeddings=False,
+        **shape,
     )
-    return Qwen2ForCausalLM(
-        Qwen2Config(**hf_config_from_spec(spec, eos_token_id=eos_id, bos_token_id=eos_id))
-    )
+    cfg = hf_config_from_spec(spec, eos_token_id=eos_id, bos_token_id=eos_id)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
 
 
 def _batches(examples, tokenizer, batch_size: int, rng: torch.Generator):

@@ -91,6 +91,12 @@ def _refuse_local_only_keys(recipe) -> None:
         raise ValueError(
             "loss.entropy_coef: the NeMo-Aligner GRPO actor has no entropy bonus (use 0)"
         )
+    if p.ep != 1 or p.etp is not None:
+        key, value = ("parallel.ep", p.ep) if p.ep != 1 else ("parallel.etp", p.etp)
+        raise ValueError(
+            f"{key}: expert parallelism is the local backend's (not translated to NeMo-Aligner), "
+            f"got {value}"
+        )
     for key, value in (
         ("max_tokens_per_microbatch", p.max_tokens_per_microbatch),
         ("logprob_chunk_size", p.logprob_chunk_size),

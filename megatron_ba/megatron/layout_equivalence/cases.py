@@ -16,6 +16,7 @@ from megatron_ba.advantages import group_advantages
 from megatron_ba.loss import GRPOLossConfig
 from megatron_ba.megatron import grpo_step
 from megatron_ba.megatron.batching import response_end
+from megatron_ba.megatron.build_options import CHECK_LAYOUT_KEYS, check_expert_parallel
 from megatron_ba.megatron.layout_equivalence import controls
 from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
@@ -194,32 +195,10 @@ def tiny_spec(model: str = "debug"):
 def check_expert_layout(layout: Layout) -> None:
     """ValueError naming the flag when megatron-core cannot carve `layout`'s experts."""
     spec = tiny_spec(layout.model)
-    for name in ("ep", "etp"):
-        v = getattr(layout, name)
-        if not (v is None and name == "etp") and not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"--{name}: must be an integer >= 1, got {v!r}")
+    check_expert_parallel(spec, tp=layout.tp, ep=layout.ep, etp=layout.etp, keys=CHECK_LAYOUT_KEYS)
     if not spec.num_experts:
-        if layout.ep != 1 or layout.etp is not None:
-            raise ValueError("--ep/--etp: need a mixture-of-experts --model (tiny-moe)")
         return
-    if layout.tp > 1:
-        # Without sequence parallelism every TP rank holds the same tokens and the MoE layer
-        # routes each of them once per TP rank: the experts' gradients come out TP times too
-        # large (measured: exactly 2x at TP2 x EP2, ETP 2 or 1; the forward is right).
-        # megatron-core refuses to train MoE at TP > 1 without sequence parallelism, which the
-        # local spec (CPU) cannot run.
-        raise ValueError(
-            f"--tp: {layout.tp} with a mixture-of-experts model needs "
-            "sequence parallelism (megatron-core's MoE layer), which needs Transformer Engine "
-            "(GPUs); the CPU check runs MoE at tp=1 (expert TP, --etp, is allowed)"
-        )
     etp = layout.etp or layout.tp
-    if spec.num_experts % layout.ep:
-        raise ValueError(f"--ep: {layout.ep} does not divide the {spec.num_experts} experts")
-    if spec.moe_ffn_hidden_size % etp:
-        raise ValueError(
-            f"--etp: {etp} does not divide moe_ffn_hidden_size={spec.moe_ffn_hidden_size}"
-        )
     per_stage = layout.tp * layout.cp * layout.dp
     if per_stage % (etp * layout.ep):
         raise ValueError(

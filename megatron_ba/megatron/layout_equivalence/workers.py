@@ -17,7 +17,7 @@ import torch
 
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch, causal_mask, response_end
-from megatron_ba.megatron.build_options import resolve_build_options
+from megatron_ba.megatron.build_options import expert_config_fields, resolve_build_options
 from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
 from megatron_ba.megatron.grpo_step import MicroBatchSpec, StepLoss, compute_logprobs
 from megatron_ba.megatron.layout_equivalence.cases import (
@@ -70,12 +70,8 @@ def _init(rank: int, world: int, port: int, layout: Layout) -> None:
 
 def _build(per_token_loss: bool, seed: int, layout: Layout):
     spec = tiny_spec(layout.model)
-    experts = {}
-    if spec.num_experts:  # the config's EP decides which expert parameters DDP reduces where
-        experts = dict(
-            expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp or layout.tp,
-        )
+    # the config's EP decides which expert parameters DDP reduces where
+    experts = expert_config_fields(spec, tp=layout.tp, ep=layout.ep, etp=layout.etp)
     config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss, **experts)
     # The world's device (gloo: the CPU): the layout check runs where its collectives do.
     device = collectives.comm_device(None)
