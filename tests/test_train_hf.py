@@ -88,3 +88,27 @@ def test_export_with_lr_zero_is_the_input_bit_for_bit(run, tmp_path):
     (changed / "model.safetensors").unlink()
     write_safetensors(changed, tensors.items())
     assert compare_folders(model, changed)["unequal_tensors"] == [name]
+
+
+def test_moe_checkpoint_under_expert_parallelism(tmp_path):
+    """A tiny Qwen3-MoE saved by transformers, trained on 2 processes at parallel.ep=2 (each holds
+    half of every layer's experts; each rank's vLLM engine gets them all at each refit): the
+    engines' log-probs follow the trainer's, and with learning rate 0 the exported folder, every
+    expert gathered back, is the input bit for bit."""
+    from tests.conversion_agreement import compare_folders
+
+    model, run_dir = tmp_path / "tiny-qwen3-moe", tmp_path / "run"
+    _cli("tiny-model", str(model), "--family", "qwen3_moe")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*torchrun, "-m", "megatron_ba.cli", "train", "recipes/tiny-hf-cpu.yaml",
+         f"model.pretrained={model}", "parallel.ep=2", "optimizer.lr=0", "eval.every=0",
+         "logging.plots=false", "--run-dir", str(run_dir)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["rollout_correction/logprob_gap"] for r in records if r["step"] > 0]
+    assert len(gaps) == 2 and max(gaps) < 1e-5, gaps  # a missing expert moves it to ~1
+    same = compare_folders(model, run_dir / "hf")
+    assert same["same_keys"] and same["unequal_tensors"] == [] and same["config_diff"] == []

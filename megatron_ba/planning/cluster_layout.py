@@ -64,10 +64,11 @@ class Plan:
 
     def overrides(self) -> list[str]:
         """Recipe keys (docs/recipes.md) that select this layout and the settings its estimate
-        assumes: sequence parallelism, full recomputation, chunked log-probs (the key only where
-        `parallel.logprob_chunk_size: null`'s auto rule would not chunk: micro-batches of at most
-        recipe.AUTO_CHUNK_ABOVE tokens, or a chunk other than its AUTO_CHUNK), and the
-        colocated vLLM engine's share of the GPU, sleep mode and tensor parallelism."""
+        assumes: expert parallelism, sequence parallelism, full recomputation, chunked log-probs
+        (the key only where `parallel.logprob_chunk_size: null`'s auto rule would not chunk:
+        micro-batches of at most recipe.AUTO_CHUNK_ABOVE tokens, or a chunk other than its
+        AUTO_CHUNK), and the colocated vLLM engine's share of the GPU, sleep mode and tensor
+        parallelism."""
         lo = self.layout
         out = [
             f"parallel.tp={lo.tp}",
@@ -75,6 +76,10 @@ class Plan:
             f"parallel.cp={lo.cp}",
             f"parallel.micro_batch_size={self.micro_batch_size}",
         ]
+        if lo.ep > 1:  # the estimate's experts are whole on each GPU (expert TP 1)
+            out.append(f"parallel.ep={lo.ep}")
+            if lo.tp > 1:  # megatron-core's default expert TP is tp
+                out.append("parallel.etp=1")
         if lo.tp > 1 and lo.sequence_parallel:
             out.append("parallel.sequence_parallel=true")
         if lo.recompute_mode != "none":
