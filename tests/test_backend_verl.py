@@ -53,6 +53,7 @@ NODES = {
     "qwen3-1.7b-dapo17k": 1,
     "qwen2.5-32b-dapo17k-16k": 4,
     "qwen2.5-32b-dapo17k-32k": 8,
+    "qwen3-30b-a3b-dapo17k-16k": 4,  # mixture of experts at EP 8
 }
 PAPER = sorted(NODES)
 POLARIS = ["qwen2.5-math-7b-polaris", "qwen3-1.7b-polaris"]
@@ -79,6 +80,13 @@ def test_paper_recipe_composes_into_verls_config(name):
     assert actor.megatron.pipeline_model_parallel_size == recipe.parallel.pp
     assert actor.megatron.context_parallel_size == recipe.parallel.cp
     assert actor.megatron.sequence_parallel == recipe.parallel.sequence_parallel
+    assert actor.megatron.expert_model_parallel_size == recipe.parallel.ep
+    assert actor.megatron.expert_tensor_parallel_size == recipe.parallel.etp
+    ref = cfg.actor_rollout_ref.ref.megatron  # verl's reference model follows the actor's EP
+    assert (ref.expert_model_parallel_size, ref.expert_tensor_parallel_size) == (
+        recipe.parallel.ep,
+        recipe.parallel.etp,
+    )
     assert actor.megatron.override_transformer_config.recompute_granularity == "full"
     assert (rollout.name, rollout.n, rollout.temperature) == ("vllm", g.group_size, g.temperature)
     assert rollout.tensor_model_parallel_size == recipe.rollout.engine_tp

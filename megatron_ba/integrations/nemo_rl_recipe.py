@@ -177,6 +177,9 @@ def _model_pairs(recipe, nodes: int, gpus_per_node: int) -> list[tuple[str, obje
         (f"{MC}.tensor_model_parallel_size", p.tp),
         (f"{MC}.pipeline_model_parallel_size", p.pp),
         (f"{MC}.context_parallel_size", p.cp),
+        (f"{MC}.expert_model_parallel_size", p.ep),
+        # megatron-core's default expert TP (the local backend's) is tp; NeMo-RL's yaml says 1
+        (f"{MC}.expert_tensor_parallel_size", p.tp if p.etp is None else p.etp),
         (f"{MC}.sequence_parallel", p.sequence_parallel),
         (f"{MC}.activation_checkpointing", p.recompute != "none"),
         ("policy.train_global_batch_size", g.prompts_per_step * g.group_size),

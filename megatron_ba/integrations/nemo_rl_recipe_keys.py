@@ -19,7 +19,6 @@ _ARITHMETIC = "the arithmetic task's (NeMo-RL trains on DAPO-Math-17k's release)
 _WARMSTART = "the local backend's warm start of a fresh tiny model (NeMo-RL starts from " \
     "model.pretrained)"  # fmt: skip
 _CORRECTION = "the local backend's rollout correction"
-_EXPERTS = "the local backend's expert parallelism (not translated to NeMo-RL's megatron_cfg)"
 # Keys NeMo-RL has no counterpart for: accepted only at the schema's default value.
 LOCAL_ONLY: dict[str, str] = {
     **dict.fromkeys(CHECKPOINT_SHAPE_KEYS, _SHAPE),
@@ -47,8 +46,6 @@ LOCAL_ONLY: dict[str, str] = {
     "loss.rollout_correction.high": _CORRECTION,
     "parallel.logprob_chunk_size": "the local backend's vocab-parallel log-softmax (not "
     "translated to NeMo-RL's policy.logprob_chunk_size)",
-    "parallel.ep": _EXPERTS,
-    "parallel.etp": _EXPERTS,
     "rollout.in_process": "the local backend's engine placement (NeMo-RL places its own)",
     "rollout.kv_cache_gb": "vLLM's CPU KV cache (NeMo-RL runs vLLM on GPUs)",
     "rollout.threads": "the local trainer's torch threads",
@@ -101,6 +98,9 @@ TRANSLATED: dict[str, str] = {
     "parallel.tp": f"{_MC}.tensor_model_parallel_size",
     "parallel.pp": f"{_MC}.pipeline_model_parallel_size",
     "parallel.cp": f"{_MC}.context_parallel_size",
+    "parallel.ep": f"{_MC}.expert_model_parallel_size",
+    "parallel.etp": f"{_MC}.expert_tensor_parallel_size (null: parallel.tp, megatron-core's "
+    "default; NeMo-RL's own default is 1)",
     "parallel.micro_batch_size": "policy.train_micro_batch_size (policy.logprob_batch_size "
     "follows it; NeMo-RL's sequence packing: micro-batches of micro_batch_size x "
     "max_total_sequence_length tokens)",

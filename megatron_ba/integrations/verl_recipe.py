@@ -150,6 +150,9 @@ def _model_pairs(recipe, nodes: int, gpus_per_node: int) -> list[tuple[str, obje
         (f"{ACTOR}.megatron.tensor_model_parallel_size", p.tp),
         (f"{ACTOR}.megatron.pipeline_model_parallel_size", p.pp),
         (f"{ACTOR}.megatron.context_parallel_size", p.cp),
+        # verl's reference model reads both from the actor's (its megatron_ref.yaml)
+        (f"{ACTOR}.megatron.expert_model_parallel_size", p.ep),
+        (f"{ACTOR}.megatron.expert_tensor_parallel_size", p.etp),
         (f"{ACTOR}.megatron.sequence_parallel", p.sequence_parallel),
         # the reference model's engine has its own (not inherited from the actor's)
         ("actor_rollout_ref.ref.megatron.sequence_parallel", p.sequence_parallel),

@@ -16,7 +16,6 @@ _ARITHMETIC = "the arithmetic task's (verl trains on the data.path file)"
 _WARMSTART = (
     "the local backend's warm start of a fresh tiny model (verl starts from model.pretrained)"
 )
-_EXPERTS = "the local backend's expert parallelism (not translated to verl's megatron config)"
 # The model keys a Hugging Face checkpoint's config.json decides under an engine (verl, NeMo-RL).
 CHECKPOINT_SHAPE_KEYS = tuple(f"model.{k}" for k in (
     "hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -44,8 +43,6 @@ LOCAL_ONLY: dict[str, str] = {
     "loss.rollout_correction.low": "the local backend's rollout correction",
     "loss.rollout_correction.high": "the local backend's rollout correction",
     "parallel.logprob_chunk_size": "the local backend's vocab-parallel log-softmax",
-    "parallel.ep": _EXPERTS,
-    "parallel.etp": _EXPERTS,
     "rollout.in_process": "the local backend's engine placement (verl places its own)",
     "rollout.kv_cache_gb": "vLLM's CPU KV cache (verl runs on GPUs)",
     "rollout.threads": "the local trainer's torch threads",
@@ -106,6 +103,8 @@ TRANSLATED: dict[str, str] = {
     "parallel.tp": f"{_M}.tensor_model_parallel_size",
     "parallel.pp": f"{_M}.pipeline_model_parallel_size",
     "parallel.cp": f"{_M}.context_parallel_size",
+    "parallel.ep": f"{_M}.expert_model_parallel_size (the reference model's follows it)",
+    "parallel.etp": f"{_M}.expert_tensor_parallel_size (null: megatron-core's default, tp)",
     "parallel.micro_batch_size": f"{_A}.ppo_micro_batch_size_per_gpu, "
     f"{_R}.log_prob_micro_batch_size_per_gpu, "
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",

@@ -47,6 +47,7 @@ NODES = {
     "qwen3-1.7b-dapo17k": 1,
     "qwen2.5-32b-dapo17k-16k": 4,
     "qwen2.5-32b-dapo17k-32k": 8,
+    "qwen3-30b-a3b-dapo17k-16k": 4,  # mixture of experts at EP 8
 }
 POLARIS = ["qwen2.5-math-7b-polaris", "qwen3-1.7b-polaris"]
 # What a cluster user adds for NeMo-RL (docs/integrations.md): one optimizer step per rollout
@@ -90,6 +91,8 @@ def test_paper_recipe_validates_into_nemo_rls_master_config(name, tmp_path):
     assert (mc["enabled"], master.policy["dtensor_cfg"]["enabled"]) == (True, False)
     assert (mc["tensor_model_parallel_size"], mc["pipeline_model_parallel_size"]) == (p.tp, p.pp)
     assert (mc["context_parallel_size"], mc["sequence_parallel"]) == (p.cp, p.sequence_parallel)
+    etp = p.tp if p.etp is None else p.etp  # megatron-core's default, not NeMo-RL's yaml's 1
+    assert (mc["expert_model_parallel_size"], mc["expert_tensor_parallel_size"]) == (p.ep, etp)
     assert (mc["activation_checkpointing"], mc["recompute_granularity"]) == (True, "full")
     assert master.grpo["num_prompts_per_step"] == g.prompts_per_step == 128
     assert master.grpo["num_generations_per_prompt"] == g.group_size == 16
