@@ -657,7 +657,7 @@ def test_shellcheck_clean():
 # -- a real Slurm -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slurm():
-    """SLURM_CONF of a running one-node cluster (tests/slurm_cluster.py)."""
+    """SLURM_CONF of a running cluster (tests/slurm_cluster.py)."""
     with slurm_cluster.cluster() as conf:
         yield conf
 

@@ -1,4 +1,4 @@
-"""`sbatch slurm/grpo_balanced.sh RECIPE backend=nemo_aligner` on a real one-node Slurm, in
+"""`sbatch slurm/grpo_balanced.sh RECIPE backend=nemo_aligner` on one node of a real Slurm, in
 .venv-nemo: the launcher translates the recipe (CPU: two gloo processes for TP=2, fp32, torch's
 AdamW), each task writes the recipe's prompts and becomes NeMo-Aligner's train_grpo, and the run
 trains, validates and checkpoints in RUN_DIR. Slurm's warning before the time limit stops it after
