@@ -483,11 +483,11 @@ mba_ray_worker_cmd() { # HOST
     MBA_SRUN+=("${MBA_RAY[@]}" start --address="$MBA_HEAD:$MBA_PORT" --num-gpus="$MBA_GPUS"
         --resources="$(mba_ray_node_resource "$1")" --disable-usage-stats --block)
 }
-mba_ray_wait_cmd() { # NODES: wait, on the head, until that many nodes have joined
+mba_ray_wait_cmd() { # NODES [SECONDS]: wait, on the head, until that many nodes have joined
     mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}"
     MBA_SRUN+=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.integrations.ray_cluster wait
         --address="$MBA_HEAD:$MBA_PORT" --nodes="$1" --hosts="${MBA_HOSTS[*]:0:$1}"
-        --timeout="$MBA_RAY_TIMEOUT" --every=2)
+        --timeout="${2:-$MBA_RAY_TIMEOUT}" --every=2)
 }
 
 # The Ray part of DRY_RUN and launch.sh: every command, in the order mba_ray_up runs them.
@@ -581,21 +581,34 @@ mba_ray_up() {
 # is then asked to give up (SIGUSR2, which srun passes on to it; it says which nodes joined and
 # which are missing) instead of running out RAY_WAIT_TIMEOUT. Asked every 5 s from when it has
 # had 5 s to start (before its handler is set, the signal would end it without that message);
-# ended by SIGTERM (its step cancelled) if it still runs 30 s after a step ended.
+# ended by SIGTERM (its step cancelled) if it still runs 30 s after a step ended. A wait that
+# fails early while every Ray step runs gave no verdict: Ray ends a driver whose registration with
+# the raylet fails ("Failed to register worker to Raylet", seen on an overloaded host) with exit
+# status 1 before the wait can report anything; it is started again (3 times at most) for the
+# rest of RAY_WAIT_TIMEOUT.
 mba_ray_wait() { # NODES
-    mba_ray_wait_cmd "$1"
-    "${MBA_SRUN[@]}" &
-    local pid=$! age=0 since=0
-    while kill -0 "$pid" 2>/dev/null; do
-        if mba_ray_ended; then
-            if ((age >= 5 && age % 5 == 0)); then kill -USR2 "$pid" 2>/dev/null || true; fi
-            if ((since == 30)); then kill -TERM "$pid" 2>/dev/null || true; fi
-            since=$((since + 1))
+    local start=$SECONDS tries=0 pid age since
+    while true; do
+        mba_ray_wait_cmd "$1" "$((MBA_RAY_TIMEOUT - (SECONDS - start)))"
+        "${MBA_SRUN[@]}" &
+        pid=$! age=0 since=0
+        while kill -0 "$pid" 2>/dev/null; do
+            if mba_ray_ended; then
+                if ((age >= 5 && age % 5 == 0)); then kill -USR2 "$pid" 2>/dev/null || true; fi
+                if ((since == 30)); then kill -TERM "$pid" 2>/dev/null || true; fi
+                since=$((since + 1))
+            fi
+            sleep 1
+            age=$((age + 1))
+        done
+        wait "$pid" && return 0
+        if ! mba_ray_ended && ((tries < 3 && SECONDS - start < MBA_RAY_TIMEOUT - 10)); then
+            tries=$((tries + 1))
+            mba_say "the wait for $1 node(s) failed (above) while every Ray step runs: waiting again ($tries of 3)"
+            continue
         fi
-        sleep 1
-        age=$((age + 1))
+        break
     done
-    wait "$pid" && return 0
     mba_ray_ended || true
     local ended
     ended=$(IFS=,; echo "${MBA_RAY_ENDED[*]}")

@@ -505,6 +505,13 @@ def test_ray_cluster_that_does_not_form_stops_the_job_with_shims(tmp_path):
     lines = _shim_lines(log)
     assert not any(line.startswith("entry ") for line in lines)
     assert sum(line.startswith("ray ended") for line in lines) == 3  # the EXIT trap ended them
+    # a wait that fails while every Ray step runs gave no verdict (Ray can end its driver): it is
+    # started again, 3 times at most
+    assert sum(line.startswith("wait ") and "--nodes=3 " in line for line in lines) == 4
+    assert (
+        "the wait for 3 node(s) failed (above) while every Ray step runs: waiting again (3 of 3)"
+        in err
+    )
 
 
 def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):
