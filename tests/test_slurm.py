@@ -354,15 +354,17 @@ def test_ray_wait_against_a_local_ray_head(tmp_path):
     wait = [bin_dir / "python", "-m", "megatron_ba.integrations.ray_cluster", "wait",
             f"--address=127.0.0.1:{port}", "--every=0.5"]  # fmt: skip
     try:
-        p = subprocess.run([*wait, "--nodes=1", "--timeout=60"], env=env, capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+        p = subprocess.run([*wait, "--nodes=1", "--timeout=180"], env=env, capture_output=True,
+                           text=True, timeout=240)  # fmt: skip
         assert p.returncode == 0, p.stderr
         host = socket.gethostname().split(".")[0]
         assert f"1 node(s) joined at 127.0.0.1:{port}: {host}" in p.stdout
         p = subprocess.run([*wait, "--nodes=2", f"--hosts={host} ghost02", "--timeout=3"],
                            env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
         assert p.returncode == 1
-        assert f"1 of 2 node(s) joined after 3 s ({host}); missing: ghost02" in p.stderr
+        # after the 3 s asked for, or a little more where Ray's connection itself took longer
+        assert re.search(rf"1 of 2 node\(s\) joined after [3-9] s \({host}\); missing: ghost02",
+                         p.stderr), p.stderr  # fmt: skip
         # SIGUSR2 (the launcher's "a node's Ray step ended") ends a long wait at its next poll
         give_up = subprocess.Popen([*wait, "--nodes=2", f"--hosts={host} ghost02", "--timeout=300"],
                                    env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
