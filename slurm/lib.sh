@@ -4,7 +4,7 @@
 # Sourced, not run. Every setting comes from the environment (slurm/README.md lists them):
 #   RUN_DIR CACHE_DIR CONTAINER MOUNTS GPUS_PER_NODE MASTER_ADDR MASTER_PORT SRUN_ARGS TORCHRUN
 #   PYTHON DRY_RUN MBA_IB_ENV NEMO_ALIGNER_CHECK MBA_HOME MBA_STUDY (and VIRTUAL_ENV, see mba_find_python)
-#   RAY RAY_WAIT_TIMEOUT BACKEND_CHECK (backends verl and nemo_rl: a Ray cluster, at the end)
+#   RAY RAY_WAIT_TIMEOUT RAY_ENTRY BACKEND_CHECK (backends verl and nemo_rl: a Ray cluster, at the end)
 # The recipe is read by the project's own loader (python -m megatron_ba.planning.launch fit), so the
 # launcher and `megatron-ba train` agree on TP/PP/CP, the run name and every override.
 
@@ -281,7 +281,11 @@ mba_plan() {
         ;;
     verl | nemo_rl)
         mba_plan_ray "$mode"
-        launcher=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.cli "${MBA_RAY_TRAIN[@]}")
+        if ((${#MBA_RAY_USER_ENTRY[@]})); then # RAY_ENTRY: the user's command instead
+            launcher=("${MBA_RAY_USER_ENTRY[@]}")
+        else
+            launcher=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.cli "${MBA_RAY_TRAIN[@]}")
+        fi
         MBA_TASKS_PER_NODE=1 # the entry on the head node: Ray starts the processes on each node
         ;;
     *) mba_die "backend $RECIPE_BACKEND: no launcher for it" ;;
@@ -406,7 +410,10 @@ mba_wait_for() {
 # `ray start --address=HEAD:PORT --block` on each other node (one srun each, in the background),
 # a wait until every node has joined (megatron_ba.integrations.ray_cluster), then the entry on the
 # head (`megatron-ba train ... --run-dir RUN_DIR`, which becomes verl's or NeMo-RL's entry point
-# and finds the cluster through RAY_ADDRESS), and `ray stop` on every node at the end (trap).
+# and finds the cluster through RAY_ADDRESS; RAY_ENTRY replaces it), and at the end (trap) the
+# head's and workers' steps are ended: Slurm ends every process of those steps, so this job's Ray
+# and no other (`ray stop`, which ends every Ray process of the node's user by name, would end the
+# Ray of another job of the same user on a shared node).
 
 mba_is_ray() { [[ $RECIPE_BACKEND == verl || $RECIPE_BACKEND == nemo_rl ]]; }
 
@@ -440,6 +447,11 @@ mba_plan_ray() {
     done
     [[ -n $MBA_RAY_RESUME ]] ||
         mba_die "backend $RECIPE_BACKEND: the translated command lacks $key, so a requeued job would not resume from its checkpoints; nothing launched"
+    # RAY_ENTRY (shell words, like RAY): a command run on the head in place of the translated
+    # entry, with RAY_ADDRESS set, e.g. a check of the cluster before a long run or your own
+    # driver. The recipe is still translated and checked above; requeue and resume are its own.
+    MBA_RAY_USER_ENTRY=()
+    [[ -n ${RAY_ENTRY:-} ]] && read -r -a MBA_RAY_USER_ENTRY <<<"$RAY_ENTRY"
     if [[ -n ${CONTAINER:-} ]]; then
         read -r -a MBA_RAY <<<"${RAY:-ray}"
     elif [[ -n ${RAY:-} ]]; then
@@ -457,26 +469,25 @@ mba_plan_ray() {
 }
 
 # The Ray steps (each sets MBA_SRUN to the whole command). --overlap: the steps share the nodes
-# (the head's and workers' `ray start --block` hold them for the whole job).
+# (the head's and workers' `ray start --block` hold them for the whole job). Each Ray node carries
+# its Slurm node name as a resource (slurm-node/HOST), so that the wait names a node that did not
+# join by its Slurm name even where the node's host name differs (ray_cluster.py).
+mba_ray_node_resource() { printf '{"slurm-node/%s": 1}' "$1"; }
 mba_ray_head_cmd() {
     mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}" --output="$MBA_LOG_DIR/ray-head.log"
     MBA_SRUN+=("${MBA_RAY[@]}" start --head --port="$MBA_PORT" --num-gpus="$MBA_GPUS"
-        --disable-usage-stats --block)
+        --resources="$(mba_ray_node_resource "${MBA_HOSTS[0]}")" --disable-usage-stats --block)
 }
 mba_ray_worker_cmd() { # HOST
     mba_srun --overlap --nodes=1 --ntasks=1 -w "$1" --output="$MBA_LOG_DIR/ray-worker-$1.log"
     MBA_SRUN+=("${MBA_RAY[@]}" start --address="$MBA_HEAD:$MBA_PORT" --num-gpus="$MBA_GPUS"
-        --disable-usage-stats --block)
+        --resources="$(mba_ray_node_resource "$1")" --disable-usage-stats --block)
 }
-mba_ray_wait_cmd() { # NODES: wait, on the head, until that many nodes have joined
+mba_ray_wait_cmd() { # NODES [SECONDS]: wait, on the head, until that many nodes have joined
     mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}"
     MBA_SRUN+=("${MBA_JOB_PYTHON[@]}" -m megatron_ba.integrations.ray_cluster wait
         --address="$MBA_HEAD:$MBA_PORT" --nodes="$1" --hosts="${MBA_HOSTS[*]:0:$1}"
-        --timeout="$MBA_RAY_TIMEOUT")
-}
-mba_ray_stop_cmd() { # every node: ray stop (what the head's and workers' steps started)
-    mba_srun --overlap --nodes="$MBA_NODES" --ntasks-per-node=1
-    MBA_SRUN+=("${MBA_RAY[@]}" stop --force)
+        --timeout="${2:-$MBA_RAY_TIMEOUT}" --every=2)
 }
 
 # The Ray part of DRY_RUN and launch.sh: every command, in the order mba_ray_up runs them.
@@ -484,6 +495,9 @@ mba_describe_ray() {
     echo "# Ray cluster: head on ${MBA_HOSTS[0]}, a worker on each of the $((MBA_NODES - 1)) other node(s), the entry on the head"
     echo "# $RECIPE_BACKEND entry (what the last srun's train command becomes; a requeued job resumes: $MBA_RAY_RESUME):"
     echo "#   $MBA_RAY_ENTRY"
+    if ((${#MBA_RAY_USER_ENTRY[@]})); then
+        echo "# RAY_ENTRY runs on the head instead: $(printf '%q ' "${MBA_RAY_USER_ENTRY[@]}")"
+    fi
     local name host
     for name in "${MBA_ENV_NAMES[@]}"; do
         printf 'export %s=%q\n' "$name" "${!name}"
@@ -501,8 +515,7 @@ mba_describe_ray() {
         printf '%q ' "${MBA_SRUN[@]}" && echo
     fi
     printf '%q ' "${MBA_CMD[@]}" && echo
-    mba_ray_stop_cmd
-    printf '%q ' "${MBA_SRUN[@]}" && echo '# at exit (trap)'
+    echo "# at exit (trap): the head's and workers' steps above are ended (SIGTERM to their srun; Slurm ends every process of each step)"
 }
 
 # verl or NeMo-RL (and Ray) must import where the job runs: checked here unless a container runs
@@ -564,26 +577,66 @@ mba_ray_up() {
     mba_say "Ray cluster formed: ${MBA_NODES} node(s)"
 }
 
+# The wait step, in the background. A node whose Ray step has ended cannot join any more: the wait
+# is then asked to give up (SIGUSR2, which srun passes on to it; it says which nodes joined and
+# which are missing) instead of running out RAY_WAIT_TIMEOUT. Asked every 5 s from when it has
+# had 5 s to start (before its handler is set, the signal would end it without that message);
+# ended by SIGTERM (its step cancelled) if it still runs 30 s after a step ended. A wait that
+# fails early while every Ray step runs gave no verdict: Ray ends a driver whose registration with
+# the raylet fails ("Failed to register worker to Raylet", seen on an overloaded host) with exit
+# status 1 before the wait can report anything; it is started again (3 times at most) for the
+# rest of RAY_WAIT_TIMEOUT.
 mba_ray_wait() { # NODES
-    mba_ray_wait_cmd "$1"
-    "${MBA_SRUN[@]}" && return 0
-    local i ended=()
-    for i in "${!MBA_RAY_PIDS[@]}"; do
-        kill -0 "${MBA_RAY_PIDS[$i]}" 2>/dev/null || ended+=("${MBA_RAY_STEPS[$i]}")
+    local start=$SECONDS tries=0 pid age since
+    while true; do
+        mba_ray_wait_cmd "$1" "$((MBA_RAY_TIMEOUT - (SECONDS - start)))"
+        "${MBA_SRUN[@]}" &
+        pid=$! age=0 since=0
+        while kill -0 "$pid" 2>/dev/null; do
+            if mba_ray_ended; then
+                if ((age >= 5 && age % 5 == 0)); then kill -USR2 "$pid" 2>/dev/null || true; fi
+                if ((since == 30)); then kill -TERM "$pid" 2>/dev/null || true; fi
+                since=$((since + 1))
+            fi
+            sleep 1
+            age=$((age + 1))
+        done
+        wait "$pid" && return 0
+        if ! mba_ray_ended && ((tries < 3 && SECONDS - start < MBA_RAY_TIMEOUT - 10)); then
+            tries=$((tries + 1))
+            mba_say "the wait for $1 node(s) failed (above) while every Ray step runs: waiting again ($tries of 3)"
+            continue
+        fi
+        break
     done
-    mba_die "the Ray cluster did not form (above)${ended[*]:+; ended: ${ended[*]}}; logs: $MBA_LOG_DIR/ray-*.log; $RECIPE_BACKEND not launched"
+    mba_ray_ended || true
+    local ended
+    ended=$(IFS=,; echo "${MBA_RAY_ENDED[*]}")
+    mba_die "the Ray cluster did not form (above)${ended:+; ended: ${ended//,/, }}; logs: $MBA_LOG_DIR/ray-*.log; $RECIPE_BACKEND not launched"
 }
 
-# ray stop on every node, then end the head's and workers' steps. Once only (EXIT trap too).
+# MBA_RAY_ENDED: the Ray steps (head, workers) that have ended; status 0 when there is one.
+mba_ray_ended() {
+    local i
+    MBA_RAY_ENDED=()
+    for i in "${!MBA_RAY_PIDS[@]}"; do
+        kill -0 "${MBA_RAY_PIDS[$i]}" 2>/dev/null || MBA_RAY_ENDED+=("${MBA_RAY_STEPS[$i]}")
+    done
+    ((${#MBA_RAY_ENDED[@]} > 0))
+}
+
+# Stop this job's Ray: end the head's and workers' steps (SIGTERM to their srun, which cancels the
+# step: Slurm kills every process of it, the raylet, GCS and workers that `ray start` started;
+# srun then says "forcing job termination" and "Killed"), and wait until they have ended. Once
+# only (EXIT trap too).
 mba_ray_stop() {
     ((${MBA_RAY_STARTED:-0})) || return 0
     MBA_RAY_STARTED=0
-    mba_ray_stop_cmd
-    mba_say "stopping Ray on ${MBA_HOSTS[*]}"
-    timeout 120 "${MBA_SRUN[@]}" >/dev/null 2>&1 || mba_say "ray stop: exit status $? (ending its steps)"
+    mba_say "stopping Ray on ${MBA_HOSTS[*]}: ending its steps"
     local pid
     for pid in "${MBA_RAY_PIDS[@]}"; do
         kill -TERM "$pid" 2>/dev/null || true
     done
     wait "${MBA_RAY_PIDS[@]}" 2>/dev/null || true
+    mba_say "Ray stopped"
 }

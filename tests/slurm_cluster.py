@@ -1,5 +1,6 @@
-"""A real one-node Slurm for tests (tests/test_slurm.py, tests/nemo/test_nemo_slurm.py): start or
-reuse one, submit and wait for jobs, and tell a failed job's story.
+"""A real Slurm for tests (tests/test_slurm.py, tests/nemo/test_nemo_slurm.py): start or reuse
+one (scripts/slurm_up.sh: two nodes on this host), submit and wait for jobs, and tell a failed
+job's story.
 
     with cluster() as conf: ...           # SLURM_CONF of a running cluster (or pytest.skip)
     info = wait_until_ended(conf, job)    # scontrol's fields of the ended job
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def cluster():
-    """SLURM_CONF of a running one-node cluster: the caller's (CI exports it), or one
+    """SLURM_CONF of a running cluster: the caller's (CI exports it), or one
     scripts/slurm_up.sh starts and this stops again."""
     conf = os.environ.get("SLURM_CONF")
     if conf and shutil.which("sinfo"):

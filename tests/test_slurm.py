@@ -1,8 +1,10 @@
 """The Slurm launchers: the fit helper, DRY_RUN commands for 1, 4 and 16 nodes and every backend
 (verl and nemo_rl: the Ray cluster's commands; their launch path with shims for srun, scontrol and
-ray; the wait helper against a local Ray head), shellcheck, and (slow) real jobs on a one-node
-Slurm that scripts/slurm_up.sh starts: a run that completes, and one that is preempted, requeued
-and resumed with no step lost or repeated."""
+ray; the wait helper against a local Ray head), shellcheck, and (slow) real jobs on the Slurm that
+scripts/slurm_up.sh starts (two nodes on this host): a run that completes, one that is preempted,
+requeued and resumed with no step lost or repeated, and with the verl and NeMo-RL backends a Ray
+cluster over the job's nodes (formed, an entry on its head, preempted, requeued and formed again;
+and a worker that does not start, failing the job)."""
 
 from __future__ import annotations
 
@@ -178,7 +180,7 @@ RAY_RESUME = {"verl": "trainer.resume_mode=auto", "nemo_rl": "checkpointing.chec
 
 def _ray_steps(out: str) -> dict[str, list[str]]:
     """DRY_RUN's srun lines by kind, in the order printed (the order they run)."""
-    kinds = {"head": " start --head ", "worker": " start --address=", "stop": " stop --force",
+    kinds = {"head": " start --head ", "worker": " start --address=",
              "wait": "megatron_ba.integrations.ray_cluster wait",
              "entry": " -m megatron_ba.cli train "}  # fmt: skip
     steps = {k: [] for k in [*kinds, "order"]}
@@ -203,19 +205,23 @@ def test_dry_run_forms_a_ray_cluster(tmp_path, nodes, backend):
     assert f"# backend {backend}, {nodes} node(s) x 8 process(es)" in out
     assert "export RAY_ADDRESS=gpu01:20077" in out  # how the engine's ray.init finds the cluster
     waits = ["wait"] if nodes == 1 else ["wait", *["worker"] * (nodes - 1), "wait"]
-    assert steps["order"] == ["head", *waits, "entry", "stop"]
+    assert steps["order"] == ["head", *waits, "entry"]
     (head,) = steps["head"]
-    assert " -w gpu01 " in head and head.endswith(
-        " ray start --head --port=20077 --num-gpus=8 --disable-usage-stats --block &"
-    )
+    # each Ray node carries its Slurm node name (the wait names a missing node by it)
+    assert " -w gpu01 " in head and head.endswith(" &")
+    assert shlex.split(head[:-2])[-8:] == [
+        "ray", "start", "--head", "--port=20077", "--num-gpus=8",
+        '--resources={"slurm-node/gpu01": 1}', "--disable-usage-stats", "--block"
+    ]  # fmt: skip
     assert [w.split(" -w ")[1].split()[0] for w in steps["worker"]] == hosts[1:]
     logs = "runs/qwen3-1.7b-dapo17k-balanced/logs/job-77-restart-0"
     assert f"--output={logs}/ray-head.log " in head
     for worker, host in zip(steps["worker"], hosts[1:], strict=True):
         assert f"--output={logs}/ray-worker-{host}.log " in worker
-        assert worker.endswith(
-            " ray start --address=gpu01:20077 --num-gpus=8 --disable-usage-stats --block &"
-        )
+        assert shlex.split(worker[:-2])[-7:] == [
+            "ray", "start", "--address=gpu01:20077", "--num-gpus=8",
+            f'--resources={{"slurm-node/{host}": 1}}', "--disable-usage-stats", "--block"
+        ] and worker.endswith(" &")  # fmt: skip
     assert [w.split("--nodes=")[-1].split()[0] for w in steps["wait"]] == (
         ["1"] if nodes == 1 else ["1", str(nodes)]
     )
@@ -228,8 +234,10 @@ def test_dry_run_forms_a_ray_cluster(tmp_path, nodes, backend):
              "--devices", "8"]  # fmt: skip
     assert f"--output={logs}/entry.log " in entry
     assert shlex.split(entry)[-len(train) :] == train
-    (stop,) = steps["stop"]
-    assert stop.startswith(f"srun --overlap --nodes={nodes} --ntasks-per-node=1 ")
+    # at the end, the Ray steps are ended (this job's Ray only: no `ray stop`, which ends every
+    # Ray process of the node's user)
+    assert "# at exit (trap): the head's and workers' steps above are ended" in out
+    assert " stop" not in out
     # the entry's translation, and the resume setting a requeued job relies on
     shown = next(line for line in out.splitlines() if line.startswith("#   python "))
     assert f" {RAY_RESUME[backend]}" in shown
@@ -346,15 +354,26 @@ def test_ray_wait_against_a_local_ray_head(tmp_path):
     wait = [bin_dir / "python", "-m", "megatron_ba.integrations.ray_cluster", "wait",
             f"--address=127.0.0.1:{port}", "--every=0.5"]  # fmt: skip
     try:
-        p = subprocess.run([*wait, "--nodes=1", "--timeout=60"], env=env, capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+        p = subprocess.run([*wait, "--nodes=1", "--timeout=180"], env=env, capture_output=True,
+                           text=True, timeout=240)  # fmt: skip
         assert p.returncode == 0, p.stderr
         host = socket.gethostname().split(".")[0]
         assert f"1 node(s) joined at 127.0.0.1:{port}: {host}" in p.stdout
         p = subprocess.run([*wait, "--nodes=2", f"--hosts={host} ghost02", "--timeout=3"],
                            env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
         assert p.returncode == 1
-        assert f"1 of 2 node(s) joined after 3 s ({host}); missing: ghost02" in p.stderr
+        # after the 3 s asked for, or a little more where Ray's connection itself took longer
+        assert re.search(rf"1 of 2 node\(s\) joined after [3-9] s \({host}\); missing: ghost02",
+                         p.stderr), p.stderr  # fmt: skip
+        # SIGUSR2 (the launcher's "a node's Ray step ended") ends a long wait at its next poll
+        give_up = subprocess.Popen([*wait, "--nodes=2", f"--hosts={host} ghost02", "--timeout=300"],
+                                   env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(5)  # its handler is set before Ray is imported
+        start = time.monotonic()
+        give_up.send_signal(signal.SIGUSR2)
+        _out, err = give_up.communicate(timeout=60)
+        assert give_up.returncode == 1 and time.monotonic() - start < 30, err
+        assert "missing: ghost02 (a node's Ray step ended: not waiting any longer)" in err
     finally:
         _end_group(head)
         shutil.rmtree(temp, ignore_errors=True)
@@ -439,12 +458,11 @@ def test_ray_launch_order_and_exit_status_with_shims(tmp_path):
     assert job.returncode == 3, err  # the entry's exit status
     lines = _shim_lines(log)
     # the steps in the foreground, in order (the background ones log when they get to it)
-    ordered = [line for line in lines if line.startswith(("wait ", "entry ", "ray stop"))]
+    ordered = [line for line in lines if line.startswith(("wait ", "entry "))]
     assert [line.split(" --")[0] for line in ordered] == [
         "wait -m megatron_ba.integrations.ray_cluster wait",
         "wait -m megatron_ba.integrations.ray_cluster wait",
         f"entry RAY_ADDRESS=n1:20123 -m megatron_ba.cli train {QWEN} {' '.join(RAY_ARGS['verl'])}",
-        "ray stop",
     ]  # fmt: skip
     assert "--nodes=1 --hosts=n1 " in ordered[0] and "--nodes=3 --hosts=n1 n2 n3 " in ordered[1]
     assert ordered[2].endswith(" --run-dir runs/qwen3-1.7b-dapo17k-balanced --nodes 3 --devices 8")
@@ -453,10 +471,15 @@ def test_ray_launch_order_and_exit_status_with_shims(tmp_path):
     workers = [line for line in lines if line.startswith("srun ") and " start --address" in line]
     assert sorted(w.split(" -w ")[1].split()[0] for w in workers) == ["n2", "n3"]
     assert sorted(line for line in lines if line.startswith("ray ended")) == [
-        "ray ended: start --address=n1:20123 --num-gpus=8 --disable-usage-stats --block",
-        "ray ended: start --address=n1:20123 --num-gpus=8 --disable-usage-stats --block",
-        "ray ended: start --head --port=20123 --num-gpus=8 --disable-usage-stats --block",
-    ]  # every Ray step ended at the stop
+        'ray ended: start --address=n1:20123 --num-gpus=8 --resources={"slurm-node/n2": 1} '
+        "--disable-usage-stats --block",
+        'ray ended: start --address=n1:20123 --num-gpus=8 --resources={"slurm-node/n3": 1} '
+        "--disable-usage-stats --block",
+        'ray ended: start --head --port=20123 --num-gpus=8 --resources={"slurm-node/n1": 1} '
+        "--disable-usage-stats --block",
+    ]  # every Ray step ended at the stop, after the entry
+    assert lines.index(ordered[-1]) < min(i for i, line in enumerate(lines)
+                                          if line.startswith("ray ended"))  # fmt: skip
     assert not any("requeue" in line for line in lines)
     assert "finished with exit status 3" in err
 
@@ -469,9 +492,10 @@ def test_ray_launch_requeues_on_usr1_with_shims(tmp_path):
     _out, err = job.communicate(timeout=120)
     assert job.returncode == 0, err
     lines = _shim_lines(log)
-    ends = ("entry ended", "ray stop", "scontrol requeue")
+    ends = ("entry ended", "ray ended", "scontrol requeue")
     tail = [line for line in lines if line.startswith(ends)]
-    assert tail == ["entry ended", "ray stop --force", "scontrol requeue 123"], lines
+    assert [line.split(":")[0] for line in tail] == ["entry ended", *["ray ended"] * 3,
+                                                     "scontrol requeue 123"], lines  # fmt: skip
     assert "resumes from its latest checkpoint (trainer.resume_mode=auto)" in err
 
 
@@ -482,8 +506,14 @@ def test_ray_cluster_that_does_not_form_stops_the_job_with_shims(tmp_path):
     assert "the Ray cluster did not form (above)" in err and "verl not launched" in err
     lines = _shim_lines(log)
     assert not any(line.startswith("entry ") for line in lines)
-    assert "ray stop --force" in lines  # the EXIT trap stops what started
-    assert sum(line.startswith("ray ended") for line in lines) == 3
+    assert sum(line.startswith("ray ended") for line in lines) == 3  # the EXIT trap ended them
+    # a wait that fails while every Ray step runs gave no verdict (Ray can end its driver): it is
+    # started again, 3 times at most
+    assert sum(line.startswith("wait ") and "--nodes=3 " in line for line in lines) == 4
+    assert (
+        "the wait for 3 node(s) failed (above) while every Ray step runs: waiting again (3 of 3)"
+        in err
+    )
 
 
 def test_a_layout_that_does_not_fit_says_what_to_change(tmp_path):
@@ -636,7 +666,7 @@ def test_shellcheck_clean():
 # -- a real Slurm -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slurm():
-    """SLURM_CONF of a running one-node cluster (tests/slurm_cluster.py)."""
+    """SLURM_CONF of a running cluster (tests/slurm_cluster.py)."""
     with slurm_cluster.cluster() as conf:
         yield conf
 
@@ -717,6 +747,163 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     a, b = _comparable(pre), _comparable(ref)
     assert a == b  # bit for bit on CPU, but for the timings
     assert not (pre / "preempted.json").exists()  # cleared on relaunch; the finished run adds none
+
+
+# -- a real Slurm job with a Ray cluster (backends verl and nemo_rl) ----------------------------
+VERL_BIN = ROOT / ".venv-verl/bin"
+# The entry that RAY_ENTRY runs on the head in place of the engine's: it connects to the cluster
+# through RAY_ADDRESS, appends what it sees to a file, and (with --hold, in the first run of the
+# job) stays, a stand-in for a long training run.
+RAY_CHECK = """import json, os, sys, time
+import ray
+out, hold = sys.argv[1], "--hold" in sys.argv
+restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+nodes = [{"alive": n["Alive"], "host": n["NodeManagerHostname"],
+          "slurm": [k for k in n["Resources"] if k.startswith("slurm-node/")]} for n in ray.nodes()]
+ray.shutdown()
+record = {"restart": restart, "on": os.environ.get("SLURMD_NODENAME"),
+          "address": os.environ["RAY_ADDRESS"], "nodes": nodes}
+with open(out, "a") as f:
+    f.write(json.dumps(record) + "\\n")
+if hold and restart == 0:
+    time.sleep(900)
+"""
+
+
+def _slurm_nodes(conf: str) -> list[str]:
+    p = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True,
+                       env=_env(SLURM_CONF=conf))  # fmt: skip
+    return sorted(set(p.stdout.split()))
+
+
+def _ray_sbatch(conf, cwd: Path, backend: str, nodes: int, **extra) -> int:
+    """grpo_balanced.sh for `backend` on `nodes` nodes with .venv-verl's Python and Ray (the
+    engine's own import check skipped: `import verl` alone takes half a minute here)."""
+    env = {k: v for k, v in _env(SLURM_CONF=conf, PYTHON=VERL_BIN / "python", BACKEND_CHECK=0,
+                                 RUN_DIR=cwd / "run", **extra).items()
+           if not k.startswith("RAY_") or k in ("RAY_ENTRY", "RAY_WAIT_TIMEOUT")}  # fmt: skip
+    p = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", str(BATCH), str(QWEN),
+                        *RAY_ARGS[backend]], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    return int(p.stdout.strip().split(";")[0])
+
+
+def _ray_daemons(job: int) -> list[str]:
+    """The raylet and gcs_server processes of Slurm job `job` (by SLURM_JOB_ID in their
+    environment), zombies left out."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            name = (proc / "comm").read_text().strip()
+            if name not in ("raylet", "gcs_server") or " Z " in (proc / "stat").read_text():
+                continue
+            if f"SLURM_JOB_ID={job}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(name)
+        except (OSError, ValueError):
+            continue
+    return sorted(found)
+
+
+def _no_ray_daemons(job: int) -> bool:
+    """No raylet or gcs_server of `job` left (a killed one can take a moment to go)."""
+    with contextlib.suppress(AssertionError):
+        return _wait(lambda: not _ray_daemons(job), "Ray's daemons to go", timeout=15, every=0.5)
+    return False
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_sbatch_forms_a_ray_cluster_and_a_preempted_job_forms_it_again(slurm, tmp_path):
+    """backend=verl as a real job on every node of the cluster (two on scripts/slurm_up.sh's):
+    the Ray head and the worker join, the entry (RAY_ENTRY, a stand-in for the engine's) runs on
+    the head and sees them through RAY_ADDRESS; SIGUSR1 ends it, stops Ray (no raylet or
+    gcs_server of the job left) and requeues the job, whose second run forms Ray again and runs
+    the entry, which knows it is a restart; the job completes with Ray stopped."""
+    if not (VERL_BIN / "ray").exists():
+        pytest.skip("no .venv-verl with Ray (bash scripts/setup_verl_env.sh)")
+    nodes = min(2, len(_slurm_nodes(slurm)))
+    check, seen = tmp_path / "check.py", tmp_path / "seen.jsonl"
+    check.write_text(RAY_CHECK)
+    job = _ray_sbatch(slurm, tmp_path, "verl", nodes,
+                      RAY_ENTRY=f"{VERL_BIN / 'python'} {check} {seen} --hold")  # fmt: skip
+    run = tmp_path / "run"
+    _wait(lambda: _records(seen) or _job(slurm, job).get("JobState") not in ("PENDING", "RUNNING"),
+          "the entry", timeout=600, every=0.5)  # fmt: skip
+    info = _job(slurm, job)
+    hosts = subprocess.run(["scontrol", "show", "hostnames", info["NodeList"]], check=True,
+                           capture_output=True, text=True,
+                           env=_env(SLURM_CONF=slurm)).stdout.split()  # fmt: skip
+    assert len(hosts) == nodes and _records(seen), _why(slurm, tmp_path, info)
+    # while the entry runs: a raylet on each node, the GCS on the head (the control of the checks
+    # that they are gone)
+    assert _ray_daemons(job) == ["gcs_server", *["raylet"] * nodes]
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True,
+                   env=_env(SLURM_CONF=slurm))  # fmt: skip
+    held = _wait(lambda: (j := _job(slurm, job)).get("JobState") == "PENDING" and j,
+                 "the requeue", every=0.5)  # fmt: skip
+    assert held["Restarts"] == "1"
+    assert _no_ray_daemons(job), _ray_daemons(job)  # Ray stopped before the requeue
+    out = slurm_cluster.batch_output(tmp_path)
+    assert out.index("Ray stopped") < out.index("requeueing job")
+    info = slurm_cluster.wait_until_ended(slurm, job)
+    logs = [run / "logs" / f"job-{job}-restart-{n}" for n in (0, 1)]
+    assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info,
+                                                 *[d / "ray-head.log" for d in logs])  # fmt: skip
+    assert _no_ray_daemons(job), _ray_daemons(job)
+    records = _records(seen)
+    assert [r["restart"] for r in records] == [0, 1]  # the entry, once in each run
+    for r in records:
+        assert r["on"] == hosts[0]  # on the head
+        assert r["address"] == f"{hosts[0]}:{20000 + job % 20000}"
+        assert all(n["alive"] for n in r["nodes"])
+        assert sorted(n["slurm"][0] for n in r["nodes"]) == [f"slurm-node/{h}" for h in hosts]
+    out = slurm_cluster.batch_output(tmp_path)
+    assert out.count(f"ray_cluster: {nodes} node(s) joined at ") == 2
+    assert out.count("Ray stopped") == 2
+    assert "finished with exit status 0" in out
+    for d in logs:
+        assert (d / "entry.log").is_file() and (d / "ray-head.log").is_file()
+
+
+@pytest.mark.slow
+def test_a_ray_cluster_whose_worker_does_not_start_fails_the_job(slurm, tmp_path):
+    """The negative control, backend=nemo_rl on two nodes: the worker's `ray start` fails (a
+    stand-in ray that does not start workers), so the wait gives up at once naming the node that
+    did not join, the job fails before the entry, and no Ray daemon of it is left."""
+    if not (VERL_BIN / "ray").exists():
+        pytest.skip("no .venv-verl with Ray (bash scripts/setup_verl_env.sh)")
+    if len(_slurm_nodes(slurm)) < 2:
+        pytest.skip("a one-node Slurm: a worker needs a second node (scripts/slurm_up.sh)")
+    ray = tmp_path / "ray-without-workers"
+    ray.write_text(f"""#!/bin/bash
+if [[ $1 == start && " $* " == *" --address="* ]]; then
+    echo "stand-in: this worker does not start" >&2
+    exit 1
+fi
+exec {VERL_BIN / "ray"} "$@"
+""")
+    ray.chmod(0o755)
+    check, seen = tmp_path / "check.py", tmp_path / "seen.jsonl"
+    check.write_text(RAY_CHECK)
+    job = _ray_sbatch(slurm, tmp_path, "nemo_rl", 2, RAY=ray,
+                      RAY_ENTRY=f"{VERL_BIN / 'python'} {check} {seen}")  # fmt: skip
+    info = slurm_cluster.wait_until_ended(slurm, job, timeout=600)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", _why(slurm, tmp_path, info)
+    head, worker = subprocess.run(["scontrol", "show", "hostnames", info["NodeList"]],
+                                  check=True, capture_output=True, text=True,
+                                  env=_env(SLURM_CONF=slurm)).stdout.split()  # fmt: skip
+    out = slurm_cluster.batch_output(tmp_path)
+    assert "1 of 2 node(s) joined after " in out and f"({head}); missing: {worker}" in out, out
+    assert "a node's Ray step ended: not waiting any longer" in out
+    assert f"the Ray cluster did not form (above); ended: the worker on {worker};" in out
+    assert "nemo_rl not launched" in out and "launching on" not in out
+    assert not seen.exists()  # no entry
+    assert _no_ray_daemons(job), _ray_daemons(job)
 
 
 # -- the training side of preemption (megatron_ba/train/preemption.py) -------------------------

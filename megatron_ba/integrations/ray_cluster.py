@@ -4,15 +4,18 @@ nemo_rl): a head on the allocation's first node, one worker on each other node.
     python -m megatron_ba.integrations.ray_cluster wait --address HOST:PORT --nodes N \
         [--hosts "h1 h2 ..."] [--timeout 600] [--every 5]
 
-Exit 0 once N live nodes have joined; exit 1 after --timeout seconds, naming what is missing (the
-hosts of --hosts that have not joined, or how many nodes); exit 2 on bad arguments. It imports
-only Ray (the job's environment has it; the project's CPU environment need not).
+Exit 0 once N live nodes have joined; exit 1 after --timeout seconds or on SIGUSR2 (the launcher's
+"a node's Ray step ended"), naming what is missing (the hosts of --hosts that have not joined, or
+how many nodes); exit 2 on bad arguments. A node is named by its Slurm node name where the
+launcher gave it one (the resource slurm-node/NAME), else by its short host name. It imports only
+Ray (the job's environment has it; the project's CPU environment need not).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -22,13 +25,39 @@ class RayWaitError(RuntimeError):
     """The cluster did not reach the wanted size in time: the message says what is missing."""
 
 
+# Set by SIGUSR2 (slurm/lib.sh: a node's Ray step ended, so that node cannot join): the wait
+# reports what it saw at its next poll and stops.
+_given_up = False
+GAVE_UP = " (a node's Ray step ended: not waiting any longer)"
+
+
+def _pause(seconds: float) -> None:
+    """Sleep `seconds`, or less once the wait has been told to give up."""
+    end = time.monotonic() + seconds
+    while not _given_up and time.monotonic() < end:
+        time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+
+
 def _short(host: str) -> str:
     return host.split(".", 1)[0]
 
 
+# slurm/lib.sh starts each Ray node with the resource slurm-node/<its Slurm node name>: the name
+# the wait reports, which can differ from the node's host name (Slurm's NodeHostname).
+NODE_RESOURCE = "slurm-node/"
+
+
+def node_name(node: dict) -> str:
+    """A node of `ray.nodes()` by its Slurm node name, else its short host name."""
+    for key in node.get("Resources") or {}:
+        if key.startswith(NODE_RESOURCE):
+            return key[len(NODE_RESOURCE) :]
+    return _short(node.get("NodeManagerHostname", "?"))
+
+
 def live_hosts(nodes: list[dict]) -> list[str]:
-    """Short host names of the live nodes in `ray.nodes()`'s records."""
-    return sorted(_short(n.get("NodeManagerHostname", "?")) for n in nodes if n.get("Alive"))
+    """The names (node_name) of the live nodes in `ray.nodes()`'s records."""
+    return sorted(node_name(n) for n in nodes if n.get("Alive"))
 
 
 def missing_message(
@@ -55,9 +84,10 @@ def _connect(address: str, deadline: float, every: float):
             ray.init(address=address, logging_level="ERROR", log_to_driver=False)
             return ray
         except Exception as e:  # ConnectionError, or Ray's own when no GCS answers yet
-            if time.monotonic() + every > deadline:
-                raise RayWaitError(f"no Ray head answers at {address}: {e}") from e
-            time.sleep(every)
+            if _given_up or time.monotonic() + every > deadline:
+                gave_up = GAVE_UP if _given_up else ""
+                raise RayWaitError(f"no Ray head answers at {address}: {e}{gave_up}") from e
+            _pause(every)
 
 
 def wait_for_nodes(
@@ -76,10 +106,11 @@ def wait_for_nodes(
                 seen[:] = joined
             if len(joined) >= want:
                 return joined
-            if time.monotonic() + every > deadline:
+            if _given_up or time.monotonic() + every > deadline:
                 waited = time.monotonic() - start
-                raise RayWaitError(missing_message(address, want, list(hosts), joined, waited))
-            time.sleep(every)
+                text = missing_message(address, want, list(hosts), joined, waited)
+                raise RayWaitError(text + (GAVE_UP if _given_up else ""))
+            _pause(every)
     finally:
         ray.shutdown()
 
@@ -95,6 +126,18 @@ def _watchdog(seconds: float, message) -> None:
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
+
+
+def _give_up_on(signum: int) -> None:
+    """On `signum`, end the wait at its next poll with what it saw: slurm/lib.sh sends SIGUSR2
+    when a node's Ray step has ended (that node cannot join), so the job need not wait out
+    --timeout."""
+
+    def give_up(_signum, _frame) -> None:
+        global _given_up
+        _given_up = True
+
+    signal.signal(signum, give_up)
 
 
 def _positive(kind):
@@ -122,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     hosts, seen = args.hosts.split(), []
     _watchdog(args.timeout + 15, lambda: missing_message(args.address, args.nodes, hosts, seen,
                                                          args.timeout + 15))  # fmt: skip
+    _give_up_on(signal.SIGUSR2)
     try:
         joined = wait_for_nodes(args.address, args.nodes, hosts=hosts, timeout=args.timeout,
                                 every=args.every, seen=seen)  # fmt: skip
