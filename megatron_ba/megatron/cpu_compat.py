@@ -22,17 +22,6 @@ returns the names of the shims it installed the first time (an empty list afterw
    all_to_all_single refuses them: the dispatcher's copy returns a list for CPU tensors (only
    reached at expert parallelism > 1, which is not run here).
 
-6. Sequence parallelism with the local spec (`install_sequence_parallel()`, only for a config
-   with sequence_parallel; megatron-core 0.16.1 and 0.19.2, transformer/torch_norm.py):
-   `WrappedTorchNorm` asserts `not config.sequence_parallel`. Under SP a norm runs on this TP
-   rank's slice of the sequence, so its weight's gradient is this slice's share: Transformer
-   Engine's norms mark their weights `sequence_parallel = True`, and megatron-core's
-   finalize_model_grads sums such gradients over the TP group
-   (`_allreduce_non_tensor_model_parallel_grads`), as it does for the router's weight. The shim
-   builds the same torch norm (from the config as if SP were off) and marks its parameters the
-   same way; with SP off it is megatron-core's own path. The sequence scatter and gather are
-   megatron-core's own: gloo runs reduce_scatter_tensor and all_gather_into_tensor (torch 2.13).
-
 Two more CPU needs are not patches; callers apply them (4 after initialize_model_parallel, 5 is
 merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
 
@@ -43,6 +32,19 @@ merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
    no such argument: there a tracker with a null `fork()` is installed instead (same effect).
 5. `TransformerConfig(batch_p2p_sync=False)`: the batched p2p path otherwise calls
    torch.cuda.synchronize(); see `CPU_CONFIG_OVERRIDES`.
+
+One more patch, for sequence parallelism only:
+
+6. Sequence parallelism with the local spec (`install_sequence_parallel()`, only for a config
+   with sequence_parallel; megatron-core 0.16.1 and 0.19.2, transformer/torch_norm.py):
+   `WrappedTorchNorm` asserts `not config.sequence_parallel`. Under SP a norm runs on this TP
+   rank's slice of the sequence, so its weight's gradient is this slice's share: Transformer
+   Engine's norms mark their weights `sequence_parallel = True`, and megatron-core's
+   finalize_model_grads sums such gradients over the TP group
+   (`_allreduce_non_tensor_model_parallel_grads`), as it does for the router's weight. The shim
+   builds the same torch norm (from the config as if SP were off) and marks its parameters the
+   same way; with SP off it is megatron-core's own path. The sequence scatter and gather are
+   megatron-core's own: gloo runs reduce_scatter_tensor and all_gather_into_tensor (torch 2.13).
 
 The causal attention mask is passed explicitly by megatron_ba.megatron.grpo_step, which avoids
 megatron-core's `get_default_causal_mask` (it allocates on "cuda"); that works on GPUs too.
