@@ -217,7 +217,7 @@ class ParallelSection:
     max_tokens_per_microbatch: int | None = None
     # Tokens per chunk of the vocab-parallel log-softmax; null: auto (AUTO_CHUNK above).
     logprob_chunk_size: int | None = None
-    sequence_parallel: bool = False  # needs tp > 1 and the Transformer Engine spec (CUDA)
+    sequence_parallel: bool = False  # needs tp > 1; on CUDA the Transformer Engine spec
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
 
 

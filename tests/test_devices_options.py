@@ -141,15 +141,20 @@ def test_attention_choice_reaches_the_layer_spec():
         assert layer.submodules.self_attention.submodules.core_attention is core
 
 
-def test_sequence_parallel_needs_tp_and_transformer_engine():
+def test_sequence_parallel_needs_tp_and_transformer_engine_on_cuda():
     r = resolve_build_options
     ok = r(device=GPU, sequence_parallel=True, tp=2, te_imports=True)
     assert ok.config_fields()["sequence_parallel"] is True
     with pytest.raises(ValueError, match=r"^parallel\.sequence_parallel: needs parallel\.tp > 1"):
         r(device=GPU, sequence_parallel=True, tp=1, te_imports=True)
-    # megatron-core's local spec refuses SP (WrappedTorchNorm asserts not sequence_parallel).
+    # megatron-core's local spec refuses SP (WrappedTorchNorm asserts not sequence_parallel);
+    # only CPU runs shim its norms (cpu_compat shim 6).
     with pytest.raises(ValueError, match=r"^parallel\.sequence_parallel: needs the Transformer"):
-        r(device=CPU, sequence_parallel=True, tp=2)
+        r(device=GPU, sequence_parallel=True, tp=2, transformer_impl="local", te_imports=True)
+    cpu = r(device=CPU, sequence_parallel=True, tp=2)
+    assert cpu.transformer_impl == "local" and cpu.config_fields()["sequence_parallel"] is True
+    with pytest.raises(ValueError, match=r"^parallel\.sequence_parallel: needs parallel\.tp > 1"):
+        r(device=CPU, sequence_parallel=True, tp=1)
 
 
 def test_recompute_and_precision_config_fields():

@@ -10,7 +10,9 @@ that must fail the same comparison: the same loss normalised per micro-batch (Ne
 normalisation) and a loss scaled for megatron-core 0.12 (whose schedule multiplies by CP) on the
 CP layouts. The per-micro-batch control must pass where its one micro-batch is the global batch
 (one DP rank, M = 1: TP2, PP2, CP2), which shows it differs from the real loss in its
-normalisation alone. Each launch also
+normalisation alone. TP2+SP runs sequence parallelism with the local spec (cpu_compat shim 6);
+its control, the norms' gradients not summed over TP, must fail there and pass on TP2 without SP
+(where no parameter is marked for that sum). Each launch also
 checks that the plan statistics were all-reduced exactly once per global batch on each rank that
 computes the loss, our CP shards against megatron-core's get_batch_on_this_cp_rank, forward-only
 log-probs and entropy, and one clipped AdamW step. Groups of 3 responses are split across the DP
@@ -35,6 +37,8 @@ NEGATIVE_MB = Case("token", 3, normalization="per_microbatch")
 NEGATIVE_SCALE = Case("balanced", 3, assume_megatron_version=(0, 12))
 # The control where a micro-batch is the global batch (DP1 layouts): must pass.
 WHOLE_BATCH_MB = Case("balanced", 1, normalization="per_microbatch")
+# The norms' gradients not summed over TP: must fail under sequence parallelism, pass without.
+SP_GRADS_UNREDUCED = Case("balanced", 3, sequence_parallel_grads_unreduced=True)
 
 LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
     "DP2": (
@@ -48,7 +52,11 @@ LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
             Case("token", 1, normalization="per_microbatch"),
         ],
     ),
-    "TP2": (Layout(tp=2), [Case("balanced", 3, per_token_loss=True), WHOLE_BATCH_MB]),
+    "TP2": (
+        Layout(tp=2),
+        [Case("balanced", 3, per_token_loss=True), WHOLE_BATCH_MB, SP_GRADS_UNREDUCED],
+    ),
+    "TP2+SP": (Layout(tp=2, sequence_parallel=True), [SP_GRADS_UNREDUCED]),
     "PP2": (
         Layout(pp=2),
         [Case("token", 3, per_token_loss=True), NEGATIVE_MB, WHOLE_BATCH_MB],
@@ -71,6 +79,8 @@ def _must_fail(case: Case, layout: Layout) -> bool:
     """A negative control whose difference from the real loss shows on this layout."""
     if case.assume_megatron_version is not None:
         return True
+    if case.sequence_parallel_grads_unreduced:
+        return layout.sequence_parallel
     # Per-micro-batch normalisation is the global one when a micro-batch is the whole batch.
     return case.normalization != "plan" and layout.dp * case.num_microbatches > 1
 

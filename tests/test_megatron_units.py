@@ -194,3 +194,30 @@ def test_megatron_modules_import_lazily_and_shims_are_idempotent(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-3000:]
+
+
+def test_sequence_parallel_norm_shim_marks_the_norm_and_changes_nothing_without_sp():
+    """cpu_compat shim 6: WrappedTorchNorm under sequence parallelism is the same torch norm,
+    its weight marked for finalize_model_grads' TP all-reduce; without SP, megatron-core's own
+    path (no mark); installing twice patches once."""
+    pytest.importorskip("megatron.core")
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_ba.megatron import cpu_compat
+
+    fields = dict(
+        layernorm_zero_centered_gamma=False,
+        persist_layer_norm=False,
+        memory_efficient_layer_norm=False,
+        normalization="RMSNorm",
+    )
+    cpu_compat.install_sequence_parallel()  # a no-op if an earlier test installed it
+    assert cpu_compat.install_sequence_parallel() == []
+    assert "transformer.torch_norm.WrappedTorchNorm" in cpu_compat.installed()
+    sp = WrappedTorchNorm(SimpleNamespace(sequence_parallel=True, **fields), 8, eps=1e-6)
+    plain = WrappedTorchNorm(SimpleNamespace(sequence_parallel=False, **fields), 8, eps=1e-6)
+    assert type(sp) is type(plain) is torch.nn.RMSNorm and sp.eps == plain.eps == 1e-6
+    assert sp.weight.sequence_parallel is True
+    assert not hasattr(plain.weight, "sequence_parallel")

@@ -1,7 +1,7 @@
 """The layout check on a mixture-of-experts model: expert parallelism gives the single-process
 loss and gradients.
 
-    python -m pytest tests/test_moe_layout.py        # 177 s on 2 cores (~5-6 min when shared)
+    python -m pytest tests/test_moe_layout.py        # ~105 s on 2 shared cores (SP layouts: 17 s)
 
 The model is the tiny-moe preset (8 experts, top-2, SequentialMLP experts, the allgather
 dispatcher; untied embeddings, the router's auxiliary loss off: layout_equivalence.cases.tiny_spec).
@@ -13,11 +13,14 @@ AdamW step (its gradient norm sums the experts over the expert-parallel ranks).
 
 Layouts: EP2 (DP2, expert-DP 1), DP4 x EP2 (expert-DP 2: the expert-data-parallel group differs
 from the data-parallel group), DP4 x EP2 x ETP2 (experts tensor-parallel over 2 ranks, expert-DP
-1), PP2 (one MoE layer per stage). TP > 1 is refused for MoE (it needs sequence parallelism:
-Transformer Engine); the refusal is tested here without a launch.
-The negative control keeps each rank's expert gradients unreduced over the expert-data-parallel
-group: it must fail on DP4 x EP2 and pass where expert-DP is 1 (EP2), which shows it differs from
-the real step in that reduction alone.
+1), PP2 (one MoE layer per stage), and TP2 with sequence parallelism (the local spec's norms run
+it on CPU through cpu_compat shim 6): EP2 x TP2 (ETP 1, 2 processes) and DP2 x EP2 x TP2 (ETP 2,
+4 processes). TP > 1 without sequence parallelism is refused for MoE (every TP rank would route
+the same tokens); the refusal is tested here without a launch.
+The negative controls: each rank's expert gradients unreduced over the expert-data-parallel
+group must fail on DP4 x EP2 and pass where expert-DP is 1 (EP2); the gradients sequence
+parallelism marks (norms, router) not summed over TP must fail on EP2 x TP2 + SP and pass on EP2
+(nothing marked). Each differs from the real step in that reduction alone.
 """
 
 from __future__ import annotations
@@ -36,12 +39,20 @@ from megatron_ba.megatron.layout_equivalence.check import (
 MODEL = "tiny-moe"
 CORE = [Case(rule, 3) for rule in ("token", "sequence", "balanced")]
 EXPERTS_UNREDUCED = Case("balanced", 3, expert_grads_unreduced=True)
+SP_GRADS_UNREDUCED = Case("balanced", 3, sequence_parallel_grads_unreduced=True)
 
 LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
-    "EP2": (Layout(dp=2, ep=2, model=MODEL), [*CORE, EXPERTS_UNREDUCED]),
+    "EP2": (Layout(dp=2, ep=2, model=MODEL), [*CORE, EXPERTS_UNREDUCED, SP_GRADS_UNREDUCED]),
     "DP4xEP2": (Layout(dp=4, ep=2, model=MODEL), [*CORE, EXPERTS_UNREDUCED]),
     "DP4xEP2xETP2": (Layout(dp=4, ep=2, etp=2, model=MODEL), CORE),
     "PP2": (Layout(pp=2, model=MODEL), CORE),
+    # TP2 with sequence parallelism (the local spec's norms: cpu_compat shim 6); the experts
+    # split over the two TP ranks (ETP 1), then DP2 x TP2 with EP2 over DP (ETP 2, expert-DP 1).
+    "EP2xTP2+SP": (
+        Layout(tp=2, ep=2, etp=1, model=MODEL, sequence_parallel=True),
+        [*CORE, SP_GRADS_UNREDUCED],
+    ),
+    "DP2xEP2xTP2+SP": (Layout(tp=2, dp=2, ep=2, model=MODEL, sequence_parallel=True), CORE),
 }
 
 
@@ -67,7 +78,9 @@ def test_moe_layout_matches_single_process(name, moe_reference):
         err = f"max_rel_grad_err={r.max_rel_grad_err:.3e} loss_err={r.loss_err:.3e}"
         print(f"{layout} {r.case}: {err}")
         assert r.reducer_calls == expected_reducer_calls(layout, r.case), str(r.case)
-        if r.case.expert_grads_unreduced and layout.expert_dp > 1:
+        if (r.case.expert_grads_unreduced and layout.expert_dp > 1) or (
+            r.case.sequence_parallel_grads_unreduced and layout.sequence_parallel
+        ):
             if r.max_rel_grad_err < 1e-2:  # must fail clearly, not by rounding
                 failures.append(f"negative control passed: {r.case}: {r.max_rel_grad_err:.2e}")
         elif not r.ok:
@@ -85,7 +98,8 @@ def test_moe_layout_matches_single_process(name, moe_reference):
 @pytest.mark.parametrize(
     "layout, flag",
     [
-        (Layout(tp=2, dp=2, ep=2, model=MODEL), "--tp"),
+        (Layout(tp=2, dp=2, ep=2, model=MODEL), "--tp"),  # TP > 1 without SP
+        (Layout(dp=2, ep=2, model=MODEL, sequence_parallel=True), "--sequence-parallel"),
         (Layout(dp=2, ep=3, model=MODEL), "--ep"),  # 3 does not divide 8 experts
         (Layout(dp=2, ep=4, model=MODEL), "--ep"),  # 4 > the 2 ranks of the stage
         (Layout(dp=2, ep=2), "--ep"),  # the dense model has no experts
@@ -103,6 +117,7 @@ def test_impossible_expert_layouts_are_refused_naming_the_flag(layout, flag):
     "args, flag",
     [
         (["--model", "tiny-moe", "--tp", "2", "--dp", "2", "--ep", "2"], "--tp"),
+        (["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--sequence-parallel"], "--sequence"),
         (["--dp", "2", "--ep", "2"], "--ep"),
         (["--dp", "2", "--negative-control-experts"], "--negative-control-experts"),
         (["--model", "tiny-moe", "--dp", "2", "--ep", "0"], "--ep"),

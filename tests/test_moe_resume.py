@@ -306,7 +306,8 @@ def test_the_moe_recipe_loads_and_the_build_refuses_tp_and_bad_etp_by_key():
     check_expert_parallel(spec, tp=1, ep=2, etp=None, keys=RECIPE_KEYS)
     with pytest.raises(ValueError, match=r"parallel\.tp"):
         check_expert_parallel(spec, tp=2, ep=2, etp=None, keys=RECIPE_KEYS)
-    # with sequence parallelism (Transformer Engine, GPUs) TP is not refused
+    # with sequence parallelism (Transformer Engine on GPUs, the local spec on CPU) TP is not
+    # refused
     check_expert_parallel(spec, tp=2, ep=2, etp=None, keys=RECIPE_KEYS, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"parallel\.etp"):
         check_expert_parallel(spec, tp=1, ep=2, etp=3, keys=RECIPE_KEYS)

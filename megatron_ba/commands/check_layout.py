@@ -9,6 +9,9 @@
     megatron-ba check-layout --tp 2 --micro-batches 2 --attention sdpa
     megatron-ba check-layout --dp 2 --micro-batches 3 --rollout-correction sequence_reject
     megatron-ba check-layout --model tiny-moe --dp 4 --ep 2 --micro-batches 3 --rule balanced
+    megatron-ba check-layout --tp 2 --sequence-parallel --micro-batches 3 --rule token
+    megatron-ba check-layout --model tiny-moe --tp 2 --ep 2 --etp 1 --sequence-parallel \
+        --micro-batches 3 --rule balanced
 
 Launches tp*pp*cp*dp gloo processes on CPU with a tiny Qwen2-shaped megatron-core GPTModel
 (RMSNorm, SwiGLU, RoPE, GQA), runs one GRPO forward/backward on a fixed synthetic batch
@@ -73,6 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="expert-tensor-parallel size (tiny-moe; default: megatron-core's, the TP size)",
     )
     p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="parallel.sequence_parallel: the sequence split over the TP ranks outside the "
+        "attention and MLP (needs --tp > 1; required for tiny-moe at --tp > 1)",
+    )
+    p.add_argument(
         "--micro-batches",
         type=int,
         default=1,
@@ -128,6 +137,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "experts' gradients, not summed over the expert-data-parallel group): passes where "
         "expert-DP is 1, fails otherwise",
     )
+    p.add_argument(
+        "--negative-control-sequence-parallel",
+        action="store_true",
+        help="check a deliberately wrong sequence-parallel reduction (the norms' and router's "
+        "gradients not summed over TP): passes without --sequence-parallel, fails with it",
+    )
 
 
 def unsupported_megatron_core() -> str | None:
@@ -172,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         ep=args.ep,
         etp=args.etp,
+        sequence_parallel=args.sequence_parallel,
     )
     case = Case(
         rule=args.rule,
@@ -182,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         token_budget=args.token_budget,
         rollout_correction=args.rollout_correction,
         expert_grads_unreduced=args.negative_control_experts,
+        sequence_parallel_grads_unreduced=args.negative_control_sequence_parallel,
     )
     try:
         if args.negative_control_experts and args.model == "debug":

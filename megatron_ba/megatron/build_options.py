@@ -27,8 +27,10 @@ naming the key. What runs where (megatron-core 0.16.1):
   unfused on the CPU, where sequences are short and the suite's figures were recorded with it
   (they stay bit-for-bit unchanged). A Transformer Engine build has TE's own attention: naming
   sdpa or unfused there is an error.
-* Sequence parallelism needs TP > 1 and Transformer Engine: the local spec's norms refuse it
-  (megatron-core's WrappedTorchNorm asserts `not config.sequence_parallel`).
+* Sequence parallelism needs TP > 1, and Transformer Engine on CUDA: there the local spec's
+  norms refuse it (megatron-core's WrappedTorchNorm asserts `not config.sequence_parallel`).
+  On the CPU the local spec runs it (cpu_compat shim 6 marks its norms' weights for the TP
+  all-reduce of their gradients, as Transformer Engine's are).
 * Recomputation: "full" recomputes each layer in backward (recompute_granularity "full",
   method "uniform", one layer per checkpoint); "selective" recomputes the core attention
   (megatron-core's default recompute_modules ["core_attn"]). Both run with the local spec on
@@ -192,11 +194,11 @@ def resolve_build_options(
                 f"parallel.sequence_parallel: needs parallel.tp > 1 (it splits the sequence over "
                 f"the tensor-parallel ranks), got tp={tp}"
             )
-        if impl != "transformer_engine":
+        if impl != "transformer_engine" and cuda:
             raise ValueError(
-                "parallel.sequence_parallel: needs the Transformer Engine layer spec "
-                "(model.transformer_impl: transformer_engine, on CUDA); megatron-core's local "
-                "spec's norms do not support it"
+                "parallel.sequence_parallel: needs the Transformer Engine layer spec on CUDA "
+                "(model.transformer_impl: transformer_engine); megatron-core's local spec's "
+                "norms do not support it (only CPU runs shim them)"
             )
     return BuildOptions(
         precision=precision,
@@ -253,9 +255,16 @@ def _resolve_attention(attention: str, impl: str, cuda: bool) -> str:
 
 # The names under which the expert-parallel settings reach a user: the layout check's flags, the
 # recipe's keys. Each error names the one at fault.
-CHECK_LAYOUT_KEYS = {"tp": "--tp", "ep": "--ep", "etp": "--etp", "model": "--model"}
+CHECK_LAYOUT_KEYS = {
+    "tp": "--tp",
+    "ep": "--ep",
+    "etp": "--etp",
+    "model": "--model",
+    "sequence_parallel": "--sequence-parallel",
+}
 RECIPE_KEYS = {
     "tp": "parallel.tp",
+    "sequence_parallel": "parallel.sequence_parallel",
     "ep": "parallel.ep",
     "etp": "parallel.etp",
     "model": "model.num_experts",
@@ -268,7 +277,8 @@ def check_expert_parallel(
     """ValueError naming the key (`keys`: CHECK_LAYOUT_KEYS or RECIPE_KEYS) when `spec` cannot
     be built with expert parallelism `ep` and expert tensor parallelism `etp` (None: megatron-
     core's default, tp) at tensor parallelism `tp` (MoE at tp > 1 only with sequence
-    parallelism: Transformer Engine, never run here). Whether the world's ranks can carve it:
+    parallelism: Transformer Engine on GPUs, the local spec on CPU). Whether the world's ranks
+    can carve it:
     megatron_ba.parallel.world.check_expert_layout."""
     for name, v in (("ep", ep), ("etp", etp)):
         if not (v is None and name == "etp") and not (isinstance(v, int) and v >= 1):
@@ -284,12 +294,11 @@ def check_expert_parallel(
         # Without sequence parallelism every TP rank holds the same tokens and the MoE layer
         # routes each of them once per TP rank: the experts' gradients come out TP times too
         # large (measured: exactly 2x at TP2 x EP2, ETP 2 or 1; the forward is right).
-        # megatron-core refuses to train MoE at TP > 1 without sequence parallelism, which the
-        # local spec (CPU) cannot run.
+        # megatron-core refuses to train MoE at TP > 1 without sequence parallelism.
         raise ValueError(
             f"{keys['tp']}: {tp} with a mixture-of-experts model needs sequence parallelism "
-            "(megatron-core's MoE layer), which needs Transformer Engine (GPUs); on CPU MoE "
-            f"runs at tp=1 (expert TP, {keys['etp']}, is allowed)"
+            f"(megatron-core's MoE layer): turn on {keys['sequence_parallel']}, or run tp=1 "
+            f"(expert TP, {keys['etp']}, is allowed)"
         )
     if spec.num_experts % ep:
         raise ValueError(f"{keys['ep']}: {ep} does not divide the {spec.num_experts} experts")

@@ -33,6 +33,19 @@ merged by megatron_ba.megatron.model.transformer_config when CUDA is absent):
 5. `TransformerConfig(batch_p2p_sync=False)`: the batched p2p path otherwise calls
    torch.cuda.synchronize(); see `CPU_CONFIG_OVERRIDES`.
 
+One more patch, for sequence parallelism only:
+
+6. Sequence parallelism with the local spec (`install_sequence_parallel()`, only for a config
+   with sequence_parallel; megatron-core 0.16.1 and 0.19.2, transformer/torch_norm.py):
+   `WrappedTorchNorm` asserts `not config.sequence_parallel`. Under SP a norm runs on this TP
+   rank's slice of the sequence, so its weight's gradient is this slice's share: Transformer
+   Engine's norms mark their weights `sequence_parallel = True`, and megatron-core's
+   finalize_model_grads sums such gradients over the TP group
+   (`_allreduce_non_tensor_model_parallel_grads`), as it does for the router's weight. The shim
+   builds the same torch norm (from the config as if SP were off) and marks its parameters the
+   same way; with SP off it is megatron-core's own path. The sequence scatter and gather are
+   megatron-core's own: gloo runs reduce_scatter_tensor and all_gather_into_tensor (torch 2.13).
+
 The causal attention mask is passed explicitly by megatron_ba.megatron.grpo_step, which avoids
 megatron-core's `get_default_causal_mask` (it allocates on "cuda"); that works on GPUs too.
 Nothing here is needed (or wanted) on a GPU cluster.
@@ -228,6 +241,51 @@ def install_moe() -> list[str]:
     if move is not None and not getattr(move, "megatron_ba_shim", False):
         token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_cpu(move)
         done.append("transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu")
+    _installed.extend(done)
+    return done
+
+
+class _ConfigWithoutSequenceParallel:
+    """A TransformerConfig seen with sequence_parallel off (what WrappedTorchNorm accepts)."""
+
+    sequence_parallel = False
+
+    def __init__(self, config: Any) -> None:
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _norm_with_sequence_parallel(new: Any) -> Any:
+    """WrappedTorchNorm.__new__ that also builds a norm under sequence parallelism: the same
+    torch norm, its parameters marked `sequence_parallel` (summed over TP; see shim 6)."""
+
+    @functools.wraps(new)
+    def wrapper(cls, config, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return new(cls, config, *args, **kwargs)
+        norm = new(cls, _ConfigWithoutSequenceParallel(config), *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    wrapper.megatron_ba_shim = True
+    return wrapper
+
+
+def install_sequence_parallel() -> list[str]:
+    """Shim 6: the local spec's norms under sequence parallelism (idempotent; returns the shims
+    this call installed). megatron_ba.megatron.model.transformer_config calls it for a CPU
+    config with sequence_parallel, so that a run without SP patches nothing of the norms."""
+    install()
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls.__new__, "megatron_ba_shim", False):
+        return []
+    cls.__new__ = staticmethod(_norm_with_sequence_parallel(cls.__new__))
+    done = ["transformer.torch_norm.WrappedTorchNorm"]
     _installed.extend(done)
     return done
 

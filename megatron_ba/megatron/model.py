@@ -110,6 +110,8 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
     if cpu:
         cpu_compat.install()
         kwargs.update(cpu_compat.CPU_CONFIG_OVERRIDES)
+        if overrides.get("sequence_parallel"):
+            cpu_compat.install_sequence_parallel()  # the local spec's norms under SP (shim 6)
     if spec.num_experts:
         if cpu:
             cpu_compat.install_moe()

@@ -58,6 +58,9 @@ class Layout:
     model: str = "debug"
     ep: int = 1
     etp: int | None = None
+    # parallel.sequence_parallel: the sequence split over the TP ranks outside the attention and
+    # MLP (megatron-core's SP; the local spec's norms through cpu_compat shim 6). Needs tp > 1.
+    sequence_parallel: bool = False
 
     @property
     def world(self) -> int:
@@ -73,7 +76,8 @@ class Layout:
         experts = ""
         if self.model != "debug":
             experts = f" {self.model} EP{self.ep}" + (f" ETP{self.etp}" if self.etp else "")
-        return f"TP{self.tp}xPP{self.pp}xCP{self.cp}xDP{self.dp}{experts}{core}"
+        sp = "+SP" if self.sequence_parallel else ""
+        return f"TP{self.tp}{sp}xPP{self.pp}xCP{self.cp}xDP{self.dp}{experts}{core}"
 
 
 NORMALIZATIONS = ("plan", "per_microbatch")
@@ -104,6 +108,9 @@ class Case:
     # Negative control of expert parallelism: each rank keeps its own experts' gradients, scaled
     # by DDP but not summed over the expert-data-parallel group; must fail where expert-DP > 1.
     expert_grads_unreduced: bool = False
+    # Negative control of sequence parallelism: the parameters SP marks (norms, router) keep each
+    # TP rank's share of their gradient, not summed over TP; must fail under SP, pass without.
+    sequence_parallel_grads_unreduced: bool = False
 
     def step_function(self):
         """The step this case runs: grpo_step.forward_backward, or one of the controls."""
@@ -115,6 +122,8 @@ class Case:
             return controls.scaled_as(self.assume_megatron_version)
         if self.expert_grads_unreduced:
             return controls.expert_grads_unreduced
+        if self.sequence_parallel_grads_unreduced:
+            return controls.sequence_parallel_grads_unreduced
         return grpo_step.forward_backward
 
     def __str__(self) -> str:
@@ -129,6 +138,8 @@ class Case:
             extra += " REJECTED-KEPT-IN-DENOMINATORS"
         if self.expert_grads_unreduced:
             extra += " EXPERT-GRADS-UNREDUCED"
+        if self.sequence_parallel_grads_unreduced:
+            extra += " SP-GRADS-UNREDUCED"
         split = (
             f"M={self.num_microbatches}"
             if self.token_budget is None
@@ -195,7 +206,14 @@ def tiny_spec(model: str = "debug"):
 def check_expert_layout(layout: Layout) -> None:
     """ValueError naming the flag when megatron-core cannot carve `layout`'s experts."""
     spec = tiny_spec(layout.model)
-    check_expert_parallel(spec, tp=layout.tp, ep=layout.ep, etp=layout.etp, keys=CHECK_LAYOUT_KEYS)
+    check_expert_parallel(
+        spec,
+        tp=layout.tp,
+        ep=layout.ep,
+        etp=layout.etp,
+        keys=CHECK_LAYOUT_KEYS,
+        sequence_parallel=layout.sequence_parallel,
+    )
     if not spec.num_experts:
         return
     etp = layout.etp or layout.tp
@@ -222,6 +240,11 @@ def check_layout_possible(
     if world_size is not None and world_size != layout.world:
         raise ValueError(f"world size {world_size} != tp*pp*cp*dp = {layout.world}")
     tiny_spec(layout.model).check_layout(layout.tp, layout.pp)
+    if layout.sequence_parallel and layout.tp < 2:
+        raise ValueError(
+            f"--sequence-parallel: needs --tp > 1 (it splits the sequence over the "
+            f"tensor-parallel ranks), got --tp {layout.tp}"
+        )
     check_expert_layout(layout)
     if not (isinstance(sequences, int) and sequences >= 1):
         raise ValueError(f"--sequences: must be an integer >= 1, got {sequences!r}")
@@ -232,6 +255,13 @@ def check_layout_possible(
         correction_settings(case.rollout_correction)
         if case.token_budget is not None:
             b = case.token_budget
+            if layout.sequence_parallel:
+                # megatron-core splits each micro-batch's sequence over TP, so its width must be
+                # a multiple of --tp; token-budget micro-batches are cut to their longest row.
+                raise ValueError(
+                    "--token-budget: token-budget micro-batches are cut to their longest "
+                    "sequence, not padded to a multiple of --tp as --sequence-parallel needs"
+                )
             if isinstance(b, bool) or not isinstance(b, int) or b < SEQ_LEN:
                 raise ValueError(
                     f"--token-budget: must be an integer >= {SEQ_LEN} (the synthetic batch's "

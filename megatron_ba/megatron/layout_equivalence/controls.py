@@ -14,6 +14,10 @@ grpo_step.forward_backward in the one property it exposes:
     scaled by DDP's 1 / (DP x CP) but not summed over the expert-data-parallel group (as if the
     ranks holding the same experts were not data-parallel replicas). Equal to the exact step
     where expert-DP = 1 (every expert on one rank per stage); wrong elsewhere.
+  * `sequence_parallel_grads_unreduced`: the exact step, but the parameters sequence
+    parallelism marks `sequence_parallel` (the norms' weights, the router's) keep this TP rank's
+    gradient, the share of its slice of the sequence, instead of its sum over the TP group.
+    Equal to the exact step without sequence parallelism (nothing is marked); wrong under it.
 
 The check must see each control fail wherever its property matters (tests/test_layout_matrix.py).
 """
@@ -79,5 +83,36 @@ def _experts_kept_local(finalize, chunks):
         for p, g in zip(experts, own, strict=True):
             p.main_grad.copy_(g / dp_cp)
         return out
+
+    return wrapped
+
+
+def sequence_parallel_grads_unreduced(
+    chunks, batch, loss: StepLoss, split, *, reducer=None
+) -> StepResult:
+    """forward_backward whose sequence-parallel parameters skip the TP all-reduce."""
+    from megatron.core.utils import get_model_config
+
+    prepared = PreparedStep.start(chunks, batch, split, reducer)
+    config = get_model_config(chunks[0])
+    config.finalize_model_grads_func = _sequence_parallel_unmarked(
+        config.finalize_model_grads_func, chunks
+    )
+    return prepared.run(loss, scale=prepared.scale())
+
+
+def _sequence_parallel_unmarked(finalize, chunks):
+    """`finalize` (megatron-core's finalize_model_grads) run with the `sequence_parallel` marks
+    taken off the parameters (so it does not sum their gradients over TP), then put back."""
+    marked = [p for c in chunks for p in c.parameters() if getattr(p, "sequence_parallel", False)]
+
+    def wrapped(*args, **kwargs):
+        for p in marked:
+            p.sequence_parallel = False
+        try:
+            return finalize(*args, **kwargs)
+        finally:
+            for p in marked:
+                p.sequence_parallel = True
 
     return wrapped

@@ -72,10 +72,20 @@ def _build(per_token_loss: bool, seed: int, layout: Layout):
     spec = tiny_spec(layout.model)
     # the config's EP decides which expert parameters DDP reduces where
     experts = expert_config_fields(spec, tp=layout.tp, ep=layout.ep, etp=layout.etp)
-    config = mm.transformer_config(spec, calculate_per_token_loss=per_token_loss, **experts)
     # The world's device (gloo: the CPU): the layout check runs where its collectives do.
     device = collectives.comm_device(None)
-    options = resolve_build_options(device=device, attention=layout.attention)
+    options = resolve_build_options(
+        device=device,
+        attention=layout.attention,
+        sequence_parallel=layout.sequence_parallel,
+        tp=layout.tp,
+    )
+    config = mm.transformer_config(
+        spec,
+        calculate_per_token_loss=per_token_loss,
+        sequence_parallel=options.sequence_parallel,
+        **experts,
+    )
     chunks = mm.build_model_chunks(
         spec,
         config=config,
