@@ -7,7 +7,7 @@ micro-batch padded to one shape with masked rows. Each case's loss and full grad
 the single-process ones; the per-micro-batch-normalised control, differing only in its
 normalisation, must fail the same comparison under a token budget.
 
-    python -m pytest tests/test_token_budget_layout.py     # ~2-4 min on 2 cores
+    python -m pytest tests/test_token_budget_layout.py     # ~1 min on 2 cores
 """
 
 from __future__ import annotations
@@ -63,3 +63,11 @@ def test_dp2_token_budgets_and_non_dividing_microbatches(reference):
 @pytest.mark.distributed
 def test_pp2_dp2_token_budget_uniform_shapes(reference):
     _check(Layout(pp=2, dp=2), [REAL[2], REAL[4]], reference)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_dp2_sequence_parallel_token_budget_widths_padded_to_tp(reference):
+    """Sequence parallelism scatters each micro-batch's positions over the TP ranks: token-budget
+    micro-batches (cut to their longest row) are padded to a multiple of tp, masked."""
+    _check(Layout(tp=2, dp=2, sequence_parallel=True), [REAL[2], REAL[3]], reference)

@@ -126,12 +126,21 @@ class CPView:
     rank: int = 0
     mode: str = "loss"  # "model": the model gets CP shards; "loss": whole sequences, shard logits
     causal_mask: bool = True  # pass an explicit causal mask (local attention, whole sequences)
+    # Sequence parallelism splits each CP shard's positions over this many TP ranks (1: off).
+    sequence_split: int = 1
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         return cp_shard(x, cp=self.cp, rank=self.rank, dim=1)
 
+    @property
+    def length_multiple(self) -> int:
+        """What a micro-batch's width must be a multiple of: 2 x cp (CP's load-balanced halves)
+        times the sequence-parallel split (megatron-core scatters the positions over TP)."""
+        return (2 * self.cp if self.cp > 1 else 1) * self.sequence_split
+
     def padded_length(self, s: int) -> int:
-        return -(-s // (2 * self.cp)) * (2 * self.cp) if self.cp > 1 else s
+        m = self.length_multiple
+        return -(-s // m) * m
 
     def logits_for_loss(self, output: torch.Tensor) -> torch.Tensor:
         # GPTModel returns [b, s, V/TP] when no labels are given; in "loss" mode s is the whole
@@ -188,8 +197,9 @@ def logprob_chunk(setting: int | None, num_tokens: int) -> int | None:
     return setting
 
 
-def cp_view(spec: MicroBatchSpec) -> CPView:
-    """This rank's CPView under `spec` (the parallel state's CP size and rank)."""
+def cp_view(spec: MicroBatchSpec, sequence_parallel: bool = False) -> CPView:
+    """This rank's CPView under `spec` (the parallel state's CP size and rank); with
+    `sequence_parallel` (the model's config) the TP ranks split each micro-batch's positions."""
     from megatron.core import parallel_state as ps
 
     cuda = torch.cuda.is_available()
@@ -200,7 +210,14 @@ def cp_view(spec: MicroBatchSpec) -> CPView:
     cp = ps.get_context_parallel_world_size()
     if mask and mode == "model" and cp > 1:
         raise ValueError("explicit_causal_mask: a whole-sequence mask cannot go with CP shards")
-    return CPView(cp=cp, rank=ps.get_context_parallel_rank(), mode=mode, causal_mask=mask)
+    split = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+    return CPView(
+        cp=cp,
+        rank=ps.get_context_parallel_rank(),
+        mode=mode,
+        causal_mask=mask,
+        sequence_split=split,
+    )
 
 
 def _use_thd(spec: MicroBatchSpec, view: CPView) -> bool:
@@ -213,13 +230,19 @@ def _use_thd(spec: MicroBatchSpec, view: CPView) -> bool:
 
 
 def schedule_microbatches(
-    batch: GRPOBatch, spec: MicroBatchSpec, *, seq_tokens: list[int] | None = None
+    batch: GRPOBatch,
+    spec: MicroBatchSpec,
+    *,
+    seq_tokens: list[int] | None = None,
+    sequence_parallel: bool = False,
 ) -> MicroBatches:
     """`batch` cut as `spec` says for this rank (after `initialize_model_parallel`): CP view,
-    pipeline-uniform shapes, packed or padded, all resolved here (prepare_microbatches)."""
+    pipeline-uniform shapes, packed or padded, all resolved here (prepare_microbatches).
+    `sequence_parallel`: the model's config says the TP ranks split the positions (widths are
+    then padded to a multiple of tp, as megatron-core's scatter needs)."""
     from megatron.core import parallel_state as ps
 
-    view = cp_view(spec)
+    view = cp_view(spec, sequence_parallel)
     logprob_chunk(spec.logprob_chunk_size, 0)  # a bad setting fails before the schedule runs
     parts, seq_length, mbs = prepare_microbatches(
         batch,
@@ -296,7 +319,7 @@ def prepare_microbatches(
     tokens (megatron_ba.megatron.thd; what has run where: docs/status.md).
     """
     n, s = batch.tokens.shape
-    multiple = 2 * view.cp if view.cp > 1 else 1
+    multiple = view.length_multiple
     if thd:  # GPU (Transformer Engine) only: see megatron_ba.megatron.thd
         return _thd_microbatches(batch, view, max_tokens, seq_tokens, uniform)
     if max_tokens is None:

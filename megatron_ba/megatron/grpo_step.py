@@ -124,7 +124,7 @@ class PreparedStep:
     @classmethod
     def start(cls, chunks, batch: GRPOBatch, split: MicroBatchSpec, reducer=None):
         batch = batch.checked()
-        parts = schedule_microbatches(batch, split)
+        parts = schedule_microbatches(batch, split, sequence_parallel=_splits_sequence(chunks))
         check_cp_agreement(chunks, parts.view.mode, parts.view.cp)  # model CP == batch CP
         return cls(chunks, batch, parts, reducer)
 
@@ -268,6 +268,11 @@ def _global_result(store, last: bool, reducer) -> StepResult:
     return StepResult(loss=metrics.get("loss_sum", 0.0), metrics=metrics, reducer_calls=calls)
 
 
+def _splits_sequence(chunks) -> bool:
+    """Whether the model scatters each micro-batch's positions over its TP ranks."""
+    return bool(getattr(chunks[0].config, "sequence_parallel", False))
+
+
 @torch.no_grad()
 def compute_logprobs(
     chunks: list[torch.nn.Module],
@@ -290,7 +295,12 @@ def compute_logprobs(
     n, s = shape2("tokens", tokens)
     if split.max_tokens_per_microbatch is not None and seq_tokens is None:
         seq_tokens = [s] * n
-    parts = schedule_microbatches(_tokens_only_batch(tokens), split, seq_tokens=seq_tokens)
+    parts = schedule_microbatches(
+        _tokens_only_batch(tokens),
+        split,
+        seq_tokens=seq_tokens,
+        sequence_parallel=_splits_sequence(chunks),
+    )
     check_cp_agreement(chunks, parts.view.mode, parts.view.cp)  # model CP == batch CP
 
     def loss_func(mb, output):  # no loss: the log-probs (and entropy) as the micro-batch's metrics

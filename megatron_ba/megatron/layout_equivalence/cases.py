@@ -255,13 +255,6 @@ def check_layout_possible(
         correction_settings(case.rollout_correction)
         if case.token_budget is not None:
             b = case.token_budget
-            if layout.sequence_parallel:
-                # megatron-core splits each micro-batch's sequence over TP, so its width must be
-                # a multiple of --tp; token-budget micro-batches are cut to their longest row.
-                raise ValueError(
-                    "--token-budget: token-budget micro-batches are cut to their longest "
-                    "sequence, not padded to a multiple of --tp as --sequence-parallel needs"
-                )
             if isinstance(b, bool) or not isinstance(b, int) or b < SEQ_LEN:
                 raise ValueError(
                     f"--token-budget: must be an integer >= {SEQ_LEN} (the synthetic batch's "
