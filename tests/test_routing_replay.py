@@ -64,11 +64,11 @@ def test_routing_replay_is_refused_by_name_where_unsupported():
     pytest.importorskip("megatron.core")
     from megatron_ba.megatron.routing_replay import routing_replay_fields
 
-    with pytest.raises(ValueError, match="rollout.routing_replay: the model is dense"):
+    with pytest.raises(ValueError, match=r"rollout.routing_replay: the model is dense"):
         routing_replay_fields(0, tp=1, pp=1, cp=1, recompute="none")
-    with pytest.raises(ValueError, match="rollout.routing_replay: .*parallel.tp=2"):
+    with pytest.raises(ValueError, match=r"rollout.routing_replay: .*parallel.tp=2"):
         routing_replay_fields(8, tp=2, pp=1, cp=1, recompute="none")
-    with pytest.raises(ValueError, match="rollout.routing_replay: parallel.recompute=full"):
+    with pytest.raises(ValueError, match=r"rollout.routing_replay: parallel.recompute=full"):
         routing_replay_fields(8, tp=1, pp=1, cp=1, recompute="full")
     assert routing_replay_fields(8, tp=1, pp=1, cp=1, recompute="none") == {
         "moe_enable_routing_replay": True
