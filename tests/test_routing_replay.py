@@ -75,6 +75,22 @@ def test_routing_replay_is_refused_by_name_where_unsupported():
     }
 
 
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rollout.engine=builtin", "rollout.engine=vllm"),
+        ("model.num_experts=0", "dense"),
+    ],
+)
+def test_the_recipe_refuses_routing_replay_by_name(override, words):
+    from megatron_ba.recipe import RecipeError, load_recipe
+
+    recipe = ROOT / "recipes/tiny-moe-cpu.yaml"
+    assert not load_recipe(recipe).rollout.routing_replay  # default off
+    with pytest.raises(RecipeError, match=rf"rollout\.routing_replay.*{words}"):
+        load_recipe(recipe, ["rollout.routing_replay=true", override])
+
+
 def _routers(model):
     return [m for m in model.modules() if getattr(m, "router_replay", None) is not None]
 
