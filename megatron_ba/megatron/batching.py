@@ -309,11 +309,8 @@ def prepare_microbatches(
     """
     n, s = batch.tokens.shape
     multiple = 2 * view.cp if view.cp > 1 else 1
-    if batch.routed_experts is not None and (thd or (view.mode == "model" and view.cp > 1)):
-        raise ValueError(
-            f"{routing_replay.KEY}: replays padded whole-sequence micro-batches; packed (THD) or "
-            "CP-sharded model inputs are not supported with it"
-        )
+    if batch.routed_experts is not None:
+        routing_replay.check_layout(thd=thd, cp_sharded=view.mode == "model" and view.cp > 1)
     if thd:  # GPU (Transformer Engine) only: see megatron_ba.megatron.thd
         return _thd_microbatches(batch, view, max_tokens, seq_tokens, uniform)
     if max_tokens is None:

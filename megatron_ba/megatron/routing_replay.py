@@ -62,6 +62,16 @@ def routing_replay_fields(
     return {"moe_enable_routing_replay": True}
 
 
+def check_layout(*, thd: bool, cp_sharded: bool) -> None:
+    """ValueError naming KEY for micro-batches whose router rows are not [width * b] in [s, b]
+    order of padded whole sequences."""
+    if thd or cp_sharded:
+        raise ValueError(
+            f"{KEY}: replays padded whole-sequence micro-batches; packed (THD) or CP-sharded "
+            "model inputs are not supported with it"
+        )
+
+
 def replay_instances(model: torch.nn.Module) -> list:
     """The RouterReplay of every MoE router of `model`, in layer order (not megatron-core's
     class-global list, which also holds the routers of every other model built in the
