@@ -94,38 +94,8 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     m = r.grpo.mini_batches
     cp_mode = cp_mode_of(chunks)
     groups_per = exp.num_groups // m
-    parts, differ = [], []
-    for j in range(m):
-        budget = r.parallel.max_tokens_per_microbatch
-        seq_tokens = None
-        if budget:  # DP shards balanced by tokens (groups may split: the plan is all-reduced)
-            mini = exp.rows(1, 0, mini_batches=m, index=j)
-            ends = response_end(exp.response_mask[mini])  # one host read per mini-batch
-            mine = balanced_dp_shards(ends, ctx.dp)[ctx.dp_rank]
-            rows = mini[torch.tensor(mine, dtype=torch.long)]
-            seq_tokens = [ends[i] for i in mine]
-        else:
-            rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
-        n_local = len(rows)
-        mbs = min(r.parallel.micro_batch_size, n_local)
-        # need not divide: micro-batch sizes differ by one
-        split = microbatch_spec(r, -(-n_local // mbs), cp_mode)
-        kw = dict(temperature=r.grpo.temperature, seq_tokens=seq_tokens)
-        routed = None if exp.routed_experts is None else exp.routed_experts[rows]
-        old, entropy = compute_logprobs(
-            chunks,
-            exp.tokens[rows],
-            split,
-            with_entropy=True,
-            routed_experts=routed,
-            response_mask=exp.response_mask[rows],
-            routing_differ=differ,
-            **kw,
-        )
-        ref = None
-        if ref_chunks is not None:
-            ref, _ = compute_logprobs(ref_chunks, exp.tokens[rows], split, **kw)
-        parts.append((rows, split, old, ref, entropy))
+    differ: list = []  # routing replay's diagnostic counts, one per mini-batch
+    parts = [_old_logprobs(chunks, ref_chunks, r, ctx, exp, j, cp_mode, differ) for j in range(m)]
     totals: dict[str, float] = {}
     grad_norms, applied = [], []
     token_entropy, n_tokens = 0.0, 0
@@ -169,6 +139,42 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             "updates_applied": sum(applied),
         }
     )
+
+
+def _old_logprobs(chunks, ref_chunks, r: Recipe, ctx, exp: Experience, j: int, cp_mode, differ):
+    """(rows, split, old, ref, entropy) of mini-batch j on this rank: its rows (balanced by
+    tokens under parallel.max_tokens_per_microbatch), its micro-batch split, and the old (and
+    reference) log-probs; with routing replay the old forward replays the engine's experts and
+    adds its diagnostic counts to `differ`."""
+    m = r.grpo.mini_batches
+    seq_tokens = None
+    if r.parallel.max_tokens_per_microbatch:  # DP shards balanced by tokens (groups may split)
+        mini = exp.rows(1, 0, mini_batches=m, index=j)
+        ends = response_end(exp.response_mask[mini])  # one host read per mini-batch
+        mine = balanced_dp_shards(ends, ctx.dp)[ctx.dp_rank]
+        rows = mini[torch.tensor(mine, dtype=torch.long)]
+        seq_tokens = [ends[i] for i in mine]
+    else:
+        rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
+    n_local = len(rows)
+    mbs = min(r.parallel.micro_batch_size, n_local)
+    # need not divide: micro-batch sizes differ by one
+    split = microbatch_spec(r, -(-n_local // mbs), cp_mode)
+    kw = dict(temperature=r.grpo.temperature, seq_tokens=seq_tokens)
+    old, entropy = compute_logprobs(
+        chunks,
+        exp.tokens[rows],
+        split,
+        with_entropy=True,
+        routed_experts=None if exp.routed_experts is None else exp.routed_experts[rows],
+        response_mask=exp.response_mask[rows],
+        routing_differ=differ,
+        **kw,
+    )
+    ref = None
+    if ref_chunks is not None:
+        ref, _ = compute_logprobs(ref_chunks, exp.tokens[rows], split, **kw)
+    return rows, split, old, ref, entropy
 
 
 def _corrected(recipe: Recipe, exp: Experience, rows, old: torch.Tensor):
