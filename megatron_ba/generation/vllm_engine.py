@@ -244,6 +244,8 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
 
         params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
         out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+        if self.routing_replay:
+            self.llm.collective_rpc("megatron_ba_take_routing")  # not a rollout: dropped
         return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
     def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
