@@ -12,8 +12,11 @@ function (`set_capture_fn`: the logical expert ids of each forward's rows, befor
 placement mapping), and the model runner's `execute_model` is wrapped: after each forward the
 rows are mapped to requests and positions from the runner's own record of that forward (the
 batch's request order, `query_start_loc`, the `positions` and `input_ids` buffers), so every
-captured row is stored under (request, position) with the token it was. Chunked prefill,
-preemption (a recompute overwrites the same positions) and any batch composition map alike.
+captured row is stored under (request, position) with the token it was. Any batch composition
+maps alike (checked: mixed prefill and decode batches of 12 requests); chunked prefill and
+preemption (a recompute files the same positions again) should too, but no run here has hit them.
+The engine runs eager (no CUDA graphs, which would skip the Python capture); the rows come from
+worker 0 (engine_tp 1 on CPU; not run on GPUs).
 Prefix caching would skip the cached prompt positions: the engine turns it off when it
 captures. The front end matches each completion to the record whose tokens are exactly its
 prompt + response but the last token (the one token sampled and never fed): identical sequences
