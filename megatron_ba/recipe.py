@@ -239,6 +239,9 @@ class RolloutSection:
     # the engine's weights and arithmetic: auto = bfloat16 on GPUs, float32 on CPU; bfloat16 on CPU
     # gives the train/rollout log-prob gap GPU runs have (what loss.rollout_correction corrects)
     dtype: str = "auto"
+    # MoE: the engine records each token's experts and the trainer's forwards replay them
+    # (megatron_ba.megatron.routing_replay); vLLM engine, local backend, tp = pp = cp = 1
+    routing_replay: bool = False
 
 
 @dataclass
@@ -434,6 +437,17 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
     _need(r.engine_tp >= 1, "rollout.engine_tp", "must be >= 1")
     _need(r.dtype in ("auto", "float32", "bfloat16"), "rollout.dtype", "auto, float32 or bfloat16")
     _need(r.refit_bucket_mb >= 1, "rollout.refit_bucket_mb", "must be >= 1")
+    if r.routing_replay:
+        _need(
+            recipe.backend == "local" and r.engine == "vllm",
+            "rollout.routing_replay",
+            "records the experts in the vLLM engine of the local backend (rollout.engine=vllm)",
+        )
+        _need(
+            recipe.model.num_experts != 0,
+            "rollout.routing_replay",
+            "needs a mixture-of-experts model (model.num_experts is 0: dense)",
+        )
     _need(
         0 < r.gpu_memory_utilization < 1,
         "rollout.gpu_memory_utilization",

@@ -25,6 +25,9 @@ class Sample:
     # The sampler's log-prob of each token of token_ids (after the temperature), for the
     # trainer's off-policy correction (megatron_ba.rollout_correction); None: not computed.
     logprobs: list[float] | None = None
+    # rollout.routing_replay: [len(prompt) + len(token_ids) - 1, L, K] int16, the experts each
+    # fed token (prompt, then response but the last) was routed to in each of the L MoE layers.
+    routed_experts: Any = None
 
 
 @runtime_checkable

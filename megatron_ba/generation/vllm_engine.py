@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from megatron_ba.generation.engine import Sample
+from megatron_ba.generation.vllm_routing import match_routing
 from megatron_ba.generation.weight_buckets import SharedBucket, iter_buckets
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
@@ -105,13 +106,16 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
         device: torch.device | None = None,
         gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION,
         dtype: torch.dtype | None = None,
+        routing_replay: bool = False,
     ) -> None:
         """device: the trainer rank's CUDA device, where a colocated engine must run (its
         process sees only that device and the next engine_tp - 1); None on CPU.
         gpu_memory_utilization: the engine's share of the GPU (weights + KV cache), leaving the
         rest to training on the same GPU (CUDA only; the recipe's
         `rollout.gpu_memory_utilization`, whose default the layout planner assumes).
-        dtype: the engine's weights and arithmetic (None: bf16 on CUDA, fp32 on CPU)."""
+        dtype: the engine's weights and arithmetic (None: bf16 on CUDA, fp32 on CPU).
+        routing_replay: record the experts of every token (Sample.routed_experts; prefix
+        caching off: generation/vllm_routing.py)."""
         cuda = torch.cuda.is_available()
         if tensor_parallel_size != 1 and not cuda:
             raise ValueError(
@@ -162,8 +166,12 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
                 disable_log_stats=True,
                 # log-probs after the temperature, as the trainer computes its old log-probs
                 logprobs_mode="processed_logprobs",
+                **({"enable_prefix_caching": False} if routing_replay else {}),
                 **gpu,
             )
+        self.routing_replay = routing_replay
+        if routing_replay:
+            self.llm.collective_rpc("megatron_ba_capture_routing")
         self.start_seconds = time.perf_counter() - t
         torch.set_num_threads = set_threads
         set_threads(threads)
@@ -186,13 +194,20 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
         outs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False
         )
-        return [
+        groups = [
             [
                 Sample(list(c.token_ids), c.text, c.finish_reason == "stop", _token_logprobs(c))
                 for c in sorted(o.outputs, key=lambda c: c.index)
             ]
             for o in outs
         ]
+        if self.routing_replay:
+            records = self.llm.collective_rpc("megatron_ba_take_routing")[0]
+            ids = [[s.token_ids for s in group] for group in groups]
+            for group, experts in zip(groups, match_routing(records, prompt_ids, ids), strict=True):
+                for sample, e in zip(group, experts, strict=True):
+                    sample.routed_experts = e
+        return groups
 
     def generate_text(
         self,
@@ -211,6 +226,8 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
         """
         params = _sampling_params(len(prompts), n, temperature, max_tokens, seed, top_p)
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.routing_replay:
+            self.llm.collective_rpc("megatron_ba_take_routing")  # evaluation: not replayed
         return [[c.text for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
     def get_tokenizer(self):
@@ -227,6 +244,8 @@ class VLLMEngine:  # a RefitEngine (generation.engine)
 
         params = SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
         out = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
+        if self.routing_replay:
+            self.llm.collective_rpc("megatron_ba_take_routing")  # not a rollout: dropped
         return [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
 
     def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:

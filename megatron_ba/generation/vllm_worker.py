@@ -5,17 +5,18 @@ through `llm.collective_rpc("megatron_ba_load_bucket", args=(handle, manifest))`
 on every worker of the engine (each TP worker receives the full tensors and keeps its shard:
 the model's own `load_weights` splits them, and stacks q/k/v and gate/up as it does for a
 checkpoint). Imported by vLLM by qualified name only; it must not import the trainer's modules
-beyond weight_buckets.
+beyond weight_buckets and vllm_routing (the routed-experts capture of routing replay).
 """
 
 from __future__ import annotations
 
 import torch
 
+from megatron_ba.generation.vllm_routing import RoutingCaptureExtension
 from megatron_ba.generation.weight_buckets import open_bucket, unpack
 
 
-class RefitWorkerExtension:
+class RefitWorkerExtension(RoutingCaptureExtension):
     """A refit in three calls: begin, one load per bucket (HF names, full shapes), finish.
 
     vLLM's CPU (and quantised GPU) layers repack their weights after loading, so a plain

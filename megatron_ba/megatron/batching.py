@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 
+from megatron_ba.megatron import routing_replay
 from megatron_ba.megatron.packing import fixed_count_microbatches, token_budget_microbatches
 from megatron_ba.megatron.thd import thd_microbatch
 from megatron_ba.parallel.sharding import cp_shard
@@ -41,6 +42,9 @@ class GRPOBatch:
     lengths: [N] whole-sequence response lengths; default (and required value): the mask sums.
     is_weights: [N, S] token-aligned rollout-correction weights c_{i,t} (megatron_ba.
     rollout_correction; only masked positions are read), None: no correction.
+    routed_experts: [N, S, L, K] token-aligned experts the rollout engine routed each token to
+    (L MoE layers, top K), replayed by the forwards (megatron_ba.megatron.routing_replay);
+    None: the routers choose.
     """
 
     tokens: torch.Tensor
@@ -51,6 +55,7 @@ class GRPOBatch:
     ref_logprobs: torch.Tensor | None = None
     lengths: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None
 
     def checked(self) -> GRPOBatch:
         """A copy with bool mask and lengths filled in; ValueError naming what is wrong."""
@@ -61,6 +66,12 @@ class GRPOBatch:
                 raise ValueError(
                     f"{name}: must have the shape of tokens {(n, s)}, got {tuple(t.shape)}"
                 )
+        r = self.routed_experts
+        if r is not None and (r.dim() != 4 or tuple(r.shape[:2]) != (n, s)):
+            raise ValueError(
+                f"routed_experts: must be [N, S, layers, topk] with N, S = {(n, s)}, got "
+                f"{tuple(r.shape)}"
+            )
         if bool(self.response_mask[:, 0].any()):
             raise ValueError(
                 "response_mask: position 0 cannot be a response token (nothing predicts it)"
@@ -86,6 +97,7 @@ class GRPOBatch:
             self.ref_logprobs,
             lengths,
             self.is_weights,
+            self.routed_experts,
         )
 
 
@@ -320,6 +332,8 @@ def prepare_microbatches(
     """
     n, s = batch.tokens.shape
     multiple = view.length_multiple
+    if batch.routed_experts is not None:
+        routing_replay.check_layout(thd=thd, cp_sharded=view.mode == "model" and view.cp > 1)
     if thd:  # GPU (Transformer Engine) only: see megatron_ba.megatron.thd
         return _thd_microbatches(batch, view, max_tokens, seq_tokens, uniform)
     if max_tokens is None:
@@ -364,6 +378,8 @@ def prepare_microbatches(
         mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn}
         mb.update({k: view.shard(v) for k, v in per_pos.items()})
         mb.update(rows=rows, num_rows=len(g), plan_rows=b, width=width)
+        if batch.routed_experts is not None:
+            mb["routing"] = routing_replay.microbatch_routing(batch.routed_experts[idx], width)
         data.append(mb)
     # The schedule's p2p shape is (seq_length // CP, mbs, hidden) (schedules.get_tensor_shapes):
     # in "loss" mode the activations are whole sequences, so announce S_pad x CP. Only the
@@ -390,14 +406,17 @@ def _cut(x: torch.Tensor, width: int, s: int) -> torch.Tensor:
     return pad_to(x, max(width, s), 0.0)[:, :width]
 
 
-def run_schedule(chunks, parts: MicroBatches, *, forward_only: bool, loss_func):
-    """megatron-core's get_forward_backward_func() over `parts`; loss_func(mb, output)."""
+def run_schedule(chunks, parts: MicroBatches, *, forward_only: bool, loss_func, differ=None):
+    """megatron-core's get_forward_backward_func() over `parts`; loss_func(mb, output). A
+    micro-batch holding `routing` is run with its experts replayed (routing_replay.replaying;
+    `differ` collects where the routers' own choice differs)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         extra = {"packed_seq_params": mb["packed_seq_params"]} if "packed_seq_params" in mb else {}
-        out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"], **extra)
+        with routing_replay.replaying(model, mb.get("routing"), differ):
+            out = model(mb["input_ids"], mb["position_ids"], mb["attention_mask"], **extra)
         return out, partial(loss_func, mb)
 
     return get_forward_backward_func()(

@@ -42,6 +42,7 @@ from megatron_ba.megatron.batching import (
 )
 from megatron_ba.megatron.loss_scale import loss_scale
 from megatron_ba.megatron.model import check_cp_agreement
+from megatron_ba.megatron.routing_replay import differ_counts
 from megatron_ba.megatron.thd import thd_scatter
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
@@ -282,6 +283,9 @@ def compute_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     seq_tokens: list[int] | None = None,
+    routed_experts: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    routing_differ: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropy) of `tokens` under the model, through the same schedule.
 
@@ -290,16 +294,18 @@ def compute_logprobs(
     (default one micro-batch): as in forward_backward. Under its token budget, row i is run on
     its first `seq_tokens[i]` tokens (default all S; pass batching.response_end(response_mask)
     to skip the right padding); positions past a row's tokens are 0.
+
+    routed_experts ([N, S, L, K]): the experts to replay (megatron_ba.megatron.routing_replay);
+    with it, `routing_differ` (a list) gets routing_replay.differ_counts over `response_mask`'s
+    tokens: how often the routers' own choice differs from the replayed one.
     """
     split = split or MicroBatchSpec()
     n, s = shape2("tokens", tokens)
     if split.max_tokens_per_microbatch is not None and seq_tokens is None:
         seq_tokens = [s] * n
+    batch = _tokens_only_batch(tokens, routed_experts, response_mask)
     parts = schedule_microbatches(
-        _tokens_only_batch(tokens),
-        split,
-        seq_tokens=seq_tokens,
-        sequence_parallel=_splits_sequence(chunks),
+        batch, split, seq_tokens=seq_tokens, sequence_parallel=_splits_sequence(chunks)
     )
     check_cp_agreement(chunks, parts.view.mode, parts.view.cp)  # model CP == batch CP
 
@@ -309,22 +315,27 @@ def compute_logprobs(
         zero = torch.zeros((), dtype=torch.float32, device=tokens.device)
         return zero, torch.ones((), dtype=torch.int, device=tokens.device), res
 
-    store = run_schedule(chunks, parts, forward_only=True, loss_func=loss_func)
+    differ = [] if routing_differ is not None and routed_experts is not None else None
+    store = run_schedule(chunks, parts, forward_only=True, loss_func=loss_func, differ=differ)
+    if differ is not None:
+        routing_differ.append(differ_counts(differ, parts.parts))
     keys = ("logprobs", "entropy") if with_entropy else ("logprobs",)
     outs = [_token_aligned(store, parts.parts, key, tokens) for key in keys]
     return outs[0], (outs[1] if with_entropy else None)
 
 
-def _tokens_only_batch(tokens: torch.Tensor) -> GRPOBatch:
-    """`tokens` as a batch for the schedule: no response, zero advantages and log-probs."""
+def _tokens_only_batch(tokens: torch.Tensor, routed=None, mask=None) -> GRPOBatch:
+    """`tokens` as a batch for the schedule: zero advantages and log-probs; the response mask
+    (default none) only marks where the routing diagnostic counts."""
     n, s = tokens.shape
     dev = tokens.device
     return GRPOBatch(
         tokens,
-        torch.zeros_like(tokens, dtype=torch.bool),
+        torch.zeros_like(tokens, dtype=torch.bool) if mask is None else mask.bool(),
         torch.zeros(n, device=dev),
         torch.zeros(n, dtype=torch.long, device=dev),
         torch.zeros(n, s, device=dev),
+        routed_experts=routed,
     )
 
 

@@ -7,7 +7,9 @@ included; responses of dropped zero-variance groups (grpo.drop_zero_variance) ke
 that the batch still divides evenly into micro-batches, but their response mask is emptied, which
 makes them padding for every rule (T_i = 0: no weight, counted nowhere). The rollout engine's
 log-prob of each response token (`rollout_logprobs`, token-aligned like the trainer's old
-log-probs) rides along for the off-policy correction (megatron_ba.rollout_correction).
+log-probs) rides along for the off-policy correction (megatron_ba.rollout_correction), and with
+`rollout.routing_replay` the experts the engine routed each fed token to (`routed_experts`),
+which the trainer's forwards replay (megatron_ba.megatron.routing_replay).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Experience:
     # [N, S] float32, token-aligned: the engine's log-prob of each response token (0 elsewhere);
     # None when the engine returned none.
     rollout_logprobs: torch.Tensor | None = None
+    # [N, S, L, K] int16, token-aligned: the experts token t of row i was routed to in each of the
+    # L MoE layers when the engine fed it (experts 0..K-1 where it was never fed: the last
+    # token, padding); None unless every sample carries them (rollout.routing_replay).
+    routed_experts: torch.Tensor | None = None
 
     def to(self, device) -> Experience:
         """The same batch with every tensor on `device` (the rank's `DistContext.device`): the
@@ -105,6 +111,7 @@ def build_experience(
     mask &= adv.keep[:, None]
     return Experience(
         rollout_logprobs=_rollout_logprobs(rows, width),
+        routed_experts=_routed_experts(rows, width),
         tokens=tokens,
         response_mask=mask,
         lengths=mask.sum(dim=1),
@@ -125,4 +132,25 @@ def _rollout_logprobs(rows, width: int) -> torch.Tensor | None:
     out = torch.zeros((len(rows), width), dtype=torch.float32)
     for i, (p, s) in enumerate(rows):
         out[i, len(p) : len(p) + len(s.token_ids)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return out
+
+
+def _routed_experts(rows, width: int) -> torch.Tensor | None:
+    """[N, width, L, K] token-aligned experts of the fed tokens (Sample.routed_experts: the
+    prompt's and the response's but its last), experts 0..K-1 elsewhere; None unless every
+    sample carries len(prompt) + len(response) - 1 of them."""
+    if any(s.routed_experts is None for _, s in rows):
+        return None
+    first = torch.as_tensor(rows[0][1].routed_experts)
+    layers, k = first.shape[1:]
+    out = torch.arange(k, dtype=torch.int16).expand(len(rows), width, layers, k).clone()
+    for i, (p, s) in enumerate(rows):
+        e = torch.as_tensor(s.routed_experts)
+        fed = len(p) + len(s.token_ids) - 1
+        if tuple(e.shape) != (fed, layers, k):
+            raise ValueError(
+                f"routed_experts: sample {i} holds {tuple(e.shape)}, expected {(fed, layers, k)} "
+                "(prompt + response but the last token, MoE layers, top-k)"
+            )
+        out[i, :fed] = e.to(torch.int16)
     return out

@@ -36,6 +36,7 @@ from megatron_ba.megatron.build_options import (
 )
 from megatron_ba.megatron.model import build_model_chunks, transformer_config
 from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
+from megatron_ba.megatron.routing_replay import routing_replay_fields
 from megatron_ba.parallel.full_shape import gather_full_state_dict
 from megatron_ba.parallel.world import rank_device
 from megatron_ba.recipe import Recipe
@@ -106,6 +107,10 @@ class Policy:
                 "(the rollout engines' refit gathers experts within one pipeline stage)"
             )
         experts = expert_config_fields(spec, tp=p.tp, ep=p.ep, etp=p.etp)
+        if recipe.rollout.routing_replay:
+            experts |= routing_replay_fields(
+                spec.num_experts, tp=p.tp, pp=p.pp, cp=p.cp, recompute=p.recompute
+            )
         config = transformer_config(
             spec, cpu=device.type == "cpu", **opts.config_fields(), **experts
         )

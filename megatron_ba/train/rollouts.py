@@ -254,6 +254,7 @@ def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
         device=device,
         gpu_memory_utilization=r.gpu_memory_utilization,
         dtype=_engine_dtype(recipe),
+        routing_replay=r.routing_replay,
     )
 
 

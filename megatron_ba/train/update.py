@@ -15,6 +15,11 @@ per-token weights (and, rejecting, its smaller mask and lengths) before its plan
 rank corrects its own whole sequences (megatron_ba.rollout_correction), and the diagnostics' sums
 are all-reduced over data-parallel ranks. The log-prob gap is logged whenever the engine returned
 log-probs, with the correction off too (one subtraction per token).
+
+`rollout.routing_replay`: the old-log-prob and training forwards replay the experts the engine
+routed each token to (the reference policy routes by itself); `routing/replay_differ_frac` is the
+fraction of (response token, MoE layer) pairs whose router, in the old-log-prob forward, would
+have chosen another top-k set than the engine did.
 """
 
 from __future__ import annotations
@@ -89,28 +94,8 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     m = r.grpo.mini_batches
     cp_mode = cp_mode_of(chunks)
     groups_per = exp.num_groups // m
-    parts = []
-    for j in range(m):
-        budget = r.parallel.max_tokens_per_microbatch
-        seq_tokens = None
-        if budget:  # DP shards balanced by tokens (groups may split: the plan is all-reduced)
-            mini = exp.rows(1, 0, mini_batches=m, index=j)
-            ends = response_end(exp.response_mask[mini])  # one host read per mini-batch
-            mine = balanced_dp_shards(ends, ctx.dp)[ctx.dp_rank]
-            rows = mini[torch.tensor(mine, dtype=torch.long)]
-            seq_tokens = [ends[i] for i in mine]
-        else:
-            rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
-        n_local = len(rows)
-        mbs = min(r.parallel.micro_batch_size, n_local)
-        # need not divide: micro-batch sizes differ by one
-        split = microbatch_spec(r, -(-n_local // mbs), cp_mode)
-        kw = dict(temperature=r.grpo.temperature, seq_tokens=seq_tokens)
-        old, entropy = compute_logprobs(chunks, exp.tokens[rows], split, with_entropy=True, **kw)
-        ref = None
-        if ref_chunks is not None:
-            ref, _ = compute_logprobs(ref_chunks, exp.tokens[rows], split, **kw)
-        parts.append((rows, split, old, ref, entropy))
+    differ: list = []  # routing replay's diagnostic counts, one per mini-batch
+    parts = [_old_logprobs(chunks, ref_chunks, r, ctx, exp, j, cp_mode, differ) for j in range(m)]
     totals: dict[str, float] = {}
     grad_norms, applied = [], []
     token_entropy, n_tokens = 0.0, 0
@@ -128,6 +113,7 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             ref_logprobs=ref,
             lengths=mask.sum(dim=1),
             is_weights=weights,
+            routed_experts=None if exp.routed_experts is None else exp.routed_experts[rows],
         )
         result = forward_backward(chunks, batch, loss, split)
         ok, norm = optimizer.step()
@@ -138,17 +124,57 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
         mask = batch.response_mask
         token_entropy += float(entropy[mask].sum())
         n_tokens += int(mask.sum())
-    return _with_diagnostics(stats, ctx) | {
-        "pg_loss": totals.get("pg_loss_sum", float("nan")),
-        "loss": totals.get("loss_sum", float("nan")),
-        "clip_low_frac": totals.get("clip_low_frac", 0.0),
-        "clip_high_frac": totals.get("clip_high_frac", 0.0),
-        "ratio_mean": totals.get("ratio_mean", 1.0),
-        "kl": totals.get("kl_sum") if ref_chunks is not None else None,
-        "entropy": token_entropy / n_tokens if n_tokens else float("nan"),
-        "grad_norm": sum(grad_norms) / len(grad_norms),
-        "updates_applied": sum(applied),
-    }
+    return (
+        _with_diagnostics(stats, ctx)
+        | _routing_differ(differ, ctx)
+        | {
+            "pg_loss": totals.get("pg_loss_sum", float("nan")),
+            "loss": totals.get("loss_sum", float("nan")),
+            "clip_low_frac": totals.get("clip_low_frac", 0.0),
+            "clip_high_frac": totals.get("clip_high_frac", 0.0),
+            "ratio_mean": totals.get("ratio_mean", 1.0),
+            "kl": totals.get("kl_sum") if ref_chunks is not None else None,
+            "entropy": token_entropy / n_tokens if n_tokens else float("nan"),
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "updates_applied": sum(applied),
+        }
+    )
+
+
+def _old_logprobs(chunks, ref_chunks, r: Recipe, ctx, exp: Experience, j: int, cp_mode, differ):
+    """(rows, split, old, ref, entropy) of mini-batch j on this rank: its rows (balanced by
+    tokens under parallel.max_tokens_per_microbatch), its micro-batch split, and the old (and
+    reference) log-probs; with routing replay the old forward replays the engine's experts and
+    adds its diagnostic counts to `differ`."""
+    m = r.grpo.mini_batches
+    seq_tokens = None
+    if r.parallel.max_tokens_per_microbatch:  # DP shards balanced by tokens (groups may split)
+        mini = exp.rows(1, 0, mini_batches=m, index=j)
+        ends = response_end(exp.response_mask[mini])  # one host read per mini-batch
+        mine = balanced_dp_shards(ends, ctx.dp)[ctx.dp_rank]
+        rows = mini[torch.tensor(mine, dtype=torch.long)]
+        seq_tokens = [ends[i] for i in mine]
+    else:
+        rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
+    n_local = len(rows)
+    mbs = min(r.parallel.micro_batch_size, n_local)
+    # need not divide: micro-batch sizes differ by one
+    split = microbatch_spec(r, -(-n_local // mbs), cp_mode)
+    kw = dict(temperature=r.grpo.temperature, seq_tokens=seq_tokens)
+    old, entropy = compute_logprobs(
+        chunks,
+        exp.tokens[rows],
+        split,
+        with_entropy=True,
+        routed_experts=None if exp.routed_experts is None else exp.routed_experts[rows],
+        response_mask=exp.response_mask[rows],
+        routing_differ=differ,
+        **kw,
+    )
+    ref = None
+    if ref_chunks is not None:
+        ref, _ = compute_logprobs(ref_chunks, exp.tokens[rows], split, **kw)
+    return rows, split, old, ref, entropy
 
 
 def _corrected(recipe: Recipe, exp: Experience, rows, old: torch.Tensor):
@@ -182,3 +208,16 @@ def _with_diagnostics(stats: list, ctx) -> dict[str, float]:
         total = collectives.all_reduce_sum(total, group=group)
         total[WEIGHT_MAX] = peak[0]
     return correction_diagnostics(total)
+
+
+def _routing_differ(differ: list, ctx) -> dict[str, float]:
+    """`routing/replay_differ_frac` of the step (summed over mini-batches and data-parallel
+    ranks); {} without routing replay."""
+    if not differ:
+        return {}
+    total = torch.stack(differ).sum(dim=0)
+    if ctx.dp > 1:
+        from megatron.core import parallel_state as ps
+
+        total = collectives.all_reduce_sum(total, group=ps.get_data_parallel_group())
+    return {"routing/replay_differ_frac": float(total[0] / total[1]) if total[1] else 0.0}
