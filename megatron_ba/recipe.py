@@ -581,6 +581,13 @@ def _check_experts(shape: dict[str, Any], p: ParallelSection) -> None:
     build checks parallel.ep against it)."""
     n = shape["num_experts"]
     _need(n >= 0, "model.num_experts", f"must be >= 0 (0: a dense MLP), got {n}")
+    # The experts' token exchange is a collective per micro-batch over the expert-parallel ranks,
+    # which sit on different DP ranks: their micro-batches must agree in number and tokens,
+    # which token-budget micro-batches (cut per rank by its own sequences' lengths) do not.
+    _need(p.ep == 1 or p.max_tokens_per_microbatch is None, "parallel.max_tokens_per_microbatch",
+          f"token-budget micro-batches differ between the DP ranks that parallel.ep={p.ep} "
+          "exchanges tokens between at every micro-batch; use parallel.micro_batch_size",
+          )  # fmt: skip
     if n == 0:
         for key in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff"):
             _need(not shape[key], f"model.{key}", "needs model.num_experts > 0")

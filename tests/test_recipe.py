@@ -55,6 +55,15 @@ def test_bad_recipes_name_the_key(override, message):
         load_recipe(ROOT / "recipes/tiny-cpu.yaml", [override])
 
 
+def test_token_budgets_with_expert_parallelism_are_refused_by_name():
+    """The experts' dispatcher exchanges every micro-batch's tokens across DP ranks, whose
+    token-budget micro-batches differ (gloo aborted on a size mismatch); the control: EP1."""
+    moe = ROOT / "recipes/tiny-moe-cpu.yaml"
+    with pytest.raises(RecipeError, match=r"^parallel\.max_tokens_per_microbatch: token-budget"):
+        load_recipe(moe, ["parallel.max_tokens_per_microbatch=1024"])
+    load_recipe(moe, ["parallel.max_tokens_per_microbatch=1024", "parallel.ep=1"])
+
+
 def test_apply_overrides_creates_sections():
     assert apply_overrides({}, ["a.b.c=1", "a.d=[1, 2]"]) == {"a": {"b": {"c": 1}, "d": [1, 2]}}
 

@@ -248,6 +248,18 @@ def check_layout_possible(
     check_expert_layout(layout)
     if not (isinstance(sequences, int) and sequences >= 1):
         raise ValueError(f"--sequences: must be an integer >= 1, got {sequences!r}")
+    if layout.ep > 1:  # the experts' token exchange: one collective per micro-batch over EP ranks
+        if sequences % layout.dp:
+            raise ValueError(
+                f"--sequences: {sequences} do not divide over the {layout.dp} DP ranks; with "
+                "--ep every rank's micro-batches must hold the same tokens (the experts' "
+                "dispatcher exchanges them across DP ranks)"
+            )
+        if any(case.token_budget is not None for case in cases):
+            raise ValueError(
+                "--token-budget: token-budget micro-batches differ between DP ranks, and with "
+                "--ep the experts' dispatcher exchanges every micro-batch's tokens across them"
+            )
     if sequences < layout.dp:
         raise ValueError(f"--sequences: {sequences} is fewer than the {layout.dp} DP ranks")
     fewest = sequences // layout.dp  # dp_rows: the smallest rank's share
