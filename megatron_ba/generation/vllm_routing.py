@@ -70,7 +70,7 @@ class RoutingCaptureExtension:
 
 
 def _store(rows: list, layer: int, topk_ids: torch.Tensor) -> None:
-    rows[layer] = topk_ids.detach().to("cpu", copy=True)
+    rows[layer] = topk_ids.detach().cpu().clone()  # a host copy the next forward cannot reuse
 
 
 def _execute(worker, original, scheduler_output, *args, **kwargs):

@@ -50,6 +50,7 @@ LOCAL_ONLY: dict[str, str] = {
     "rollout.kv_cache_gb": "vLLM's CPU KV cache (NeMo-RL runs vLLM on GPUs)",
     "rollout.threads": "the local trainer's torch threads",
     "rollout.refit_bucket_mb": "the local backend's refit (NeMo-RL refits weights itself)",
+    "rollout.routing_replay": "the local backend's MoE routing replay (not translated to NeMo-RL)",
     "logging.wandb.entity": "NeMo-RL's logger has no key for it (set WANDB_ENTITY)",
 }  # fmt: skip
 _MC, _GEN, _VLLM = "policy.megatron_cfg", "policy.generation", "policy.generation.vllm_cfg"

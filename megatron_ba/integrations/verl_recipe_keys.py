@@ -47,6 +47,7 @@ LOCAL_ONLY: dict[str, str] = {
     "rollout.kv_cache_gb": "vLLM's CPU KV cache (verl runs on GPUs)",
     "rollout.threads": "the local trainer's torch threads",
     "rollout.refit_bucket_mb": "the local backend's refit (verl syncs weights itself)",
+    "rollout.routing_replay": "the local backend's MoE routing replay (not translated to verl)",
     "optimizer.eps": "verl's megatron optimizer config has no eps (megatron-core's Adam: 1e-8)",
     "eval.template": "verl uses the benchmark files' prompts as they are",
     "logging.wandb.entity": "verl's trainer has no key for it (set WANDB_ENTITY)",
