@@ -205,13 +205,20 @@ def check_world_divides(tp: int, pp: int, cp: int) -> None:
 
 
 def check_expert_layout(
-    tp: int, pp: int, cp: int, ep: int, etp: int | None, keys: tuple[str, str] = ("--ep", "--etp")
+    tp: int,
+    pp: int,
+    cp: int,
+    ep: int,
+    etp: int | None,
+    keys: tuple[str, str] = ("--ep", "--etp"),
+    world_size: int | None = None,
 ) -> None:
     """ValueError unless megatron-core can carve expert parallelism out of this world: the
     experts' grid is etp x ep x expert-DP x pp over the same ranks (parallel_state.
     initialize_model_parallel), so etp x ep must divide tp x cp x dp (the ranks of one stage).
-    `keys`: the names of ep and etp in the errors (the layout check's flags, a recipe's keys)."""
-    world = collectives.world_rank_and_size()[1]
+    `keys`: the names of ep and etp in the errors (the layout check's flags, a recipe's keys);
+    `world_size`: a world still to be launched (default: the joined one's)."""
+    world = world_size or collectives.world_rank_and_size()[1]
     if not (isinstance(ep, int) and ep >= 1):
         raise ValueError(f"{keys[0]}: must be an integer >= 1, got {ep!r}")
     if etp is not None and not (isinstance(etp, int) and etp >= 1):

@@ -21,6 +21,7 @@ from megatron_ba.megatron.layout_equivalence import controls
 from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.model_shape import PRESETS
+from megatron_ba.parallel import world
 from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
 
 TOLERANCE = 1e-5
@@ -214,14 +215,9 @@ def check_expert_layout(layout: Layout) -> None:
         keys=CHECK_LAYOUT_KEYS,
         sequence_parallel=layout.sequence_parallel,
     )
-    if not spec.num_experts:
-        return
-    etp = layout.etp or layout.tp
-    per_stage = layout.tp * layout.cp * layout.dp
-    if per_stage % (etp * layout.ep):
-        raise ValueError(
-            f"--ep: etp*ep = {etp * layout.ep} does not divide tp*cp*dp = {per_stage}, the "
-            "ranks of a pipeline stage megatron-core carves expert parallelism out of"
+    if spec.num_experts:
+        world.check_expert_layout(
+            layout.tp, layout.pp, layout.cp, layout.ep, layout.etp, world_size=layout.world
         )
 
 
