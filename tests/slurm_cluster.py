@@ -63,10 +63,24 @@ def wait(cond, what: str, timeout: float = 900.0, every: float = 1.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def wait_until_ended(conf: str, job: int, timeout: float = 900.0) -> dict:
+def wait_until_ended(
+    conf: str, job, timeout: float = 900.0, cwd: Path | None = None, more: tuple[Path, ...] = ()
+) -> dict:
+    """scontrol's fields of `job` once it has ended. On a timeout the AssertionError tells the
+    job's story (why(); with `cwd`, the output of the jobs submitted from there; the tails of the
+    `more` log files) and the queue: a pending job's Reason (a dependency, a hold, a begin time),
+    a running one's node."""
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-    return wait(lambda: (j := job_info(conf, job)).get("JobState") in ended and j,
-                f"job {job} to end", timeout)  # fmt: skip
+    try:
+        return wait(lambda: (j := job_info(conf, job)).get("JobState") in ended and j,
+                    f"job {job} to end", timeout)  # fmt: skip
+    except AssertionError as timed_out:
+        info = job_info(conf, job)
+        fields = {k: info.get(k) for k in ("NodeList", "BeginTime", "Dependency", "JobName")}
+        queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T %r %N"], capture_output=True,
+                               text=True, env=dict(os.environ, SLURM_CONF=conf)).stdout  # fmt: skip
+        story = why(conf, cwd or Path("/nonexistent"), dict(info, JobId=str(job)), *more)
+        raise AssertionError(f"{timed_out}: {fields}\n-- squeue:\n{queue}\n{story}") from None
 
 
 def daemon_log(conf: str, key: str) -> str:

@@ -708,7 +708,7 @@ def _comparable(run_dir: Path) -> list[dict]:
 def test_sbatch_runs_the_tiny_recipe(slurm, cache_dir, tmp_path):
     run = tmp_path / "run"
     job = _sbatch(slurm, tmp_path, run, cache_dir, "grpo.steps=2")
-    info = slurm_cluster.wait_until_ended(slurm, job)
+    info = slurm_cluster.wait_until_ended(slurm, job, cwd=tmp_path)
     assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info)
     assert info["JobName"] == "run"  # renamed after the run folder: singleton keys on it
     assert _train_steps(run) == [1, 2]
@@ -740,7 +740,7 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     # revocation of those credentials (whole seconds) and the job can fail as "job credential
     # revoked" before its script runs.
     for j in (job, ref_job):
-        info = slurm_cluster.wait_until_ended(slurm, j)
+        info = slurm_cluster.wait_until_ended(slurm, j, cwd=tmp_path)
         assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info)
     assert (pre / "logs" / f"job-{job}-restart-1" / "launch.sh").read_text().count("--resume")
     assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated
@@ -850,7 +850,7 @@ def test_sbatch_forms_a_ray_cluster_and_a_preempted_job_forms_it_again(slurm, tm
     assert _no_ray_daemons(job), _ray_daemons(job)  # Ray stopped before the requeue
     out = slurm_cluster.batch_output(tmp_path)
     assert out.index("Ray stopped") < out.index("requeueing job")
-    info = slurm_cluster.wait_until_ended(slurm, job)
+    info = slurm_cluster.wait_until_ended(slurm, job, cwd=tmp_path)
     logs = [run / "logs" / f"job-{job}-restart-{n}" for n in (0, 1)]
     assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info,
                                                  *[d / "ray-head.log" for d in logs])  # fmt: skip
@@ -892,7 +892,7 @@ exec {VERL_BIN / "ray"} "$@"
     check.write_text(RAY_CHECK)
     job = _ray_sbatch(slurm, tmp_path, "nemo_rl", 2, RAY=ray,
                       RAY_ENTRY=f"{VERL_BIN / 'python'} {check} {seen}")  # fmt: skip
-    info = slurm_cluster.wait_until_ended(slurm, job, timeout=600)
+    info = slurm_cluster.wait_until_ended(slurm, job, timeout=600, cwd=tmp_path)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", _why(slurm, tmp_path, info)
     head, worker = subprocess.run(["scontrol", "show", "hostnames", info["NodeList"]],
                                   check=True, capture_output=True, text=True,
@@ -1002,7 +1002,7 @@ def test_a_study_runs_as_a_job_array_and_a_preempted_element_resumes(slurm, cach
                    env=_env(SLURM_CONF=slurm), capture_output=True)  # fmt: skip
     _wait(lambda: _job(slurm, tasks[0]).get("Restarts") == "1", "the requeue")
     for task in tasks:
-        info = slurm_cluster.wait_until_ended(slurm, task)
+        info = slurm_cluster.wait_until_ended(slurm, task, cwd=out)
         assert info["JobState"] == "COMPLETED", _why(slurm, out, info)
     assert (pre / "logs" / f"job-{_job(slurm, tasks[0])['JobId']}-restart-1").is_dir()
     assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated

@@ -85,8 +85,10 @@ def test_sbatch_trains_on_nemo_aligner_and_a_preempted_job_resumes(slurm, tiny, 
         rf"job {job} \(restart 0\) on \S+; resume=0", slurm_cluster.batch_output(tmp_path)
     )
 
-    info = slurm_cluster.wait_until_ended(slurm, job)  # Slurm starts the requeued job itself
     again = run / "logs" / f"job-{job}-restart-1"
+    info = slurm_cluster.wait_until_ended(  # Slurm starts the requeued job itself
+        slurm, job, cwd=tmp_path, more=(again / "rank-0.log", again / "rank-1.log")
+    )
     assert info["JobState"] == "COMPLETED", slurm_cluster.why(
         slurm, tmp_path, info, again / "rank-0.log", again / "rank-1.log"
     )
