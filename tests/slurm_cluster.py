@@ -63,6 +63,16 @@ def wait(cond, what: str, timeout: float = 900.0, every: float = 1.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+# A pending job with one of these reasons stays pending until someone acts (a launch that failed
+# and was requeued held, an admin or user hold, a dependency that can no longer be met).
+NEVER_STARTS = {
+    "launch_failed_requeued_held",
+    "JobHeldAdmin",
+    "JobHeldUser",
+    "DependencyNeverSatisfied",
+}
+
+
 def wait_until_ended(
     conf: str, job, timeout: float = 900.0, cwd: Path | None = None, more: tuple[Path, ...] = ()
 ) -> dict:
@@ -71,9 +81,15 @@ def wait_until_ended(
     `more` log files) and the queue: a pending job's Reason (a dependency, a hold, a begin time),
     a running one's node."""
     ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+    def done():
+        info = job_info(conf, job)
+        if info.get("Reason") in NEVER_STARTS:  # waiting longer cannot help: say so now
+            raise AssertionError(f"job {job} will not start again ({info['Reason']})")
+        return info.get("JobState") in ended and info
+
     try:
-        return wait(lambda: (j := job_info(conf, job)).get("JobState") in ended and j,
-                    f"job {job} to end", timeout)  # fmt: skip
+        return wait(done, f"job {job} to end", timeout)
     except AssertionError as timed_out:
         info = job_info(conf, job)
         fields = {k: info.get(k) for k in ("NodeList", "BeginTime", "Dependency", "JobName")}

@@ -1012,3 +1012,21 @@ def test_a_study_runs_as_a_job_array_and_a_preempted_element_resumes(slurm, cach
     assert report.returncode == 0, report.stderr
     cells = json.loads((out / "report.json").read_text())["cells"]
     assert len(cells) == 2 and all(len(c["runs"]) == 1 for c in cells)
+
+
+# -- the tests' own wait (tests/slurm_cluster.py) -----------------------------------------------
+def test_the_wait_gives_up_at_once_on_a_held_job_and_waits_for_a_released_one(slurm, tmp_path):
+    """A job Slurm will not start again (here held by its user) fails the wait at once, naming
+    the reason, instead of after the timeout; the control: the same job released completes."""
+    env = _env(SLURM_CONF=slurm)
+    p = subprocess.run(["sbatch", "--parsable", "--hold", "--wrap", "true"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    job = int(p.stdout.strip().split(";")[0])
+    try:
+        with pytest.raises(AssertionError, match=r"will not start again \(JobHeldUser\)"):
+            slurm_cluster.wait_until_ended(slurm, job, timeout=600, cwd=tmp_path)
+        subprocess.run(["scontrol", "release", str(job)], env=env, check=True)
+        info = slurm_cluster.wait_until_ended(slurm, job, timeout=600, cwd=tmp_path)
+        assert info["JobState"] == "COMPLETED"
+    finally:
+        subprocess.run(["scancel", str(job)], env=env, capture_output=True)
