@@ -42,6 +42,15 @@ LINE = (
 )
 
 
+@pytest.fixture(autouse=True)
+def same_environ(monkeypatch):
+    """HF datasets' map with num_proc (verl's prompt-length filter) rebinds os.environ to a copy
+    (datasets/arrow_dataset.py, `os.environ = prev_env`), where the environment fixtures' undo
+    would not reach: os.environ itself is put back first (monkeypatch undoes attributes before
+    items), then their changes are undone on it."""
+    monkeypatch.setattr(os, "environ", os.environ)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     return write_run_files(tmp_path_factory.mktemp("verl-run"))
