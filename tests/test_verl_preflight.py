@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("verl", reason="verl 0.9.1 lives in .venv-verl: bash scripts/run_verl_tests.sh")
 
-from verl_run_files import BATCH, RECIPE, dapo_rows, write_parquet, write_run_files
+from verl_run_files import BATCH, LINE, RECIPE, dapo_rows, write_parquet, write_run_files
 from verl_test_env import no_ba_environment  # noqa: F401 (autouse fixture)
 
 from megatron_ba.integrations.verl.preflight import NEEDS_GPU, PREFIX
@@ -34,12 +34,6 @@ from megatron_ba.integrations.verl_recipe import ENTRY, recipe_to_verl_overrides
 from megatron_ba.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE = (
-    f"{PREFIX} checked config, {len(dapo_rows())} training / 3 validation prompts through "
-    f"verl's RLHFDataset, reward on a batch of {BATCH} ({BATCH} right, {BATCH} wrong); verl's "
-    f"ppo_megatron_trainer needs CUDA GPUs (megatron-core actor, vLLM rollout) and none is "
-    f"visible: stopping before training"
-)
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +98,13 @@ def test_a_training_file_with_no_rows_is_refused_by_name(files, tmp_path, monkey
     pq.write_table(pa.Table.from_pylist(dapo_rows()).slice(0, 0), empty)  # the schema, no rows
     message = _fails(files, tmp_path, monkeypatch, capsys, f"data.path={empty}")
     assert f"data.train_files: {empty}: the file has no rows" in message
+
+
+def test_a_missing_model_folder_is_refused_by_name(files, tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "no-such-model"
+    message = _fails(files, tmp_path, monkeypatch, capsys, f"model.pretrained={missing}")
+    key = "actor_rollout_ref.model.path"
+    assert f"{key}: verl could not load the model folder '{missing}'" in message
 
 
 def test_too_few_prompts_for_a_step_are_refused(files, tmp_path, monkeypatch, capsys):

@@ -25,8 +25,7 @@ import torch
 pytest.importorskip("verl", reason="verl 0.9.1 lives in .venv-verl: bash scripts/run_verl_tests.sh")
 
 import slurm_cluster
-from test_verl_preflight import LINE
-from verl_run_files import RECIPE, write_run_files
+from verl_run_files import LINE, RECIPE, write_run_files
 
 from megatron_ba.integrations.verl.preflight import NEEDS_GPU
 

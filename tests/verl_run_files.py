@@ -5,6 +5,7 @@ recipe at them.
 
     files = write_run_files(tmp_path)        # .model, .train, .bench_dir
     overrides = files.recipe_overrides()     # backend=verl, model.pretrained=..., data.path=...
+    LINE                                     # the entry's last line on these files, without a GPU
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ RECIPE = ROOT / "recipes/qwen3-1.7b-dapo17k.yaml"
 DAPO = ROOT / "tests/fixtures/dapo_math.jsonl"  # verl's layout already (DAPO-Math-17k's release)
 MATH500 = ROOT / "tests/fixtures/bench/math500.jsonl"
 BATCH = 4  # grpo.prompts_per_step: verl's data.train_batch_size, the batch the preflight scores
+TRAIN_ROWS, VAL_ROWS = 15, 3  # the two fixture files' rows (verl keeps them all: short prompts)
+LINE = (
+    f"[megatron-ba] verl: checked config, {TRAIN_ROWS} training / {VAL_ROWS} validation prompts "
+    f"through verl's RLHFDataset, reward on a batch of {BATCH} ({BATCH} right, {BATCH} wrong); "
+    f"verl's ppo_megatron_trainer needs CUDA GPUs (megatron-core actor, vLLM rollout) and none "
+    f"is visible: stopping before training"
+)
 
 
 @dataclass
@@ -74,7 +82,9 @@ def write_run_files(root: Path) -> RunFiles:
     from megatron_ba.testing.tiny_hf import build_tiny_qwen2
 
     model = build_tiny_qwen2(root / "tiny-model", num_layers=1)
-    train = write_parquet(root / "data/dapo-math-17k.parquet", dapo_rows())
+    train, val = dapo_rows(), math500_rows()
+    assert (len(train), len(val)) == (TRAIN_ROWS, VAL_ROWS), "the fixtures changed: update LINE"
+    train = write_parquet(root / "data/dapo-math-17k.parquet", train)
     bench = root / "bench"
-    write_parquet(bench / "math500.parquet", math500_rows())
+    write_parquet(bench / "math500.parquet", val)
     return RunFiles(model, train, bench)

@@ -84,8 +84,9 @@ def main(config) -> None:
     _export_hooks()
     try:
         line = preflight.run(config)
-    except preflight.PreflightError as err:  # one message naming the key, not Hydra's dump
-        print(f"{preflight.PREFIX} preflight failed: {err}", file=sys.stderr, flush=True)
+    except preflight.PreflightError as err:  # one line naming the key, not Hydra's dump
+        message = " ".join(str(err).split())  # verl's and HF's own messages span lines
+        print(f"{preflight.PREFIX} preflight failed: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     print(f"{line}; starting verl's trainer", file=sys.stderr, flush=True)
     verl_main_ppo.main.__wrapped__(config)

@@ -86,11 +86,14 @@ def check_engine_config(config) -> None:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    validate_config(
-        config=config,
-        use_reference_policy=need_reference_policy(config),
-        use_critic=need_critic(config),
-    )
+    try:
+        validate_config(
+            config=config,
+            use_reference_policy=need_reference_policy(config),
+            use_critic=need_critic(config),
+        )
+    except (AssertionError, ValueError) as err:  # verl's message names its keys
+        raise PreflightError(f"verl's validate_config refused the config: {err}") from err
 
 
 def load_model(config):
@@ -101,9 +104,10 @@ def load_model(config):
     try:
         return omega_conf_to_dataclass(config.actor_rollout_ref.model)
     except Exception as err:  # verl's own message, with the key and folder it concerns
+        cause = err.__cause__ or err  # Hydra's InstantiationException wraps HFModelConfig's error
         raise PreflightError(
             f"actor_rollout_ref.model.path: verl could not load the model folder {path!r}: "
-            f"{type(err).__name__}: {err}"
+            f"{type(cause).__name__}: {cause}"
         ) from err
 
 
