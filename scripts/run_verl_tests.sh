@@ -7,6 +7,9 @@
 #   1. tests/test_integration_verl*.py (the hooks' numerics, check_config, the main_ppo entry
 #      point, multi-output sessions through verl's v1 trainer module) and tests/test_backend_verl.py
 #      (recipes translated by `megatron-ba train RECIPE backend=verl`, composed into verl's config),
+#      tests/test_verl_preflight.py (the entry's preflight on CPU: config, data, reward through
+#      verl's code, then its NEEDS_GPU line) and tests/test_verl_slurm.py (a backend=verl job on a
+#      real Slurm, preempted and requeued, ending with that line),
 #   2. verl's own trainer tests (tests/trainer of verl's source distribution, fetched once with
 #      pip into MEGATRON_BA_VERL_SRC) with the integration loaded through
 #      VERL_USE_EXTERNAL_MODULES, as a verl run loads it: registering `balanced` and wrapping the
@@ -20,7 +23,7 @@ case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest \
   tests/test_integration_verl.py tests/test_integration_verl_config.py \
   tests/test_integration_verl_sessions.py tests/test_backend_verl.py tests/test_verl_reward.py \
-  -p no:cacheprovider "$@"
+  tests/test_verl_preflight.py tests/test_verl_slurm.py -p no:cacheprovider "$@"
 
 version=$(sed -n 's/^verl==\([0-9.]*\).*/\1/p' requirements/verl.txt)
 src=${MEGATRON_BA_VERL_SRC:-$HOME/.cache/megatron-ba/verl-$version-src}

@@ -235,6 +235,9 @@ def test_verls_own_main_validates_the_translation(name, monkeypatch, tmp_path):
         verl_main_ppo, "run_ppo", lambda config, task_runner_class: seen.append(config)
     )
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    # the recipes' model folders and data files are not here: the preflight that reads them is
+    # tests/test_verl_preflight.py's
+    monkeypatch.setattr(main_ppo.preflight, "run", lambda config: "preflight passed")
     overrides = recipe_to_verl_overrides(_recipe(name), nodes=NODES[name], run_dir=str(tmp_path))
     hydra_dirs = [f"hydra.run.dir={tmp_path}", "hydra.output_subdir=null"]
     monkeypatch.setattr(sys, "argv", ["main_ppo", *ENTRY[2:], *overrides, *hydra_dirs])

@@ -51,6 +51,16 @@ MICRO = [  # what verl's own validate_config asks of any run
 ]
 
 
+@pytest.fixture(autouse=True)
+def no_preflight(monkeypatch):
+    """These configs name no model folder or data file, and these tests are about what reaches
+    verl's main: main_ppo's preflight (which reads them) is replaced by a pass here; its own tests
+    are tests/test_verl_preflight.py."""
+    from megatron_ba.integrations.verl import preflight
+
+    monkeypatch.setattr(preflight, "run", lambda config: "[megatron-ba] verl: preflight passed")
+
+
 def _compose(config_name: str, overrides: list[str]):
     with initialize_config_module("verl.trainer.config", version_base=None):
         return compose(config_name, overrides=overrides)

@@ -5,8 +5,19 @@
         actor_rollout_ref.actor.policy_loss.loss_mode=balanced ...
 
 Composes the same config as `python -m verl.trainer.main_ppo` (verl's own config package and
-default `ppo_trainer`, the same Hydra overrides), calls `check_config` on it, then hands it to
-verl's own `main` (its `hydra.main` wrapper is skipped: the config is already composed).
+default `ppo_trainer`, the same Hydra overrides), calls `check_config` on it, runs the preflight
+(preflight.py: verl's validate_config, the model folder, the data files and one batch through
+verl's RLHFDataset and collate_fn, the reward on that batch through verl's reward manager), then
+hands it to verl's own `main` (its `hydra.main` wrapper is skipped: the config is already
+composed).
+
+Exit status: 0 when verl's trainer finishes; 1 when a check fails (the preflight's message on
+stderr names the config key or file); 69 (NEEDS_GPU, sysexits' EX_UNAVAILABLE) when every check
+passed and torch sees no CUDA GPU: verl's ppo_megatron_trainer (megatron-core actor, vLLM
+rollout) cannot run on CPU, so the entry stops before training after one line on stdout,
+`[megatron-ba] verl: checked config, N training / M validation prompts through verl's
+RLHFDataset, reward on a batch of B (B right, B wrong); verl's ppo_megatron_trainer needs CUDA
+GPUs (megatron-core actor, vLLM rollout) and none is visible: stopping before training`.
 
 The settings reach the processes that read them before verl starts any. The estimator runs in
 verl's trainer, a Ray actor (TaskRunner) started from this process, and reads the MEGATRON_BA_*
@@ -25,11 +36,13 @@ variables there (adapter.py); the Ray workers that run the policy loss import th
 from __future__ import annotations
 
 import os
+import sys
 
 import hydra
 from omegaconf import OmegaConf
 from verl.trainer import main_ppo as verl_main_ppo
 
+from megatron_ba.integrations.verl import preflight
 from megatron_ba.integrations.verl.checks import (
     RUNTIME_ENV_VARS,
     SETTINGS_ENV,
@@ -63,11 +76,19 @@ def _export_settings(config) -> None:
 
 @hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
 def main(config) -> None:
-    """check_config(config), the settings handed on, then verl's main_ppo on the same config."""
+    """check_config(config), the settings handed on, the preflight (which stops here without a
+    CUDA GPU), then verl's main_ppo on the same config."""
     check_config(config)
     if uses_plan(config):
         _export_settings(config)
     _export_hooks()
+    try:
+        line = preflight.run(config)
+    except preflight.PreflightError as err:  # one line naming the key, not Hydra's dump
+        message = " ".join(str(err).split())  # verl's and HF's own messages span lines
+        print(f"{preflight.PREFIX} preflight failed: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    print(f"{line}; starting verl's trainer", file=sys.stderr, flush=True)
     verl_main_ppo.main.__wrapped__(config)
 
 
