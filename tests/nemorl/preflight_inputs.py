@@ -81,13 +81,16 @@ def make_inputs(where: Path) -> list[str]:
     ]
 
 
-def run_env(**extra: str) -> dict:
+def run_env(hide_gpus: bool = True, **extra: str) -> dict:
     """This environment for a run: this checkout importable, nothing downloaded, no Ray address
-    of the caller's (a test suite's own Ray head) and no GPU, so the preflight's CPU branch runs
-    on any machine."""
+    of the caller's (a test suite's own Ray head); hide_gpus: no GPU visible, so the preflight's
+    CPU branch runs on any machine (not for a Slurm job: the launcher's `ray start --num-gpus=G`
+    refuses an empty CUDA_VISIBLE_DEVICES)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_JOB"))}
     env["PYTHONPATH"] = str(ROOT) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    if hide_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.setdefault("PYTHON", sys.executable)
     env.update(extra)
     return env
