@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import sys
 from dataclasses import dataclass
 
@@ -86,6 +87,14 @@ def _prompts(dataset) -> int:
     return sum(len(d) for d in dataset.values()) if isinstance(dataset, dict) else len(dataset)
 
 
+def _blank_file(path) -> bool:
+    """A local file holding only white space (a hub id or folder is not a file)."""
+    if not path or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        return not f.read(1 << 16).strip() and os.path.getsize(path) <= 1 << 16
+
+
 @contextlib.contextmanager
 def _each_file_checked():
     """setup_response_data's loader of each configured data set, wrapped so that a file that
@@ -97,6 +106,8 @@ def _each_file_checked():
 
     def checked(cfg, *args, **kwargs):
         where = cfg.get("data_path") or cfg.get("dataset_name")
+        if _blank_file(cfg.get("data_path")):  # `datasets` fails on it with a bare StopIteration
+            raise ValueError(f"{where}: no rows (the file is empty)")
         try:
             data = load(cfg, *args, **kwargs)
         except Exception as e:
