@@ -7,7 +7,10 @@ Run it in NeMo-RL's environment (from a NeMo-RL checkout: `uv run python -m ...`
 NeMo-RL's own: they go to its examples/run_grpo.py, found from NEMO_RL_ROOT or next to the installed
 `nemo_rl` package. First the config is built as run_grpo.py builds it and checked
 (`check_master_config`, and the loss settings BalancedPGLossFn refuses): a refusal stops the run
-before Ray or any model starts; `--check` stops after the check. Then NeMo-RL's
+before Ray or any model starts; `--check` stops after the check. Then preflight.py puts the
+tokenizer, the data and the math reward through NeMo-RL's own code; without a CUDA GPU it prints
+one line (`[megatron-ba] nemo_rl: checked MasterConfig, ...: stopping before training`) and exits
+with status preflight.NEEDS_GPU (3). With a GPU, NeMo-RL's
 `nemo_rl.algorithms.grpo.setup` is wrapped (`balanced_setup`): the loss function in its result is
 replaced by BalancedPGLossFn(master_config.loss_fn, group_size=grpo.num_generations_per_prompt),
 and the returned policy's `train(data, loss_fn, ...)` first calls `loss_fn.attach_plan(data)` on
@@ -23,6 +26,7 @@ import os
 import runpy
 import sys
 
+from megatron_ba.integrations.nemo_rl import preflight
 from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn
 
 # Indices in the tuple grpo.setup returns (NeMo-RL v0.7.0: policy, policy_generation, nemo_gym,
@@ -142,6 +146,9 @@ def main() -> None:
     )
     if "--check" in sys.argv[1:]:
         return
+    # The tokenizer, data and reward through NeMo-RL's own code; without a GPU, the one line and
+    # exit status NEEDS_GPU (preflight.py), before grpo.setup starts any worker.
+    preflight.check_or_stop(master_config)
     grpo.setup = balanced_setup(grpo.setup)
     sys.argv = [path, *argv]
     runpy.run_path(path, run_name="__main__")
