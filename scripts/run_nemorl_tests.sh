@@ -11,7 +11,7 @@
 #   2. tests/nemorl/ (pytest args go here): BalancedPGLossFn against ClippedPGLossFn and float64
 #      references, through NeMo-RL's training step on 2 DP ranks (plain, dynamic batching,
 #      packing), one real grpo_train step, the MasterConfig of the stock yaml, the documented
-#      command, the entry's preflight on CPU (its line and exit status 3) and a real
+#      command, the entry's preflight on CPU (its line and exit status 69) and a real
 #      backend=nemo_rl Slurm job of it (SLURM_CONF's Slurm, else one scripts/slurm_up.sh starts);
 #   3. meanwhile, the light install in .venv-nemorl (tests/light_install.py: this checkout's wheel
 #      alone, the nemo_rl probe of tests/light_probe.py).

@@ -70,5 +70,8 @@ elif ((MBA_PREEMPTED)); then
     scontrol requeue "$SLURM_JOB_ID"
     exit 0
 fi
+if mba_is_ray && ((MBA_RC == 69)); then # NEEDS_GPU (megatron_ba/integrations/exit_status.py)
+    mba_say "the $RECIPE_BACKEND entry's preflight passed (config, data, reward) and training needs CUDA GPUs these nodes lack: its line is in $MBA_LOG_DIR/entry.log"
+fi
 mba_say "finished with exit status $MBA_RC; run folder $MBA_RUN_DIR"
 exit "$MBA_RC"

@@ -90,4 +90,5 @@ def test_a_verl_job_runs_the_preflight_and_a_preempted_one_runs_it_again(tmp_pat
         < out.rindex("Ray cluster formed")
     )
     assert f"finished with exit status {NEEDS_GPU}" in out, story
+    assert out.count("entry's preflight passed (config, data, reward)") == 1, story  # restart 1
     print(f"the job's test: {time.time() - start:.0f} s")

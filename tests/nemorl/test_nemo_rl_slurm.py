@@ -100,3 +100,4 @@ def test_sbatch_runs_the_preflight_on_the_jobs_ray_and_a_preempted_job_runs_it_a
     assert out.count("ray_cluster: 1 node(s) joined at ") == 2, out
     assert out.index("SIGUSR1: ending nemo_rl") < out.index("requeueing job"), out
     assert f"finished with exit status {NEEDS_GPU}" in out, out
+    assert out.count("entry's preflight passed (config, data, reward)") == 1, out  # restart 1

@@ -12,7 +12,7 @@ run_grpo_balanced's main() calls `check_or_stop(master_config)` after the config
    passes it, scores for each row of that batch a response stating the row's ground truth (must
    score 1) and one stating ground truth + 1 (must score 0);
 4. without a CUDA GPU (`torch.cuda.is_available()` false) it prints one line and exits with
-   NEEDS_GPU (3):
+   NEEDS_GPU (69, integrations/exit_status.py):
 
    [megatron-ba] nemo_rl: checked MasterConfig, N training / M validation prompts through
    NeMo-RL's data processors, math reward on a batch of B (B right, B wrong); NeMo-RL's GRPO with
@@ -32,7 +32,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-NEEDS_GPU = 3  # exit status: the checks passed, training needs a CUDA GPU this node lacks
+from megatron_ba.integrations.exit_status import NEEDS_GPU
 
 
 @dataclass

@@ -10,7 +10,7 @@ NeMo-RL's own: they go to its examples/run_grpo.py, found from NEMO_RL_ROOT or n
 before Ray or any model starts; `--check` stops after the check. Then preflight.py puts the
 tokenizer, the data and the math reward through NeMo-RL's own code; without a CUDA GPU it prints
 one line (`[megatron-ba] nemo_rl: checked MasterConfig, ...: stopping before training`) and exits
-with status preflight.NEEDS_GPU (3). With a GPU, NeMo-RL's
+with status NEEDS_GPU (69, integrations/exit_status.py). With a GPU, NeMo-RL's
 `nemo_rl.algorithms.grpo.setup` is wrapped (`balanced_setup`): the loss function in its result is
 replaced by BalancedPGLossFn(master_config.loss_fn, group_size=grpo.num_generations_per_prompt),
 and the returned policy's `train(data, loss_fn, ...)` first calls `loss_fn.attach_plan(data)` on

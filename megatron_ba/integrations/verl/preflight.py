@@ -36,9 +36,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-# sysexits' EX_UNAVAILABLE ("a service is unavailable"): not 1 (an error), 2 (a refusal, or the
-# Slurm launcher's "the Ray cluster did not form") nor 75 (preempted: the launcher requeues)
-NEEDS_GPU = 69
+from megatron_ba.integrations.exit_status import NEEDS_GPU
+
 PREFIX = "[megatron-ba] verl:"
 
 
