@@ -187,7 +187,8 @@ def test_setup_on_the_master_config_of_the_stock_yaml():
 def test_the_documented_command_gets_past_configuration(tmp_path):
     """docs/integrations.md's command, as written, from a NeMo-RL checkout (its examples/ linked
     into a scratch folder, so that run_grpo.py's log folder lands there): the config is checked and
-    NeMo-RL starts; it stops where the model must be downloaded (no network in tests)."""
+    the preflight starts on NeMo-RL's own code; it stops where the model's tokenizer must be
+    downloaded (no network in tests), in NeMo-RL's get_tokenizer, not in a check of ours."""
     text = (REPO / "docs" / "integrations.md").read_text()
     (block,) = re.findall(r"```bash\ncd <NeMo-RL checkout> && (.*?)```", text, re.S)
     command = block.replace("\\\n", " ").split()
@@ -198,6 +199,6 @@ def test_the_documented_command_gets_past_configuration(tmp_path):
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert "[megatron-ba] checked: BalancedPGLossFn rule=balanced scope=group" in out, out[-3000:]
-    assert "Applied CLI overrides" in out, out[-3000:]
-    # run_grpo.py then starts Ray (init_ray) and stops at the tokenizer's download, not at us
-    assert proc.returncode != 0 and "get_tokenizer" in out, out[-3000:]
+    # the preflight (before run_grpo.py) asks NeMo-RL's get_tokenizer for the model's tokenizer
+    assert proc.returncode != 0 and "in get_tokenizer" in out, out[-3000:]
+    assert "preflight.py" in out and "offline mode" in out, out[-3000:]
