@@ -1,7 +1,7 @@
 """The shape of a Qwen-family decoder, and the named shapes every part of the project uses.
 
     shape = PRESETS["Qwen2.5-Math-7B"]          # or preset("qwen2.5-math-7b"), case-insensitive
-    shape.total_params(), shape.head_dim, shape.check_layout(tp=2, pp=1)
+    shape.total_params(), shape.head_dim       # a layout against it: parallel.layout
     spec = ModelSpec.of(PRESETS["debug"])       # megatron_ba.megatron.model: + build options
 
 Pure Python (no torch), so the recipe, the planner, the benchmarks' argument parsers and
@@ -184,20 +184,6 @@ class ModelShape:
         if self.kv_channels is not None:
             return self.kv_channels
         return self.hidden_size // self.num_attention_heads
-
-    def check_layout(self, tp: int, pp: int) -> None:
-        """ValueError naming what does not divide, for a TP x PP layout of this model."""
-        problems = []
-        keys = ["num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"]
-        if self.num_experts:
-            keys.append("moe_ffn_hidden_size")  # experts are TP-sharded like the dense MLP
-        for key in keys:
-            if getattr(self, key) % tp:
-                problems.append(f"{key}={getattr(self, key)} is not a multiple of tp={tp}")
-        if self.num_layers % pp:
-            problems.append(f"num_layers={self.num_layers} is not a multiple of pp={pp}")
-        if problems:
-            raise ValueError("layout: " + "; ".join(problems))
 
     @property
     def is_moe(self) -> bool:

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ba.errors import SettingError, UserError
-from megatron_ba.model_shape import PRESETS
+from megatron_ba.model_shape import PRESETS, ModelShape
+from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.rules import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
 
 BACKENDS = ("local", "nemo_aligner", "verl", "nemo_rl")
@@ -112,6 +113,17 @@ class ModelSection:
     def set_shape_keys(self) -> dict[str, Any]:
         """The shape keys the recipe sets (with a checkpoint they must agree with its config)."""
         return {k: v for k, v in self._shape_keys().items() if v is not None}
+
+    def fresh_shape(self, vocab_size: int) -> ModelShape:
+        """The fresh model these keys describe, with the tokenizer's `vocab_size`: the "tiny"
+        preset's family (Qwen2), or with experts the "tiny-moe" preset's (Qwen3-MoE: q/k norms,
+        no QKV bias); untied, the head dimension hidden / heads. What the warm start builds and
+        the planner plans for."""
+        shape = self.shape()
+        base = PRESETS["tiny-moe"] if shape["num_experts"] else PRESETS["tiny"]
+        return dataclasses.replace(
+            base, vocab_size=vocab_size, kv_channels=None, tie_word_embeddings=False, **shape
+        )
 
 
 # The model.* shape keys (fields of megatron_ba.model_shape.ModelShape; the vocabulary is the
@@ -206,6 +218,10 @@ AUTO_CHUNK_ABOVE, AUTO_CHUNK = 4096, 1024
 
 @dataclass
 class ParallelSection:
+    """The parallel layout's keys (tp, pp, cp, ep, etp, sequence_parallel: `layout()` builds the
+    megatron_ba.parallel.layout.ParallelLayout they describe, which holds every rule they must
+    keep; dp is what the world leaves), then the step's micro-batching and memory keys."""
+
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -219,6 +235,22 @@ class ParallelSection:
     logprob_chunk_size: int | None = None
     sequence_parallel: bool = False  # needs tp > 1; on CUDA the Transformer Engine spec
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
+
+    def layout(self, dp: int | None = None) -> ParallelLayout:
+        """The ParallelLayout these keys describe (dp: None until the world is known); a rule
+        it breaks is a RecipeError naming the key."""
+        try:
+            return ParallelLayout(
+                tp=self.tp,
+                pp=self.pp,
+                cp=self.cp,
+                dp=dp,
+                ep=self.ep,
+                etp=self.etp,
+                sequence_parallel=self.sequence_parallel,
+            )
+        except LayoutError as e:
+            raise RecipeError(e.renamed(RECIPE_KEYS)) from None
 
 
 # vLLM's share of each GPU while it generates (weights + KV cache), colocated with training: the
@@ -456,9 +488,13 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
 
 
 def _check_parallel(p: ParallelSection) -> None:
-    for k in ("tp", "pp", "cp", "ep", "micro_batch_size"):
-        _need(getattr(p, k) >= 1, f"parallel.{k}", "must be >= 1")
-    _need(p.etp is None or p.etp >= 1, "parallel.etp", f"must be >= 1 or null, got {p.etp}")
+    """The layout (ParallelLayout's rules), then the micro-batching and memory keys."""
+    layout = p.layout()
+    try:
+        layout.check_micro_batching(token_budget=p.max_tokens_per_microbatch is not None)
+    except LayoutError as e:
+        raise RecipeError(e.renamed(RECIPE_KEYS)) from None
+    _need(p.micro_batch_size >= 1, "parallel.micro_batch_size", "must be >= 1")
     for k in ("max_tokens_per_microbatch", "logprob_chunk_size"):
         v = getattr(p, k)
         _need(v is None or v >= 1, f"parallel.{k}", f"must be a positive integer or null, got {v}")
@@ -466,11 +502,6 @@ def _check_parallel(p: ParallelSection) -> None:
         p.recompute in ("none", "selective", "full"),
         "parallel.recompute",
         "must be none, selective or full",
-    )
-    _need(
-        not p.sequence_parallel or p.tp > 1,
-        "parallel.sequence_parallel",
-        f"needs parallel.tp > 1 (it splits sequences over the TP ranks), got tp={p.tp}",
     )
 
 
@@ -565,42 +596,27 @@ def _check_data_and_policy(recipe: Recipe) -> None:
         "model.num_query_groups",
         "must divide model.num_attention_heads",
     )
-    _need(
-        shape["num_query_groups"] % recipe.parallel.tp == 0,
-        "parallel.tp",
-        "must divide model.num_query_groups",
-    )
-    _need(
-        shape["num_layers"] % recipe.parallel.pp == 0, "parallel.pp", "must divide model.num_layers"
-    )
-    _check_experts(shape, recipe.parallel)
+    _check_experts(shape)
+    try:  # the vocabulary is the trained tokenizer's, not known yet: not checked here
+        recipe.parallel.layout().check_training(types.SimpleNamespace(**shape))
+    except LayoutError as e:
+        raise RecipeError(e.renamed(RECIPE_KEYS)) from None
 
 
-def _check_experts(shape: dict[str, Any], p: ParallelSection) -> None:
+def _check_experts(shape: dict[str, Any]) -> None:
     """A fresh model's mixture-of-experts keys (a checkpoint's config.json decides its own; the
-    build checks parallel.ep against it)."""
+    layout's rules on them: ParallelLayout.check_model)."""
     n = shape["num_experts"]
     _need(n >= 0, "model.num_experts", f"must be >= 0 (0: a dense MLP), got {n}")
-    # The experts' token exchange is a collective per micro-batch over the expert-parallel ranks,
-    # which sit on different DP ranks: their micro-batches must agree in number and tokens,
-    # which token-budget micro-batches (cut per rank by its own sequences' lengths) do not.
-    _need(p.ep == 1 or p.max_tokens_per_microbatch is None, "parallel.max_tokens_per_microbatch",
-          f"token-budget micro-batches differ between the DP ranks that parallel.ep={p.ep} "
-          "exchanges tokens between at every micro-batch; use parallel.micro_batch_size",
-          )  # fmt: skip
     if n == 0:
         for key in ("moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff"):
             _need(not shape[key], f"model.{key}", "needs model.num_experts > 0")
-        _need(p.ep == 1, "parallel.ep", f"{p.ep} needs a mixture-of-experts model "
-              "(model.num_experts > 0); this one is dense")  # fmt: skip
-        _need(p.etp is None, "parallel.etp", "needs a mixture-of-experts model")
         return
     k = shape["moe_router_topk"]
     _need(1 <= k <= n, "model.moe_router_topk", f"must be in [1, model.num_experts={n}], got {k}")
     f = shape["moe_ffn_hidden_size"]
     _need(f >= 1, "model.moe_ffn_hidden_size", f"must be >= 1 with experts, got {f}")
     _need(shape["moe_aux_loss_coeff"] >= 0, "model.moe_aux_loss_coeff", "must be >= 0")
-    _need(n % p.ep == 0, "parallel.ep", f"{p.ep} does not divide model.num_experts={n}")
 
 
 def _check_eval_and_the_rest(recipe: Recipe) -> None:

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape
-from megatron_ba.planning.memory import GIB, Layout, estimate
+from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.planning.memory import GIB, StepSettings, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "megatron_ba.cli"]
@@ -93,17 +94,10 @@ def stage_train_lm(c) -> None:
 def planner_estimate(shape: ModelShape, tokens: int, recompute: bool, chunk: int) -> dict:
     """planning.memory's estimate of one GRPO step of this shape on one GPU (TP = PP = CP = DP =
     1, one `tokens`-token sequence per micro-batch, chunked log-probs, no vLLM)."""
-    layout = Layout(
-        tp=1,
-        pp=1,
-        cp=1,
-        dp=1,
-        micro_batch_tokens=tokens,
-        recompute=recompute,
-        chunked_logprobs=True,
-        logprob_chunk=chunk,
+    step = StepSettings(
+        micro_batch_tokens=tokens, recompute=recompute, chunked_logprobs=True, logprob_chunk=chunk
     )
-    est = estimate(shape, layout, gpu_mem_gib=1e6, vllm=None)
+    est = estimate(shape, ParallelLayout(), step, gpu_mem_gib=1e6, vllm=None)
     return {
         "estimate_gib": est.peak / GIB,
         "estimate_bytes": est.peak,

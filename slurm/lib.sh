@@ -328,7 +328,9 @@ mba_srun() {
 mba_describe() {
     echo "# megatron-ba launch: recipe $MBA_RECIPE (layout read from $MBA_FIT_RECIPE)"
     echo "# backend $RECIPE_BACKEND, $MBA_NODES node(s) x $MBA_GPUS process(es):" \
-        "tp=$RECIPE_TP pp=$RECIPE_PP cp=$RECIPE_CP dp=$RECIPE_DP (world $RECIPE_WORLD)"
+        "tp=$RECIPE_TP pp=$RECIPE_PP cp=$RECIPE_CP dp=$RECIPE_DP ep=$RECIPE_EP (world $RECIPE_WORLD)"
+    [[ -z ${RECIPE_MEMORY_GIB:-} ]] ||
+        echo "# memory: the planner's estimate, $RECIPE_MEMORY_GIB GiB per GPU (megatron-ba layout)"
     echo "# nodes: ${MBA_HOSTS[*]}"
     echo "# rendezvous: $MBA_HEAD:$MBA_PORT; run folder: $MBA_RUN_DIR; job name: $MBA_JOB_NAME;" \
         "resume: $([[ $MBA_RESUME == 1 ]] && echo yes || echo no)"

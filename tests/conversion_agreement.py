@@ -143,6 +143,7 @@ def run_megatron(
 
     from megatron_ba.conversion import spec_from_hf_dir
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
 
     specs = {d: spec_from_hf_dir(d) for d in dirs}
     refs = {}
@@ -150,7 +151,7 @@ def run_megatron(
     for tp, pp in layouts:
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        ctx = setup(tp=tp, pp=pp, cp=1, seed=0)
+        ctx = setup(ParallelLayout(tp=tp, pp=pp, dp=None), seed=0)
         layout = f"tp{tp}pp{pp}"
         models = results["layouts"].setdefault(layout, {})
         for i, d in enumerate(dirs):

@@ -85,6 +85,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     from megatron_ba.megatron.build_options import resolve_build_options
     from megatron_ba.megatron.grpo_step import MicroBatchSpec
     from megatron_ba.parallel import full_shape
+    from megatron_ba.parallel.layout import ParallelLayout
 
     found: dict = {}
     spec = mm.tiny_qwen2_spec(num_layers=2)
@@ -102,7 +103,9 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     tensor_parallel.checkpoint = counting
     try:
         for mode in ("full", "selective"):
-            opts = resolve_build_options(recompute=mode, device="cpu", cp=world)
+            opts = resolve_build_options(
+                recompute=mode, device="cpu", layout=ParallelLayout(cp=world)
+            )
             calls["n"] = 0
             loss, grads = _grads(_chunks(spec, **opts.config_fields()), cfg)
             found[f"recompute_{mode}"] = {
@@ -116,7 +119,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
 
     # --- bf16 chunks (megatron-core's Float16Module under DDP): names, dtypes, a step --------
     # The bf16 *optimiser* needs CUDA; the model side of bf16 runs on CPU too.
-    bf16_opts = resolve_build_options(device="cpu", cp=world)
+    bf16_opts = resolve_build_options(device="cpu", layout=ParallelLayout(cp=world))
     bf16_fields = {**bf16_opts.config_fields(), "bf16": True, "params_dtype": torch.bfloat16}
     bf16_fields["pipeline_dtype"] = torch.bfloat16
     bf16 = _chunks(spec, **bf16_fields)
@@ -174,6 +177,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     # --- a GRPO update through the device parameter: every tensor on ctx.device --------------
     from megatron_ba.generation.engine import Sample
     from megatron_ba.megatron.optimizer_choice import build_optimizer
+    from megatron_ba.parallel.layout import ParallelLayout
     from megatron_ba.parallel.world import DistContext, rank_device
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train.experience import build_experience
@@ -184,7 +188,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
         ["grpo.prompts_per_step=2", "grpo.group_size=2", "parallel.micro_batch_size=2"],
     )
     device = rank_device()
-    ctx = DistContext(rank=rank, world=world, tp=1, pp=1, cp=world, dp=1, dp_rank=0, device=device)
+    ctx = DistContext(rank=rank, layout=ParallelLayout(cp=world), dp_rank=0, device=device)
     chunks = _chunks(spec)
     optimizer = build_optimizer(chunks, recipe.optimizer, precision="fp32", device=device)
     g = torch.Generator().manual_seed(2)

@@ -39,12 +39,13 @@ def main(out: str, family: str) -> None:
     from megatron_ba.megatron.grpo_step import compute_logprobs
     from megatron_ba.megatron.model import build_model_chunks
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
     from megatron_ba.testing import tiny_hf
 
     folder = Path(tempfile.mkdtemp(prefix="refit-engine-"))
     build = tiny_hf.build_tiny_qwen3_moe if family == "qwen3_moe" else tiny_hf.build_tiny_qwen3
     build(folder)
-    setup(tp=1, pp=1, cp=1, seed=0)
+    setup(ParallelLayout(dp=None), seed=0)
     engine, found = None, {}
     try:
         spec = spec_from_hf_dir(folder, params_dtype=torch.float32)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_ba.parallel.layout import ParallelLayout
+
 
 def hf_topk(folder: Path, ids: list[int], k: int) -> torch.Tensor:
     """[len(ids), L, k] transformers' router top-k of each token, sorted."""
@@ -67,9 +69,9 @@ def main(out: str) -> None:
                     "pairs": int(same.numel()),
                 }
             )
-    setup(tp=1, pp=1, cp=1, seed=0)
+    setup(ParallelLayout(dp=None), seed=0)
     try:
-        fields = routing_replay_fields(spec.num_experts, tp=1, pp=1, cp=1, recompute="none")
+        fields = routing_replay_fields(spec.num_experts, ParallelLayout(), recompute="none")
         config = mm.transformer_config(spec, **fields)
         chunks = mm.build_model_chunks(spec, ddp=False, config=config)
         load_hf_into_chunks(chunks, folder, spec)

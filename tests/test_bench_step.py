@@ -72,11 +72,12 @@ def test_in_process_setup_leaves_no_rendezvous_for_children():
     import os
 
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
 
     keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     if any(k in os.environ for k in keys):
         pytest.skip("this process was launched with a rendezvous of its own")
-    setup(tp=1, pp=1, cp=1, seed=0)
+    setup(ParallelLayout(dp=None), seed=0)
     assert os.environ["RANK"] == "0"  # the world of one's rendezvous, while it lasts
     teardown()
     assert [k for k in keys if k in os.environ] == []

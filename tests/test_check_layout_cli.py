@@ -116,7 +116,7 @@ def test_every_rule_is_a_choice_of_rule(capsys):
         (["--token-budget", "8"], "--token-budget: must be an integer >= 16"),
         (["--token-budget", "40", "--micro-batches", "2"], "the token budget decides"),
         (["--cp", "0"], "--cp: must be an integer >= 1"),
-        (["--sequence-parallel"], "--sequence-parallel: needs --tp > 1"),
+        (["--sequence-parallel"], "--sequence-parallel: needs tp > 1"),
         (["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--sequences", "13"], "do not divide"),
         (["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--token-budget", "40"], "--token-budg"),
     ],

@@ -22,7 +22,8 @@ FINAL = re.compile(r"^max_rel_grad_err=(\S+) loss_err=(\S+)$")
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_truncating_and_rejecting_modes_pass_and_the_denominator_control_fails():
-    from megatron_ba.megatron.layout_equivalence.check import Case, Layout, run_layout
+    from megatron_ba.megatron.layout_equivalence.check import Case, run_layout
+    from megatron_ba.parallel.layout import ParallelLayout
 
     cases = [
         Case("balanced", 3, rollout_correction="token_truncate"),
@@ -30,7 +31,7 @@ def test_truncating_and_rejecting_modes_pass_and_the_denominator_control_fails()
         Case("balanced", 3, rollout_correction="token_reject"),
         Case("balanced", 3, rollout_correction="token_reject", rejected_kept_in_denominators=True),
     ]
-    report = run_layout(Layout(dp=2), cases, seed=0)
+    report = run_layout(ParallelLayout(dp=2), cases, seed=0)
     truncate, seq_reject, tok_reject, control = report.cases
     for r in (truncate, seq_reject, tok_reject):
         assert r.ok, r

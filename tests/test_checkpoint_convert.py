@@ -40,9 +40,10 @@ def save_worker(rank: int, port: int, hf_dir: str, run_dir: str, ref_dir: str) -
     from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
     from megatron_ba.megatron.model import build_model_chunks
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
     from megatron_ba.train import checkpoint
 
-    ctx = setup(tp=1, pp=1, cp=1, seed=0)
+    ctx = setup(ParallelLayout(dp=None), seed=0)
     spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32)  # the trainer's dtype
     chunks = build_model_chunks(spec)
     load_hf_into_chunks(chunks, hf_dir, spec)

@@ -46,8 +46,9 @@ def _setup(rank: int, world: int, port: int, tp: int):
         LOCAL_RANK=str(rank),
     )
     from megatron_ba.megatron.startup import setup
+    from megatron_ba.parallel.layout import ParallelLayout
 
-    return setup(tp=tp, pp=1, cp=1, seed=SEED)
+    return setup(ParallelLayout(tp=tp, dp=None), seed=SEED)
 
 
 def _policy(init_seed: int):

@@ -247,13 +247,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     "megatron_ba": frozenset({"rules", "aggregation", "advantages", "loss", "diagnostics"}),
     "model_shape": frozenset({"rope_scaling"}),
     "rope_scaling": frozenset(),
-    "recipe": frozenset({"errors", "rules"}) | SHAPE,
+    "recipe": frozenset({"errors", "rules", "parallel"}) | SHAPE,
     "tokenization": frozenset({"errors"}),
     "rewards": frozenset({"errors"}),
     "data": frozenset({"errors", "rewards"}),
     "tasks": frozenset({"errors", "data", "rewards"}),
     "testing": frozenset({"errors", "tokenization"}) | SHAPE,
-    "planning": frozenset({"errors", "recipe"}) | SHAPE,
+    "planning": frozenset({"errors", "recipe", "parallel"}) | SHAPE,
     "parallel": CORE,
     "megatron": CORE | SHAPE | {"parallel", "recipe"},
     "conversion": CORE | SHAPE | {"parallel", "megatron"},
@@ -272,7 +272,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "perf": CORE
     | SHAPE
     | {"parallel", "megatron", "conversion", "generation", "recipe", "planning", "rewards"},
-    "scripts": frozenset({"errors", "recipe", "planning", "megatron", "perf"}) | SHAPE,
+    "scripts": frozenset({"errors", "recipe", "planning", "megatron", "perf", "parallel"}) | SHAPE,
 }
 # The design's parts (its units) and the arrows it never allows, with its reasons.
 PARTS: dict[str, frozenset[str]] = {

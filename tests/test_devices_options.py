@@ -16,6 +16,7 @@ import torch
 
 from megatron_ba.megatron import optimizer_choice as mo
 from megatron_ba.megatron.build_options import resolve_build_options
+from megatron_ba.parallel.layout import LayoutError, ParallelLayout
 from megatron_ba.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,18 +144,20 @@ def test_attention_choice_reaches_the_layer_spec():
 
 def test_sequence_parallel_needs_tp_and_transformer_engine_on_cuda():
     r = resolve_build_options
-    ok = r(device=GPU, sequence_parallel=True, tp=2, te_imports=True)
+    sp = ParallelLayout(tp=2, sequence_parallel=True)
+    ok = r(device=GPU, layout=sp, te_imports=True)
     assert ok.config_fields()["sequence_parallel"] is True
-    with pytest.raises(ValueError, match=r"^parallel\.sequence_parallel: needs parallel\.tp > 1"):
-        r(device=GPU, sequence_parallel=True, tp=1, te_imports=True)
+    # the layout itself refuses SP without TP, under the name its users give it
+    with pytest.raises(LayoutError, match=r"^sequence_parallel: needs tp > 1"):
+        ParallelLayout(tp=1, sequence_parallel=True)
+    with pytest.raises(RecipeError, match=r"^parallel\.sequence_parallel: needs tp > 1"):
+        load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["parallel.sequence_parallel=true"])
     # megatron-core's local spec refuses SP (WrappedTorchNorm asserts not sequence_parallel);
     # only CPU runs shim its norms (cpu_compat shim 6).
     with pytest.raises(ValueError, match=r"^parallel\.sequence_parallel: needs the Transformer"):
-        r(device=GPU, sequence_parallel=True, tp=2, transformer_impl="local", te_imports=True)
-    cpu = r(device=CPU, sequence_parallel=True, tp=2)
+        r(device=GPU, layout=sp, transformer_impl="local", te_imports=True)
+    cpu = r(device=CPU, layout=sp)
     assert cpu.transformer_impl == "local" and cpu.config_fields()["sequence_parallel"] is True
-    with pytest.raises(ValueError, match=r"^parallel\.sequence_parallel: needs parallel\.tp > 1"):
-        r(device=CPU, sequence_parallel=True, tp=1)
 
 
 def test_recompute_and_precision_config_fields():
@@ -178,10 +181,10 @@ def test_recompute_and_precision_config_fields():
 
 
 def test_context_parallelism_goes_into_te_models_only():
-    te = resolve_build_options(device=GPU, cp=4, te_imports=True)
+    te = resolve_build_options(device=GPU, layout=ParallelLayout(cp=4), te_imports=True)
     assert (te.model_cp, te.cp_mode, te.config_fields()["context_parallel_size"]) == (4, "model", 4)
     assert te.pg_collection() is None  # megatron-core's default groups: the real CP group
-    local = resolve_build_options(device=CPU, cp=4)
+    local = resolve_build_options(device=CPU, layout=ParallelLayout(cp=4))
     assert (local.model_cp, local.cp_mode) == (1, "loss")
     assert local.config_fields()["context_parallel_size"] == 1
 
@@ -200,7 +203,7 @@ def test_recipe_keys_are_checked_by_name():
         ("model.transformer_impl=te", r"^model\.transformer_impl: must be auto"),
         ("model.attention=flash", r"^model\.attention: must be auto, sdpa or unfused"),
         ("parallel.recompute=most", r"^parallel\.recompute: must be none, selective or full"),
-        ("parallel.sequence_parallel=true", r"^parallel\.sequence_parallel: needs parallel\.tp"),
+        ("parallel.sequence_parallel=true", r"^parallel\.sequence_parallel: needs tp > 1"),
     ]:
         with pytest.raises(RecipeError, match=message):
             load_recipe(tiny, [override])

@@ -26,11 +26,11 @@ import pytest
 from megatron_ba.megatron.layout_equivalence.check import (
     TOLERANCE,
     Case,
-    Layout,
     compute_reference,
     expected_reducer_calls,
     run_layout,
 )
+from megatron_ba.parallel.layout import ParallelLayout
 
 CORE = [Case(rule, m) for rule in ("token", "sequence", "balanced") for m in (1, 3)]
 NEGATIVE_MB = Case("token", 3, normalization="per_microbatch")
@@ -40,9 +40,9 @@ WHOLE_BATCH_MB = Case("balanced", 1, normalization="per_microbatch")
 # The norms' gradients not summed over TP: must fail under sequence parallelism, pass without.
 SP_GRADS_UNREDUCED = Case("balanced", 3, sequence_parallel_grads_unreduced=True)
 
-LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
+LAYOUTS: dict[str, tuple[ParallelLayout, list[Case]]] = {
     "DP2": (
-        Layout(dp=2),
+        ParallelLayout(dp=2),
         [
             Case("balanced_mass", 3),
             Case("group_token_mean", 3, scope="batch"),  # per group though the scope is batch
@@ -53,29 +53,29 @@ LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
         ],
     ),
     "TP2": (
-        Layout(tp=2),
+        ParallelLayout(tp=2),
         [Case("balanced", 3, per_token_loss=True), WHOLE_BATCH_MB, SP_GRADS_UNREDUCED],
     ),
-    "TP2+SP": (Layout(tp=2, sequence_parallel=True), [SP_GRADS_UNREDUCED]),
+    "TP2+SP": (ParallelLayout(tp=2, sequence_parallel=True), [SP_GRADS_UNREDUCED]),
     "PP2": (
-        Layout(pp=2),
+        ParallelLayout(pp=2),
         [Case("token", 3, per_token_loss=True), NEGATIVE_MB, WHOLE_BATCH_MB],
     ),
     "CP2": (
-        Layout(cp=2),
+        ParallelLayout(cp=2),
         [Case("sequence", 3, per_token_loss=True), NEGATIVE_MB, NEGATIVE_SCALE, WHOLE_BATCH_MB],
     ),
-    "TP2xDP2": (Layout(tp=2, dp=2), [Case("balanced_mass", 1)]),
-    "PP2xDP2": (Layout(pp=2, dp=2), [Case("balanced", 3, per_token_loss=True)]),
-    "TP2xPP2": (Layout(tp=2, pp=2), [Case("balanced", 1, per_token_loss=True)]),
+    "TP2xDP2": (ParallelLayout(tp=2, dp=2), [Case("balanced_mass", 1)]),
+    "PP2xDP2": (ParallelLayout(pp=2, dp=2), [Case("balanced", 3, per_token_loss=True)]),
+    "TP2xPP2": (ParallelLayout(tp=2, pp=2), [Case("balanced", 1, per_token_loss=True)]),
     "CP2xDP2": (
-        Layout(cp=2, dp=2),
+        ParallelLayout(cp=2, dp=2),
         [Case("balanced", 3, per_token_loss=True), NEGATIVE_MB, NEGATIVE_SCALE],
     ),
 }
 
 
-def _must_fail(case: Case, layout: Layout) -> bool:
+def _must_fail(case: Case, layout: ParallelLayout) -> bool:
     """A negative control whose difference from the real loss shows on this layout."""
     if case.assume_megatron_version is not None:
         return True

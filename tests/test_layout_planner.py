@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS, ModelShape
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.planning.cluster_layout import (
     RECOMPUTE_COST,
     NoLayoutFits,
@@ -18,7 +20,7 @@ from megatron_ba.planning.cluster_layout import (
 )
 from megatron_ba.planning.memory import (
     GIB,
-    Layout,
+    StepSettings,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
@@ -27,6 +29,13 @@ from megatron_ba.planning.memory import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def plan(tp, pp, cp, dp, tokens, *, ep=1, etp=None, **step):
+    """A layout as the planner builds one (sequence parallelism with tp > 1) and its step."""
+    layout = ParallelLayout(tp, pp, cp, dp, ep=ep, etp=etp, sequence_parallel=tp > 1)
+    return layout, StepSettings(tokens, **step)
+
 
 Q7 = PRESETS["Qwen2.5-Math-7B"]
 
@@ -81,20 +90,18 @@ def test_hf_config_gives_the_preset(tmp_path):
 
 
 def test_static_terms_by_hand():
-    lo = Layout(tp=2, pp=1, cp=1, dp=16, micro_batch_tokens=4096)
-    e = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
+    e = estimate(Q7, *plan(2, 1, 1, 16, 4096), gpu_mem_gib=80, vllm=None)
     assert e.weights == Q7_TOTAL / 2 * 2  # bf16, halved by TP
     assert e.grads == Q7_TOTAL / 2 * 4  # fp32 gradient buffer
     assert e.optimizer == Q7_TOTAL / 2 * 12 / 16  # fp32 master + 2 moments over 16 DP ranks
     # CP joins the optimiser's sharding group: dp 8 x cp 2 shards as dp 16 does
-    e_cp = estimate(Q7, Layout(2, 1, 2, 8, 4096), gpu_mem_gib=80, vllm=None)
+    e_cp = estimate(Q7, *plan(2, 1, 2, 8, 4096), gpu_mem_gib=80, vllm=None)
     assert e_cp.optimizer == e.optimizer
 
 
 def test_activations_and_logits_by_hand():
     T = 4096
-    lo = Layout(tp=2, pp=1, cp=1, dp=16, micro_batch_tokens=T)
-    e = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
+    e = estimate(Q7, *plan(2, 1, 1, 16, T), gpu_mem_gib=80, vllm=None)
     per_token_layer = 4 * 3584 + (3584 + 2 * 512) + 3584 + 3 * 18944  # elements
     assert per_token_layer == Q7.layer_activation_elements() == 79360
     assert e.activations_no_recompute == 28 * per_token_layer * 2 * T / 2
@@ -106,7 +113,7 @@ def test_activations_and_logits_by_hand():
     assert e.logits == e.logits_chunked
     assert e.train_phase == e.weights + e.grads + e.optimizer + e.activations + e.logits
     # CP halves the tokens of every activation term; recompute picks the other variant
-    half = estimate(Q7, Layout(2, 1, 2, 8, T, recompute=True), gpu_mem_gib=80, vllm=None)
+    half = estimate(Q7, *plan(2, 1, 2, 8, T, recompute=True), gpu_mem_gib=80, vllm=None)
     assert half.activations == half.activations_full_recompute
     assert half.activations_full_recompute == e.activations_full_recompute / 2
 
@@ -115,14 +122,14 @@ def test_fp32_logprob_path_by_hand():
     """NeMo-RL's DistributedLogprob on fp32 logits: three fp32 tensors of the logits' size at
     its peak (fp32 logits, shifted copy, exp; then logits, log-softmax, saved softmax): 12 bytes
     per logit of T x V / tp, megatron-core's path 8; CP splits the tokens, so the logits."""
-    lo = Layout(8, 1, 1, 4, 131072, recompute="full", logprobs="fp32")
+    lo, step = plan(8, 1, 1, 4, 131072, recompute="full", logprobs="fp32")
     q32, per_byte = load_model("Qwen3-32B"), 131072 * (151936 / 8)
-    e = estimate(q32, lo, gpu_mem_gib=79.11)
+    e = estimate(q32, lo, step, gpu_mem_gib=79.11)
     assert e.logits == per_byte * 12 and round(e.logits / GIB, 2) == 27.82
-    mega = estimate(q32, Layout(**{**lo.__dict__, "logprobs": "megatron"}), gpu_mem_gib=79.11)
+    mega = estimate(q32, lo, replace(step, logprobs="megatron"), gpu_mem_gib=79.11)
     assert mega.logits == per_byte * 8 and e.train_phase - mega.train_phase == per_byte * 4
-    cp4 = Layout(**{**lo.__dict__, "cp": 4, "dp": 1})
-    assert estimate(q32, cp4, gpu_mem_gib=79.11).logits == e.logits / 4
+    cp4 = replace(lo, cp=4, dp=1)
+    assert estimate(q32, cp4, step, gpu_mem_gib=79.11).logits == e.logits / 4
 
 
 def test_pipeline_stages_by_hand():
@@ -131,25 +138,24 @@ def test_pipeline_stages_by_hand():
     q3 = PRESETS["Qwen3-1.7B"]  # tied: the last stage holds its copy of the embedding
     assert stage_params(q3, 2, 1) == 14 * q3.layer_params() + 151936 * 2048 + 2048
     assert stage_params(q3, 1, 0) == q3.total_params()
-    lo = Layout(tp=1, pp=2, cp=1, dp=4, micro_batch_tokens=8192)
-    e = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
+    e = estimate(Q7, *plan(1, 2, 1, 4, 8192), gpu_mem_gib=80, vllm=None)
     # 1F1B: stage 0 holds 2 micro-batches of its 14 layers, stage 1 one, plus the logits
     per_layer = Q7.layer_activation_elements() * 2 * 8192
     assert e.worst_stage == 0
     assert e.activations_no_recompute == 2 * 14 * per_layer
     # pp not dividing the layers: megatron-core gives the remainder to the end stages; the
     # fullest stage holds ceil(L / pp) layers (28 over 3: 10)
-    uneven = estimate(Q7, Layout(1, 3, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
+    uneven = estimate(Q7, *plan(1, 3, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
     assert uneven.activations_no_recompute == 3 * 10 * Q7.layer_activation_elements() * 2 * 1024
-    with pytest.raises(ValueError, match="--pp 29"):
-        estimate(Q7, Layout(1, 29, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
+    with pytest.raises(ValueError, match=r"^--pp: 29 stages are more than the num_layers=28"):
+        estimate(Q7, *plan(1, 29, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
 
 
 def test_vllm_share():
-    lo = Layout(tp=2, pp=1, cp=1, dp=16, micro_batch_tokens=4096)
-    alone = estimate(Q7, lo, gpu_mem_gib=80, vllm=None)
-    asleep = estimate(Q7, lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=True))
-    awake = estimate(Q7, lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=False))
+    lo = plan(2, 1, 1, 16, 4096)
+    alone = estimate(Q7, *lo, gpu_mem_gib=80, vllm=None)
+    asleep = estimate(Q7, *lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=True))
+    awake = estimate(Q7, *lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=False))
     assert asleep.train_phase == alone.train_phase
     assert asleep.generate_phase == alone.weights + 40 * GIB
     assert asleep.vllm_kv_cache == 40 * GIB - Q7_TOTAL / 2 * 2
@@ -161,9 +167,9 @@ def test_vllm_share():
 
 
 def test_proposal_fits_and_prefers_data_parallelism():
-    plan = propose(Q7, nodes=4, gpus_per_node=8, gpu_mem_gib=80, max_response_len=3584,
-                   group_size=16, prompts_per_step=32, vllm=None)  # fmt: skip
-    j = plan.to_json()
+    proposal = propose(Q7, nodes=4, gpus_per_node=8, gpu_mem_gib=80, max_response_len=3584,
+                       group_size=16, prompts_per_step=32, vllm=None)  # fmt: skip
+    j = proposal.to_json()
     assert j["tp"] * j["pp"] * j["cp"] * j["dp"] == 32
     assert j["memory_gib_per_gpu"] <= 0.9 * 80
     assert 512 % j["dp"] == 0
@@ -173,10 +179,9 @@ def test_proposal_fits_and_prefers_data_parallelism():
     assert f"parallel.tp={j['tp']}" in j["overrides"]
     assert f"parallel.micro_batch_size={j['micro_batch_size']}" in j["overrides"]
     # the micro-batch is the largest power of two within the budget
-    lo = plan.layout
-    bigger = Layout(**{**lo.__dict__, "micro_batch_tokens": 2 * lo.micro_batch_tokens})
+    bigger = replace(proposal.step, micro_batch_tokens=2 * proposal.step.micro_batch_tokens)
     if j["micro_batch_size"] < 32:
-        assert estimate(Q7, bigger, gpu_mem_gib=80, vllm=None).peak > 0.9 * 80 * GIB
+        assert estimate(Q7, proposal.layout, bigger, gpu_mem_gib=80).peak > 0.9 * 80 * GIB
 
 
 def test_nothing_fits_says_what_came_closest():
@@ -269,31 +274,33 @@ def test_moe_shape_from_config_and_preset(tmp_path):
 
 def test_expert_parallelism_shards_experts_and_their_optimizer():
     moe = PRESETS["Qwen3-30B-A3B"]
-    lo = Layout(tp=2, pp=1, cp=1, dp=8, micro_batch_tokens=4096, ep=8)
-    e = estimate(moe, lo, gpu_mem_gib=80, vllm=None)
+    lo, step = plan(2, 1, 1, 8, 4096, ep=8, etp=1)  # whole experts on each GPU
+    e = estimate(moe, lo, step, gpu_mem_gib=80, vllm=None)
     dense = stage_params(moe, 1, 0, experts=False) / 2
     experts = stage_params(moe, 1, 0, experts=True) / 8
     assert e.weights == (dense + experts) * 2
     assert e.grads == (dense + experts) * 4
     # dense states over DP x CP = 8; experts over their data-parallel group, tp cp dp / ep = 2
     assert e.optimizer == (dense / 8 + experts / 2) * 12
-    hybrid = estimate(moe, Layout(2, 1, 1, 8, 4096, ep=8, cpu_adam=0.75), gpu_mem_gib=80)
+    hybrid = estimate(moe, lo, replace(step, cpu_adam=0.75), gpu_mem_gib=80)
     assert hybrid.optimizer == e.optimizer / 4
-    replicated = estimate(moe, Layout(2, 1, 1, 8, 4096, ep=8, distributed_optimizer=False),
-                          gpu_mem_gib=80)  # fmt: skip
+    replicated = estimate(moe, lo, replace(step, distributed_optimizer=False), gpu_mem_gib=80)
     assert replicated.optimizer == (dense + experts) * 12
-    with pytest.raises(ValueError, match="--ep 3"):
-        estimate(moe, Layout(2, 1, 1, 8, 4096, ep=3), gpu_mem_gib=80)
-    with pytest.raises(ValueError, match=r"--ep 2: .* dense"):
-        estimate(Q7, Layout(2, 1, 1, 8, 4096, ep=2), gpu_mem_gib=80)
+    # expert TP (megatron-core's default: tp) splits each expert's matrices too
+    etp2 = estimate(moe, replace(lo, etp=2), step, gpu_mem_gib=80)
+    assert etp2.weights == (dense + experts / 2) * 2 and etp2.optimizer == e.optimizer
+    with pytest.raises(ValueError, match=r"^--ep: 3 does not divide the 128 experts"):
+        estimate(moe, *plan(2, 1, 1, 12, 4096, ep=3, etp=1), gpu_mem_gib=80)
+    with pytest.raises(ValueError, match=r"^--ep: needs a mixture-of-experts model; .* dense"):
+        estimate(Q7, *plan(2, 1, 1, 8, 4096, ep=2), gpu_mem_gib=80)
 
 
 def test_offload_modes_and_overheads():
-    lo = Layout(tp=2, pp=1, cp=1, dp=4, micro_batch_tokens=10240)
+    lo, step = plan(2, 1, 1, 4, 10240)
     share = VLLMShare(0.6, sleeps=True, tp=1)
-    auto = estimate(Q7, lo, gpu_mem_gib=80, vllm=share)
-    kept = estimate(Q7, Layout(**{**lo.__dict__, "offload": "none"}), gpu_mem_gib=80, vllm=share)
-    gone = estimate(Q7, Layout(**{**lo.__dict__, "offload": "states"}), gpu_mem_gib=80, vllm=share)
+    auto = estimate(Q7, lo, step, gpu_mem_gib=80, vllm=share)
+    kept = estimate(Q7, lo, replace(step, offload="none"), gpu_mem_gib=80, vllm=share)
+    gone = estimate(Q7, lo, replace(step, offload="states"), gpu_mem_gib=80, vllm=share)
     assert auto.generate_phase == auto.weights + 48 * GIB  # the weights stay while vLLM sleeps
     assert kept.generate_phase == kept.weights + kept.grads + kept.optimizer + 48 * GIB
     assert gone.generate_phase == 48 * GIB
@@ -305,10 +312,10 @@ def test_offload_modes_and_overheads():
     torch_part = kept.generate_phase - 48 * GIB
     assert kept.total == pytest.approx(kept.peak + NON_TORCH_GIB * GIB + FRAGMENTATION * torch_part)
     # a reference policy's weights stay in both phases
-    ref = estimate(Q7, Layout(**{**lo.__dict__, "reference": True}), gpu_mem_gib=80, vllm=share)
+    ref = estimate(Q7, lo, replace(step, reference=True), gpu_mem_gib=80, vllm=share)
     assert ref.generate_phase == auto.generate_phase + auto.weights
     # selective recomputation keeps what none keeps (flash attention saves no scores)
-    sel = estimate(Q7, Layout(**{**lo.__dict__, "recompute": "selective"}), gpu_mem_gib=80)
+    sel = estimate(Q7, lo, replace(step, recompute="selective"), gpu_mem_gib=80)
     assert sel.activations == auto.activations_no_recompute
 
 
@@ -386,16 +393,18 @@ def test_compute_ranking_prefers_no_recomputation_by_hand(capsys):
     a = 4 * 1536 + (1536 + 2 * 256) + 1536 + 3 * 8960  # h, q, 2 KV heads of 128, MLP 8960
     assert a == shape.layer_activation_elements() == 36608
     kw = dict(nodes=4, gpus_per_node=8, gpu_mem_gib=79.11, max_response_len=1, seq_len=262144)
-    d = propose(shape, **kw).layout
+    default = propose(shape, **kw)
+    d = default.layout
     compute = propose(shape, **kw, settings=Settings(prefer="compute"))
     lo = compute.layout
-    assert d.recompute_mode == "full" and lo.recompute_mode == "none"
+    assert default.step.recompute_mode == "full" and compute.step.recompute_mode == "none"
     assert (lo.tp, lo.pp, lo.cp, lo.dp) == (2, 1, 8, 2)
     assert compute.estimate.activations == 28 * a * 2 * (262144 / 8) / 2  # bf16, / cp, / tp
     assert 28 * a * 2 * 262144 / (d.tp * d.cp) / GIB > 0.9 * 79.11  # the default's, unrecomputed
     assert RECOMPUTE_COST["full"] == (6 + 2) / 6  # a second forward, 2 N S on 6 N S
-    assert rank_key(d, 1, "compute") > rank_key(lo, 1, "compute")
-    assert rank_key(d, 1) < rank_key(lo, 1)  # the default ranks by model parallelism first
+    assert rank_key(d, default.step, 1, "compute") > rank_key(lo, compute.step, 1, "compute")
+    # the default ranks by model parallelism first
+    assert rank_key(d, default.step, 1) < rank_key(lo, compute.step, 1)
     with pytest.raises(ValueError, match="prefer"):
         propose(shape, **kw, settings=Settings(prefer="speed"))
     cli = ["layout", "--model", "Qwen2.5-1.5B", "--seq-len", "262144", "--nodes", "4", "--json"]

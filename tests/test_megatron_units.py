@@ -28,6 +28,7 @@ from megatron_ba.megatron.batching import (
 from megatron_ba.megatron.model import Qwen2Spec, full_parameter_shapes, tiny_qwen2_spec
 from megatron_ba.megatron.packing import fixed_count_microbatches
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.parallel.world import free_port
 
 
@@ -140,7 +141,7 @@ def test_qwen2_spec_errors_and_shapes():
         Qwen2Spec(16, 66, 2, 4, 2, 32)
     spec = tiny_qwen2_spec()
     with pytest.raises(ValueError, match="num_layers=4 is not a multiple of pp=3"):
-        spec.check_layout(1, 3)
+        ParallelLayout(pp=3).check_model(spec)
     shapes = full_parameter_shapes(spec)
     qkv = (4 + 2 * 2) * 16  # 4 query heads and 2 (k, v) pairs of head_dim 16
     assert shapes["decoder.layers.3.self_attention.linear_qkv.weight"] == (qkv, 64)

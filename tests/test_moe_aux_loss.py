@@ -56,13 +56,14 @@ def worker(rank: int, port: int, out: str) -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(1)
     from megatron_ba.megatron.grpo_step import compute_logprobs
-    from megatron_ba.megatron.layout_equivalence.cases import Layout, synthetic_batch
+    from megatron_ba.megatron.layout_equivalence.cases import synthetic_batch
     from megatron_ba.megatron.layout_equivalence.workers import _build
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
 
-    setup(tp=1, pp=1, cp=1, seed=0, backend="gloo", rank=rank, world_size=1, port=port)
+    setup(ParallelLayout(dp=None), seed=0, backend="gloo", rank=rank, world_size=1, port=port)
     batch = synthetic_batch(0, model="tiny-moe")
-    logp = compute_logprobs(_build(False, 0, Layout(model="tiny-moe")), batch["tokens"])[0]
+    logp = compute_logprobs(_build(False, 0, ParallelLayout(), "tiny-moe"), batch["tokens"])[0]
     g = torch.Generator().manual_seed(1)
     batch["old_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
     batch["ref_logprobs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)

@@ -149,9 +149,10 @@ def tp2_worker(rank: int, port: int, hf_dir: str, out: str) -> None:
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.grpo_step import compute_logprobs
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
     from tests.conversion_agreement import fixed_sequence
 
-    setup(tp=2, pp=1, cp=1, seed=0, rank=rank, world_size=2, port=port)
+    setup(ParallelLayout(tp=2, dp=None), seed=0, rank=rank, world_size=2, port=port)
     spec = spec_from_hf_dir(hf_dir)
     chunks = mm.build_model_chunks(spec, ddp=False)
     load_hf_into_chunks(chunks, hf_dir, spec)
@@ -191,10 +192,11 @@ def ep2_worker(rank: int, port: int, hf_dir: str, out: str) -> None:
     from megatron_ba.megatron import cpu_compat
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
     from tests.conversion_agreement import fixed_sequence
     from tests.test_moe_model import megatron_logits
 
-    setup(tp=1, pp=1, cp=1, seed=0, rank=rank, world_size=2, port=port)
+    setup(ParallelLayout(dp=None), seed=0, rank=rank, world_size=2, port=port)
     # startup.setup has no EP: the same world again with the experts split over both ranks
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)

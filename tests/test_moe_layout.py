@@ -30,29 +30,31 @@ import pytest
 from megatron_ba.megatron.layout_equivalence.check import (
     TOLERANCE,
     Case,
-    Layout,
+    check_layout_possible,
     compute_reference,
     expected_reducer_calls,
+    flag_layout,
     run_layout,
 )
+from megatron_ba.parallel.layout import ParallelLayout
 
 MODEL = "tiny-moe"
 CORE = [Case(rule, 3) for rule in ("token", "sequence", "balanced")]
 EXPERTS_UNREDUCED = Case("balanced", 3, expert_grads_unreduced=True)
 SP_GRADS_UNREDUCED = Case("balanced", 3, sequence_parallel_grads_unreduced=True)
 
-LAYOUTS: dict[str, tuple[Layout, list[Case]]] = {
-    "EP2": (Layout(dp=2, ep=2, model=MODEL), [*CORE, EXPERTS_UNREDUCED, SP_GRADS_UNREDUCED]),
-    "DP4xEP2": (Layout(dp=4, ep=2, model=MODEL), [*CORE, EXPERTS_UNREDUCED]),
-    "DP4xEP2xETP2": (Layout(dp=4, ep=2, etp=2, model=MODEL), CORE),
-    "PP2": (Layout(pp=2, model=MODEL), CORE),
+LAYOUTS: dict[str, tuple[ParallelLayout, list[Case]]] = {
+    "EP2": (ParallelLayout(dp=2, ep=2), [*CORE, EXPERTS_UNREDUCED, SP_GRADS_UNREDUCED]),
+    "DP4xEP2": (ParallelLayout(dp=4, ep=2), [*CORE, EXPERTS_UNREDUCED]),
+    "DP4xEP2xETP2": (ParallelLayout(dp=4, ep=2, etp=2), CORE),
+    "PP2": (ParallelLayout(pp=2), CORE),
     # TP2 with sequence parallelism (the local spec's norms: cpu_compat shim 6); the experts
     # split over the two TP ranks (ETP 1), then DP2 x TP2 with EP2 over DP (ETP 2, expert-DP 1).
     "EP2xTP2+SP": (
-        Layout(tp=2, ep=2, etp=1, model=MODEL, sequence_parallel=True),
+        ParallelLayout(tp=2, ep=2, etp=1, sequence_parallel=True),
         [*CORE, SP_GRADS_UNREDUCED],
     ),
-    "DP2xEP2xTP2+SP": (Layout(tp=2, dp=2, ep=2, model=MODEL, sequence_parallel=True), CORE),
+    "DP2xEP2xTP2+SP": (ParallelLayout(tp=2, dp=2, ep=2, sequence_parallel=True), CORE),
 }
 
 
@@ -68,7 +70,7 @@ def moe_reference(tmp_path_factory) -> str:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_moe_layout_matches_single_process(name, moe_reference):
     layout, cases = LAYOUTS[name]
-    report = run_layout(layout, cases, seed=0, reference=moe_reference)
+    report = run_layout(layout, cases, seed=0, reference=moe_reference, model=MODEL)
     assert report.logprobs_err <= TOLERANCE and report.entropy_err <= TOLERANCE
     assert report.grad_norm_rel_err <= TOLERANCE
     assert report.update_rel_err <= 1e-3  # AdamW's g / (|g| + eps) amplifies rounding by ~lr/eps
@@ -96,21 +98,20 @@ def test_moe_layout_matches_single_process(name, moe_reference):
 
 
 @pytest.mark.parametrize(
-    "layout, flag",
+    "fields, model, flag",
     [
-        (Layout(tp=2, dp=2, ep=2, model=MODEL), "--tp"),  # TP > 1 without SP
-        (Layout(dp=2, ep=2, model=MODEL, sequence_parallel=True), "--sequence-parallel"),
-        (Layout(dp=2, ep=3, model=MODEL), "--ep"),  # 3 does not divide 8 experts
-        (Layout(dp=2, ep=4, model=MODEL), "--ep"),  # 4 > the 2 ranks of the stage
-        (Layout(dp=2, ep=2), "--ep"),  # the dense model has no experts
-        (Layout(dp=4, ep=2, etp=3, model=MODEL), "--etp"),
+        (dict(tp=2, dp=2, ep=2), MODEL, "--tp"),  # TP > 1 without SP
+        (dict(dp=2, ep=2, sequence_parallel=True), MODEL, "--sequence-parallel"),
+        (dict(dp=2, ep=3), MODEL, "--ep"),  # 3 does not divide 8 experts
+        (dict(dp=2, ep=4), MODEL, "--ep"),  # 4 > the 2 ranks of the stage
+        (dict(dp=2, ep=2), "debug", "--ep"),  # the dense model has no experts
+        (dict(dp=4, ep=2, etp=3), MODEL, "--etp"),
     ],
 )
-def test_impossible_expert_layouts_are_refused_naming_the_flag(layout, flag):
-    from megatron_ba.megatron.layout_equivalence.check import check_layout_possible
-
-    with pytest.raises(ValueError, match=flag):
-        check_layout_possible(layout, CORE)
+def test_impossible_expert_layouts_are_refused_naming_the_flag(fields, model, flag):
+    check_layout_possible(flag_layout(dp=2, ep=2), CORE, model=MODEL)  # the control: possible
+    with pytest.raises(ValueError, match=f"^{flag}"):
+        check_layout_possible(flag_layout(**fields), CORE, model=model)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.parallel.world import free_port, spawn
 from megatron_ba.rules import AggregationSettings
 
@@ -52,7 +53,7 @@ def _setup(rank: int, world: int, port: int, ep: int):
     )
     from megatron_ba.megatron.startup import setup
 
-    return setup(tp=1, pp=1, cp=1, seed=SEED, ep=ep)
+    return setup(ParallelLayout(ep=ep, dp=None), seed=SEED)
 
 
 def _policy(init_seed: int, ep: int):
@@ -63,7 +64,8 @@ def _policy(init_seed: int, ep: int):
     from megatron_ba.parallel import full_shape
 
     spec = tiny_spec("tiny-moe")
-    config = mm.transformer_config(spec, **expert_config_fields(spec, tp=1, ep=ep, etp=None))
+    layout = ParallelLayout(ep=ep, dp=None)
+    config = mm.transformer_config(spec, **expert_config_fields(spec, layout))
     chunks = mm.build_model_chunks(spec, config=config)
     full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, init_seed))
     return spec, chunks, ShardedAdamW(chunks, lr=1e-2, eps=1e-3, clip_grad=0.5, weight_decay=0.1)
@@ -159,7 +161,7 @@ def resume_worker(rank: int, port: int, run_dir: str, out: str) -> None:
     from megatron_ba.train import checkpoint
 
     ctx = _setup(rank, 1, port, ep=1)
-    res: dict = {"layout": checkpoint.layout_of(ctx)}
+    res: dict = {"layout": ctx.layout.to_dict()}
     ckpt = checkpoint.latest_dir(run_dir)
     _, chunks, opt = _policy(INIT_SEED + 1, ep=1)  # other weights: the load must replace them
     res["meta"] = checkpoint.load(ctx, ckpt, chunks, opt, seed=SEED, log=lambda _: None)
@@ -295,25 +297,30 @@ def test_bad_expert_keys_are_refused_naming_the_key(overrides, key):
 
 
 def test_the_moe_recipe_loads_and_the_build_refuses_tp_and_bad_etp_by_key():
-    from megatron_ba.megatron.build_options import RECIPE_KEYS, check_expert_parallel
     from megatron_ba.megatron.model import ModelSpec
     from megatron_ba.model_shape import PRESETS
     from megatron_ba.recipe import load_recipe
 
+    def check(spec, **layout):  # as the trainer's build checks a checkpoint's model
+        try:
+            ParallelLayout(**layout, dp=None).check_training(spec)
+        except LayoutError as e:
+            raise ValueError(e.renamed(RECIPE_KEYS)) from None
+
     r = load_recipe("recipes/tiny-moe-cpu.yaml")
     assert (r.parallel.ep, r.model.num_experts, r.model.moe_router_topk) == (2, 8, 2)
     spec = ModelSpec.of(PRESETS["tiny-moe"])
-    check_expert_parallel(spec, tp=1, ep=2, etp=None, keys=RECIPE_KEYS)
+    check(spec, ep=2)
     with pytest.raises(ValueError, match=r"parallel\.tp"):
-        check_expert_parallel(spec, tp=2, ep=2, etp=None, keys=RECIPE_KEYS)
+        check(spec, tp=2, ep=2)
     # with sequence parallelism (Transformer Engine on GPUs, the local spec on CPU) TP is not
     # refused
-    check_expert_parallel(spec, tp=2, ep=2, etp=None, keys=RECIPE_KEYS, sequence_parallel=True)
+    check(spec, tp=2, ep=2, sequence_parallel=True)
     with pytest.raises(ValueError, match=r"parallel\.etp"):
-        check_expert_parallel(spec, tp=1, ep=2, etp=3, keys=RECIPE_KEYS)
+        check(spec, ep=2, etp=3)
     dense = ModelSpec.of(PRESETS["tiny"])
     with pytest.raises(ValueError, match=r"parallel\.ep"):
-        check_expert_parallel(dense, tp=1, ep=2, etp=None, keys=RECIPE_KEYS)
+        check(dense, ep=2)
 
 
 def test_nemo_aligner_backend_refuses_expert_parallelism_by_key():

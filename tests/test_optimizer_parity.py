@@ -22,8 +22,9 @@ def chunks():
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
+    from megatron_ba.parallel.layout import ParallelLayout
 
-    setup(tp=1, pp=1, cp=1, seed=0)
+    setup(ParallelLayout(dp=None), seed=0)
     try:
         spec = mm.tiny_qwen2_spec(qk_layernorm=True)  # biases, RMSNorms and q/k norms
         built = mm.build_model_chunks(spec, config=mm.transformer_config(spec))

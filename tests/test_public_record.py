@@ -11,7 +11,9 @@ peak memory is published, the median |error| of the estimate must be <= 15 %.
 
 What a null becomes, each rule stated once (never a value per case): the framework's documented
 default (FRAMEWORK_DEFAULTS), or megatron-core's (cp, pp, ep 1, no recomputation, the distributed
-optimiser), or one sequence per micro-batch (the least memory any batching gives, so a predicted
+optimiser), or the planner's own assumption (a mixture of experts' experts whole on each GPU:
+expert TP 1, the record stating none; sequence parallelism wherever tp > 1), or one sequence per
+micro-batch (the least memory any batching gives, so a predicted
 OOM stays an OOM under any other); what a case's source does not say at all (a GPU, a model id)
 is in ASSUMED with why.
 
@@ -32,8 +34,9 @@ import json
 import statistics
 from pathlib import Path
 
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
-from megatron_ba.planning.memory import GIB, Layout, VLLMShare, load_model
+from megatron_ba.planning.memory import GIB, StepSettings, VLLMShare, load_model
 from megatron_ba.planning.verdict import assess, gpu_memory_gib
 
 FIXTURE = Path(__file__).parent / "fixtures" / "public_runs.json"
@@ -130,7 +133,8 @@ def _field(case: dict, key: str):
 
 
 def planner_inputs(case: dict) -> dict:
-    """The planner's view of a case: shape, layout, GPU memory, vLLM share, sequence length."""
+    """The planner's view of a case: shape, layout, step settings, GPU memory, vLLM share,
+    sequence length."""
     framework = case["framework"].split()[0]
     defaults = FRAMEWORK_DEFAULTS[framework]
     shape = load_model(_field(case, "model").split()[0])
@@ -147,15 +151,18 @@ def planner_inputs(case: dict) -> dict:
         tokens = (case["micro_batch_size"] or 1) * seq_len
     offloaded = case["param_offload"] or case["optimizer_offload"]
     offload = defaults["offload"] if offloaded is None else ("states" if offloaded else "none")
-    layout = Layout(
+    layout = ParallelLayout(
         tp,
         pp,
         cp,
         world // (tp * pp * cp),
+        ep=ep,
+        etp=1 if shape.is_moe else None,
+        sequence_parallel=tp > 1,
+    )
+    step = StepSettings(
         tokens,
         recompute=case["recompute"] or "none",
-        sequence_parallel=tp > 1,
-        ep=ep,
         distributed_optimizer=case["distributed_optimizer"] is not False,
         offload=offload,
         cpu_adam=case["optimizer_cpu_offload_fraction"] or 0.0,
@@ -170,7 +177,14 @@ def planner_inputs(case: dict) -> dict:
     if case["task"] != "SFT" and case["colocated_generation"] is not False:
         util = case["colocated_vllm_gpu_memory_utilization"] or defaults["vllm_util"]
         vllm = VLLMShare(util, sleeps=True, tp=case["rollout_tp"]) if util else None
-    return {"shape": shape, "layout": layout, "gpu_mem_gib": gpu, "vllm": vllm, "seq_len": seq_len}
+    return {
+        "shape": shape,
+        "layout": layout,
+        "step": step,
+        "gpu_mem_gib": gpu,
+        "vllm": vllm,
+        "seq_len": seq_len,
+    }
 
 
 def published_gib(case: dict) -> float | None:
@@ -299,30 +313,30 @@ def propose_for(case: dict, prefer: str):
     recomputation as the case has it (the same sequences per micro-batch, engine, log-prob path,
     offload, expert parallelism), or None when no layout fits."""
     inputs = planner_inputs(case)
-    lo, seq = inputs["layout"], inputs["seq_len"]
+    lo, step, seq = inputs["layout"], inputs["step"], inputs["seq_len"]
     settings = Settings(
-        ep=lo.ep,
-        micro_batch_size=max(1, lo.micro_batch_tokens // seq),
-        offload=lo.offload,
-        cpu_adam=lo.cpu_adam,
-        distributed_optimizer=lo.distributed_optimizer,
-        logprobs=lo.logprob_mode,
+        micro_batch_size=max(1, step.micro_batch_tokens // seq),
+        offload=step.offload,
+        cpu_adam=step.cpu_adam,
+        distributed_optimizer=step.distributed_optimizer,
+        logprobs=step.logprob_mode,
+        reference=step.reference,
         prefer=prefer,
     )
-    world = lo.tp * lo.pp * lo.cp * lo.dp
+    world = lo.world
     try:
         return propose(
             inputs["shape"], nodes=world // 8 if world % 8 == 0 else 1,
             gpus_per_node=min(8, world), gpu_mem_gib=inputs["gpu_mem_gib"],
             max_response_len=seq, prompt_len=0, seq_len=seq, vllm=inputs["vllm"],
-            settings=settings,
+            settings=settings, only={"ep": lo.ep, "etp": lo.etp},
         )  # fmt: skip
     except NoLayoutFits:
         return None
 
 
-def _say(lo, gib: float) -> str:
-    return f"tp{lo.tp} pp{lo.pp} cp{lo.cp} dp{lo.dp} {lo.recompute_mode} ({gib:.1f} GiB)"
+def _say(lo, step, gib: float) -> str:
+    return f"tp{lo.tp} pp{lo.pp} cp{lo.cp} dp{lo.dp} {step.recompute_mode} ({gib:.1f} GiB)"
 
 
 def long_context_rows(cases: list[dict]) -> list[dict]:
@@ -340,10 +354,11 @@ def long_context_rows(cases: list[dict]) -> list[dict]:
             and all(
                 getattr(plan.layout, k) == getattr(inputs["layout"], k) for k in "tp pp cp".split()
             )
-            and plan.layout.recompute_mode == inputs["layout"].recompute_mode
+            and plan.step.recompute_mode == inputs["step"].recompute_mode
         ]
         rows.append({"case": case, "seq": inputs["seq_len"], "published": published,
-                     "layout": inputs["layout"], "plans": plans, "agrees": same})  # fmt: skip
+                     "layout": inputs["layout"], "step": inputs["step"], "plans": plans,
+                     "agrees": same})  # fmt: skip
     return rows
 
 
@@ -352,12 +367,18 @@ def long_context_table(rows: list[dict]) -> str:
     for r in rows:
         c, pub = r["case"], r["published"]
         plans = "; ".join(
-            f"{p}: " + ("none fits" if plan is None else _say(plan.layout, plan.estimate.total_gib))
+            f"{p}: "
+            + (
+                "none fits"
+                if plan is None
+                else _say(plan.layout, plan.step, plan.estimate.total_gib)
+            )
             for p, plan in r["plans"].items()
         )
         agree = f"agrees ({', '.join(r['agrees'])})" if r["agrees"] else "differs"
         lines.append(
-            f"{c['id']} @ {r['seq']}: published {_say(r['layout'], pub.estimate.total_gib)}"
+            f"{c['id']} @ {r['seq']}: published "
+            f"{_say(r['layout'], r['step'], pub.estimate.total_gib)}"
             f" | proposed {plans} | {agree}"
         )
     return "\n".join(lines)

@@ -46,10 +46,20 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from megatron_ba.megatron.layout_equivalence.cases import tiny_spec
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
+    from megatron_ba.parallel.layout import ParallelLayout
 
-    setup(tp=1, pp=1, cp=1, seed=0, backend="gloo", rank=rank, world_size=WORLD, port=port, ep=2)
+    setup(
+        ParallelLayout(ep=2, dp=None),
+        seed=0,
+        backend="gloo",
+        rank=rank,
+        world_size=WORLD,
+        port=port,
+    )
     spec = tiny_spec("tiny-moe")
-    config = mm.transformer_config(spec, **expert_config_fields(spec, tp=1, ep=2, etp=None))
+    config = mm.transformer_config(
+        spec, **expert_config_fields(spec, ParallelLayout(ep=2, dp=None))
+    )
     chunks = mm.build_model_chunks(spec, config=config)
     full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, SEED))
     groups = ReplicaGroups.of_this_rank()

@@ -55,6 +55,7 @@ def _update(mode: str | None, delta: torch.Tensor | None = None, rule: str = "ba
     from megatron_ba.megatron.optimizer_choice import build_optimizer
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
+    from megatron_ba.parallel.layout import ParallelLayout
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train import update
 
@@ -64,7 +65,7 @@ def _update(mode: str | None, delta: torch.Tensor | None = None, rule: str = "ba
         overrides += [f"loss.rollout_correction.mode={mode}", "loss.rollout_correction.cap=1.3"]
         overrides += ["loss.rollout_correction.low=0.8", "loss.rollout_correction.high=1.25"]
     recipe = load_recipe(ROOT / "recipes/tiny-cpu.yaml", overrides)
-    ctx = setup(tp=1, pp=1, cp=1, seed=0)
+    ctx = setup(ParallelLayout(dp=None), seed=0)
     try:
         spec = mm.tiny_qwen2_spec()
         chunks = mm.build_model_chunks(spec, config=mm.transformer_config(spec))
@@ -180,10 +181,11 @@ def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from types import SimpleNamespace
 
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
     from megatron_ba.train import update
 
     torch.set_num_threads(1)
-    setup(tp=1, pp=1, cp=1, seed=0, backend="gloo", rank=rank, world_size=world, port=port)
+    setup(ParallelLayout(dp=None), seed=0, backend="gloo", rank=rank, world_size=world, port=port)
     stats = [torch.tensor(s, dtype=torch.float64) for s in DP_STATS[rank]]
     got = update._with_diagnostics(stats, SimpleNamespace(dp=world))
     with open(f"{out_dir}/rank-{rank}.json", "w") as f:

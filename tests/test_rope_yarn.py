@@ -117,9 +117,10 @@ def worker(rank: int, port: int, root: str, out: str) -> None:
     from pathlib import Path
 
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import ParallelLayout
 
     dirs = build_checkpoints(Path(root))
-    setup(tp=1, pp=1, cp=1, seed=0, rank=rank, world_size=1, port=port)
+    setup(ParallelLayout(dp=None), seed=0, rank=rank, world_size=1, port=port)
     results = {}
     for name, d in dirs.items():
         export = Path(out).parent / f"export-{name}"

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_ba.parallel.layout import ParallelLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,12 +67,12 @@ def test_routing_replay_is_refused_by_name_where_unsupported():
     from megatron_ba.megatron.routing_replay import routing_replay_fields
 
     with pytest.raises(ValueError, match=r"rollout.routing_replay: the model is dense"):
-        routing_replay_fields(0, tp=1, pp=1, cp=1, recompute="none")
+        routing_replay_fields(0, ParallelLayout(), recompute="none")
     with pytest.raises(ValueError, match=r"rollout.routing_replay: .*parallel.tp=2"):
-        routing_replay_fields(8, tp=2, pp=1, cp=1, recompute="none")
+        routing_replay_fields(8, ParallelLayout(tp=2), recompute="none")
     with pytest.raises(ValueError, match=r"rollout.routing_replay: parallel.recompute=full"):
-        routing_replay_fields(8, tp=1, pp=1, cp=1, recompute="full")
-    assert routing_replay_fields(8, tp=1, pp=1, cp=1, recompute="none") == {
+        routing_replay_fields(8, ParallelLayout(), recompute="full")
+    assert routing_replay_fields(8, ParallelLayout(), recompute="none") == {
         "moe_enable_routing_replay": True
     }
 
@@ -113,9 +115,9 @@ def worker(rank: int, port: int, out: str) -> None:
     from megatron_ba.model_shape import PRESETS
     from megatron_ba.parallel import full_shape
 
-    setup(tp=1, pp=1, cp=1, seed=0, backend="gloo", rank=rank, world_size=1, port=port)
+    setup(ParallelLayout(dp=None), seed=0, backend="gloo", rank=rank, world_size=1, port=port)
     spec = mm.ModelSpec.of(PRESETS["tiny-moe"], tie_word_embeddings=False)
-    fields = rr.routing_replay_fields(spec.num_experts, tp=1, pp=1, cp=1, recompute="none")
+    fields = rr.routing_replay_fields(spec.num_experts, ParallelLayout(), recompute="none")
     config = mm.transformer_config(spec, **fields)
     chunks = mm.build_model_chunks(spec, ddp=False, config=config)
     full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, 0))

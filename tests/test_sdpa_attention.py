@@ -258,10 +258,11 @@ import torch
 from megatron_ba.perf import attention as ba
 from megatron_ba.megatron.batching import causal_mask
 from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.parallel.layout import ParallelLayout
 
 args = ba.build_parser().parse_args("--device cpu --seq-len 48 --batch 2".split())
 cpu, mask = torch.device("cpu"), causal_mask(48)
-setup(tp=1, pp=1, cp=1, seed=0)
+setup(ParallelLayout(dp=None), seed=0)
 right = ba.accuracy(args, "fp32", cpu, mask)
 cores = ba._cores
 def wrong_scale(a, dtype):  # control: the SDPA core with 1.1 times the softmax scale

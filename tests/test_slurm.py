@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.planning.launch import FitError, check_fit, expand_hostlist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,13 +70,15 @@ def _dry(script: Path, *args: str, cwd: Path, **env) -> subprocess.CompletedProc
 
 # -- the fit helper ---------------------------------------------------------------------------
 def test_check_fit():
-    assert check_fit(2, 2, 1, nodes=4, gpus_per_node=8) == {"mp": 4, "world": 32, "dp": 8}
+    assert check_fit(ParallelLayout(tp=2, pp=2, dp=None), nodes=4, gpus_per_node=8) == (
+        ParallelLayout(tp=2, pp=2, dp=8)
+    )
     with pytest.raises(FitError, match="--nodes a multiple of 3"):
-        check_fit(2, 3, 1, nodes=2, gpus_per_node=4)  # 8 ranks, model parallel 6
+        check_fit(ParallelLayout(tp=2, pp=3, dp=None), nodes=2, gpus_per_node=4)  # 8 ranks, mp 6
     with pytest.raises(FitError, match=r"parallel\.tp<=4"):
-        check_fit(8, 1, 1, nodes=4, gpus_per_node=4)
+        check_fit(ParallelLayout(tp=8, dp=None), nodes=4, gpus_per_node=4)
     with pytest.raises(FitError, match="straddle"):
-        check_fit(4, 1, 1, nodes=2, gpus_per_node=6)
+        check_fit(ParallelLayout(tp=4, dp=None), nodes=2, gpus_per_node=6)
 
 
 def test_expand_hostlist_matches_slurm_grammar():

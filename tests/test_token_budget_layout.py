@@ -17,11 +17,11 @@ import pytest
 from megatron_ba.megatron.layout_equivalence.check import (
     TOLERANCE,
     Case,
-    Layout,
     compute_reference,
     expected_reducer_calls,
     run_layout,
 )
+from megatron_ba.parallel.layout import ParallelLayout
 
 SEQUENCES = 13
 REAL = [
@@ -41,7 +41,7 @@ def reference(tmp_path_factory) -> str:
     return path
 
 
-def _check(layout: Layout, cases: list[Case], reference: str) -> None:
+def _check(layout: ParallelLayout, cases: list[Case], reference: str) -> None:
     report = run_layout(layout, cases, seed=0, reference=reference, sequences=SEQUENCES)
     assert report.logprobs_err <= TOLERANCE and report.entropy_err <= TOLERANCE
     for r in report.cases:
@@ -56,13 +56,13 @@ def _check(layout: Layout, cases: list[Case], reference: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_token_budgets_and_non_dividing_microbatches(reference):
-    _check(Layout(dp=2), [*REAL, CONTROL], reference)
+    _check(ParallelLayout(dp=2), [*REAL, CONTROL], reference)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_pp2_dp2_token_budget_uniform_shapes(reference):
-    _check(Layout(pp=2, dp=2), [REAL[2], REAL[4]], reference)
+    _check(ParallelLayout(pp=2, dp=2), [REAL[2], REAL[4]], reference)
 
 
 @pytest.mark.slow
@@ -70,4 +70,4 @@ def test_pp2_dp2_token_budget_uniform_shapes(reference):
 def test_tp2_dp2_sequence_parallel_token_budget_widths_padded_to_tp(reference):
     """Sequence parallelism scatters each micro-batch's positions over the TP ranks: token-budget
     micro-batches (cut to their longest row) are padded to a multiple of tp, masked."""
-    _check(Layout(tp=2, dp=2, sequence_parallel=True), [REAL[2], REAL[3]], reference)
+    _check(ParallelLayout(tp=2, dp=2, sequence_parallel=True), [REAL[2], REAL[3]], reference)

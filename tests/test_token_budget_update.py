@@ -22,6 +22,7 @@ def _update(overrides, *, cut_row: int | None = None):
     from megatron_ba.megatron.optimizer_choice import build_optimizer
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
+    from megatron_ba.parallel.layout import ParallelLayout
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train import update
     from megatron_ba.train.experience import build_experience
@@ -30,7 +31,7 @@ def _update(overrides, *, cut_row: int | None = None):
         ROOT / "recipes/tiny-cpu.yaml",
         ["grpo.prompts_per_step=2", "grpo.group_size=3", "parallel.micro_batch_size=2", *overrides],
     )
-    ctx = setup(tp=1, pp=1, cp=1, seed=0)
+    ctx = setup(ParallelLayout(dp=None), seed=0)
     try:
         spec = mm.tiny_qwen2_spec()
         chunks = mm.build_model_chunks(spec, config=mm.transformer_config(spec))

@@ -168,9 +168,10 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ba.megatron.layout_equivalence.check import (
         TOLERANCE,
         Case,
-        Layout,
         check_layout_possible,
+        describe,
         expected_reducer_calls,
+        flag_layout,
         run_layout,
     )
 
@@ -178,17 +179,7 @@ def run(args: argparse.Namespace) -> int:
     if unsupported:
         print(f"check-layout: {unsupported}", file=sys.stderr)
         return 2
-    layout = Layout(
-        tp=args.tp,
-        pp=args.pp,
-        cp=args.cp,
-        dp=args.dp,
-        attention=args.attention,
-        model=args.model,
-        ep=args.ep,
-        etp=args.etp,
-        sequence_parallel=args.sequence_parallel,
-    )
+    build = dict(model=args.model, attention=args.attention)
     case = Case(
         rule=args.rule,
         num_microbatches=args.micro_batches,
@@ -201,6 +192,15 @@ def run(args: argparse.Namespace) -> int:
         sequence_parallel_grads_unreduced=args.negative_control_sequence_parallel,
     )
     try:
+        layout = flag_layout(
+            tp=args.tp,
+            pp=args.pp,
+            cp=args.cp,
+            dp=args.dp,
+            ep=args.ep,
+            etp=args.etp,
+            sequence_parallel=args.sequence_parallel,
+        )
         if args.negative_control_experts and args.model == "debug":
             raise ValueError("--negative-control-experts: needs --model tiny-moe")
         if not (isinstance(args.micro_batches, int) and args.micro_batches >= 1):
@@ -210,15 +210,15 @@ def run(args: argparse.Namespace) -> int:
                 "--micro-batches: the token budget decides the micro-batches; give one of "
                 "--micro-batches and --token-budget"
             )
-        check_layout_possible(layout, [case], sequences=args.sequences)
+        check_layout_possible(layout, [case], sequences=args.sequences, **build)
     except ValueError as e:
-        print(f"check-layout: cannot build layout {layout}: {e}", file=sys.stderr)
+        print(f"check-layout: cannot build layout: {e}", file=sys.stderr)
         return 2
     print(
-        f"check-layout: {layout} ({layout.world} gloo processes), {case}, seed {args.seed}, "
-        f"{args.sequences} sequences"
+        f"check-layout: {describe(layout, **build)} ({layout.world} gloo processes), {case}, "
+        f"seed {args.seed}, {args.sequences} sequences"
     )
-    report = run_layout(layout, [case], seed=args.seed, sequences=args.sequences)
+    report = run_layout(layout, [case], seed=args.seed, sequences=args.sequences, **build)
     (result,) = report.cases
     print(f"loss {result.loss:.9g} (single process {result.loss_ref:.9g})")
     print(f"statistics all-reduces per rank: {result.reducer_calls}")

@@ -78,12 +78,17 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ba.conversion.hf_config import dtype as config_dtype
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.startup import setup, teardown
+    from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
 
     t0 = time.perf_counter()
     src = _model_source(args)
     spec = spec_from_hf_dir(src) if args.to == "megatron" else dc.read_spec(src)
-    spec.check_layout(args.tp, args.pp)
-    ctx = setup(tp=args.tp, pp=args.pp, cp=1, seed=0)
+    layout = ParallelLayout(tp=args.tp, pp=args.pp, dp=None)
+    try:
+        layout.check_model(spec)
+    except LayoutError as e:
+        raise UserError(f"{e.renamed(FLAGS)} ({args.src})") from None
+    ctx = setup(layout, seed=0)
     try:
         # Every weight is overwritten by the load, but megatron-core's initialisation is kept:
         # it is what marks each tensor-parallel weight with its partition dim, which the load

@@ -81,7 +81,24 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
     """The layout, recomputation, offload, batching and optimiser options."""
     for name in ("tp", "pp", "cp"):
         p.add_argument(f"--{name}", type=int, help=f"pin {name} (estimate a given layout)")
-    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE; default 1)")
+    p.add_argument("--ep", type=int, help="pin expert parallelism (MoE; default 1)")
+    p.add_argument(
+        "--etp",
+        type=int,
+        help="pin expert tensor parallelism (MoE; default 1: whole experts on each GPU, as "
+        "NeMo-RL's configs set it; megatron-core's own default, and a recipe's etp: null, is tp)",
+    )
+    p.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="tp > 1 without sequence parallelism (parallel.sequence_parallel: false; the norms' "
+        "activations are then whole on every TP rank; a mixture of experts refuses it)",
+    )
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="a frozen reference policy's weights stay on the GPU (a recipe's loss.kl_coef > 0)",
+    )
     p.add_argument(
         "--recompute", choices=RECOMPUTE, help="pin activation recomputation (default: searched)"
     )
@@ -134,7 +151,7 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_offload(text: str) -> tuple[str, float]:
-    """--offload's value -> (the Layout's offload mode, hybrid CPU Adam's fraction)."""
+    """--offload's value -> (StepSettings' offload mode, hybrid CPU Adam's fraction)."""
     mode, cpu_adam = "auto", 0.0
     for part in (x.strip() for x in text.split(",")):
         name, _, value = part.partition("=")
@@ -162,6 +179,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--group-size", args.group_size),
         ("--prompts-per-step", args.prompts_per_step),
         ("--ep", args.ep),
+        ("--etp", args.etp),
         ("--micro-batch-size", args.micro_batch_size),
         ("--max-tokens-per-gpu", args.max_tokens_per_gpu),
         ("--seq-len", args.seq_len),
@@ -192,7 +210,6 @@ def run(args: argparse.Namespace) -> int:
     if args.vllm_gpu_util:
         vllm = VLLMShare(args.vllm_gpu_util, sleeps=not args.vllm_awake, tp=args.vllm_tp)
     settings = Settings(
-        ep=args.ep,
         recompute=args.recompute,
         micro_batch_size=args.micro_batch_size,
         max_tokens_per_gpu=args.max_tokens_per_gpu,
@@ -200,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         cpu_adam=cpu_adam,
         distributed_optimizer=not args.no_distributed_optimizer,
         logprobs=args.logprobs,
+        reference=args.reference,
         prefer=args.prefer,
     )
     try:
@@ -215,7 +233,10 @@ def run(args: argparse.Namespace) -> int:
             prompts_per_step=args.prompts_per_step,
             vllm=vllm,
             headroom=args.headroom,
-            only={"tp": args.tp, "pp": args.pp, "cp": args.cp},
+            only={
+                **{k: getattr(args, k) for k in ("tp", "pp", "cp", "ep", "etp")},
+                "sequence_parallel": False if args.no_sequence_parallel else None,
+            },
             settings=settings,
         )
     except NoLayoutFits as e:
@@ -260,7 +281,8 @@ def _text(j: dict) -> str:
     lines = [
         f"{j['model']} ({j['params_billion']} B parameters) on {j['nodes']} x {j['gpus_per_node']}"
         f" GPUs of {j['gpu_mem_gib']} GiB, {j['seq_len']} tokens per sequence:",
-        f"  layout: tp={j['tp']} pp={j['pp']} cp={j['cp']} dp={j['dp']} ep={j['ep']}, micro-batch "
+        f"  layout: tp={j['tp']} pp={j['pp']} cp={j['cp']} dp={j['dp']} ep={j['ep']}"
+        f"{'' if j['etp'] is None else ' etp=' + str(j['etp'])}, micro-batch "
         f"{j['micro_batch_size']} sequence(s) = {j['micro_batch_tokens']} tokens "
         f"({j['micro_batch_tokens_per_gpu']} per GPU), recompute={j['recompute_mode']}",
         f"  per GPU (worst pipeline stage {j['worst_stage']}, {j['peak_phase']} phase): "

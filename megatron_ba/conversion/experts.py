@@ -42,10 +42,7 @@ def expert_layout(spec) -> tuple[int, int, Any]:
             f"expert_model_parallel_size: {ep} together with tensor parallelism is not "
             "converted (experts are gathered over the TP group, not their own); use TP=1 with EP"
         )
-    if spec.num_experts % ep:
-        raise ValueError(
-            f"expert_model_parallel_size: {ep} does not divide num_experts={spec.num_experts}"
-        )
+    # ep divides the experts: the model was built for its layout (ParallelLayout.check_model)
     return ps.get_expert_model_parallel_rank(), ep, ps.get_expert_model_parallel_group()
 
 

@@ -1,8 +1,7 @@
 """How the policy model is built on this rank: precision, layer spec, SP, recomputation, CP.
 
     opts = resolve_build_options(precision="bf16", transformer_impl="auto", attention="auto",
-                                 sequence_parallel=True, recompute="selective",
-                                 device=ctx.device, tp=2, cp=2)
+                                 recompute="selective", device=ctx.device, layout=ctx.layout)
     config = model.transformer_config(spec, **opts.config_fields())
     chunks = model.build_model_chunks(spec, config=config,
                                       layer_spec=opts.layer_spec(spec, config),
@@ -27,7 +26,8 @@ naming the key. What runs where (megatron-core 0.16.1):
   unfused on the CPU, where sequences are short and the suite's figures were recorded with it
   (they stay bit-for-bit unchanged). A Transformer Engine build has TE's own attention: naming
   sdpa or unfused there is an error.
-* Sequence parallelism needs TP > 1, and Transformer Engine on CUDA: there the local spec's
+* Sequence parallelism (the layout's; it needs TP > 1: megatron_ba.parallel.layout) needs
+  Transformer Engine on CUDA: there the local spec's
   norms refuse it (megatron-core's WrappedTorchNorm asserts `not config.sequence_parallel`).
   On the CPU the local spec runs it (cpu_compat shim 6 marks its norms' weights for the TP
   all-reduce of their gradients, as Transformer Engine's are).
@@ -50,6 +50,7 @@ from megatron_ba.megatron.model import (
     model_pg_collection_without_cp,
     moe_layer_spec,
 )
+from megatron_ba.parallel.layout import ParallelLayout
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 ATTENTIONS = ("auto", "sdpa", "unfused")
@@ -155,18 +156,18 @@ def resolve_build_options(
     precision: str = "fp32",
     transformer_impl: str = "auto",
     attention: str = "auto",
-    sequence_parallel: bool = False,
     recompute: str = "none",
     device: torch.device | str,
-    tp: int = 1,
-    cp: int = 1,
+    layout: ParallelLayout | None = None,
     te_imports: bool | None = None,
 ) -> BuildOptions:
-    """Check the recipe's build keys against this rank's device and layout; decide "auto".
+    """Check the recipe's build keys against this rank's device and `layout` (its sequence
+    parallelism and CP; None: a world of one); decide "auto".
 
     te_imports: whether Transformer Engine imports (default: try it); tests pass it.
     """
     device = torch.device(device)
+    layout = ParallelLayout() if layout is None else layout
     cuda = device.type == "cuda"
     te = te_available() if te_imports is None else te_imports
     if precision not in PRECISIONS:
@@ -184,29 +185,19 @@ def resolve_build_options(
         raise ValueError(
             f"parallel.recompute: must be one of {', '.join(RECOMPUTE)}, got {recompute!r}"
         )
-    if not isinstance(sequence_parallel, bool):
+    if layout.sequence_parallel and impl != "transformer_engine" and cuda:
         raise ValueError(
-            f"parallel.sequence_parallel: must be true or false, got {sequence_parallel!r}"
+            "parallel.sequence_parallel: needs the Transformer Engine layer spec on CUDA "
+            "(model.transformer_impl: transformer_engine); megatron-core's local spec's "
+            "norms do not support it (only CPU runs shim them)"
         )
-    if sequence_parallel:
-        if tp < 2:
-            raise ValueError(
-                f"parallel.sequence_parallel: needs parallel.tp > 1 (it splits the sequence over "
-                f"the tensor-parallel ranks), got tp={tp}"
-            )
-        if impl != "transformer_engine" and cuda:
-            raise ValueError(
-                "parallel.sequence_parallel: needs the Transformer Engine layer spec on CUDA "
-                "(model.transformer_impl: transformer_engine); megatron-core's local spec's "
-                "norms do not support it (only CPU runs shim them)"
-            )
     return BuildOptions(
         precision=precision,
         transformer_impl=impl,
         attention=attention,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=layout.sequence_parallel,
         recompute=recompute,
-        cp=int(cp),
+        cp=layout.cp,
     )
 
 
@@ -253,66 +244,11 @@ def _resolve_attention(attention: str, impl: str, cuda: bool) -> str:
     return attention
 
 
-# The names under which the expert-parallel settings reach a user: the layout check's flags, the
-# recipe's keys. Each error names the one at fault.
-CHECK_LAYOUT_KEYS = {
-    "tp": "--tp",
-    "ep": "--ep",
-    "etp": "--etp",
-    "model": "--model",
-    "sequence_parallel": "--sequence-parallel",
-}
-RECIPE_KEYS = {
-    "tp": "parallel.tp",
-    "sequence_parallel": "parallel.sequence_parallel",
-    "ep": "parallel.ep",
-    "etp": "parallel.etp",
-    "model": "model.num_experts",
-}
-
-
-def check_expert_parallel(
-    spec, *, tp: int, ep: int, etp: int | None, keys: dict, sequence_parallel: bool = False
-) -> None:
-    """ValueError naming the key (`keys`: CHECK_LAYOUT_KEYS or RECIPE_KEYS) when `spec` cannot
-    be built with expert parallelism `ep` and expert tensor parallelism `etp` (None: megatron-
-    core's default, tp) at tensor parallelism `tp` (MoE at tp > 1 only with sequence
-    parallelism: Transformer Engine on GPUs, the local spec on CPU). Whether the world's ranks
-    can carve it:
-    megatron_ba.parallel.world.check_expert_layout."""
-    for name, v in (("ep", ep), ("etp", etp)):
-        if not (v is None and name == "etp") and not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"{keys[name]}: must be an integer >= 1, got {v!r}")
-    if not spec.num_experts:
-        if ep != 1 or etp is not None:
-            raise ValueError(
-                f"{keys['ep']}/{keys['etp']}: need a mixture-of-experts model "
-                f"({keys['model']}); this one is dense"
-            )
-        return
-    if tp > 1 and not sequence_parallel:
-        # Without sequence parallelism every TP rank holds the same tokens and the MoE layer
-        # routes each of them once per TP rank: the experts' gradients come out TP times too
-        # large (measured: exactly 2x at TP2 x EP2, ETP 2 or 1; the forward is right).
-        # megatron-core refuses to train MoE at TP > 1 without sequence parallelism.
-        raise ValueError(
-            f"{keys['tp']}: {tp} with a mixture-of-experts model needs sequence parallelism "
-            f"(megatron-core's MoE layer): turn on {keys['sequence_parallel']}, or run tp=1 "
-            f"(expert TP, {keys['etp']}, is allowed)"
-        )
-    if spec.num_experts % ep:
-        raise ValueError(f"{keys['ep']}: {ep} does not divide the {spec.num_experts} experts")
-    if spec.moe_ffn_hidden_size % (etp or tp):
-        raise ValueError(
-            f"{keys['etp']}: {etp or tp} does not divide "
-            f"moe_ffn_hidden_size={spec.moe_ffn_hidden_size}"
-        )
-
-
-def expert_config_fields(spec, *, tp: int, ep: int, etp: int | None) -> dict[str, Any]:
-    """TransformerConfig fields of expert parallelism for `spec` (none for a dense model): the
-    config's EP decides how many experts each rank builds and which parameters megatron-core's
-    DDP reduces over the expert-data-parallel group instead of the data-parallel one."""
+def expert_config_fields(spec, layout: ParallelLayout) -> dict[str, Any]:
+    """TransformerConfig fields of `layout`'s expert parallelism for `spec` (none for a dense
+    model): the config's EP decides how many experts each rank builds and which parameters
+    megatron-core's DDP reduces over the expert-data-parallel group instead of the data-parallel
+    one."""
     if not spec.num_experts:
         return {}
-    return dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
+    return dict(expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp)

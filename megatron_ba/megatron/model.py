@@ -35,6 +35,7 @@ from megatron_ba.megatron import cpu_compat, rope
 from megatron_ba.model_shape import PRESETS, ModelShape
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.full_shape import unwrap
+from megatron_ba.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
         cpu = not torch.cuda.is_available()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    spec.check_layout(tp, pp)
+    ParallelLayout(tp=tp, pp=pp, dp=None).check_model(spec)
     kwargs: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,

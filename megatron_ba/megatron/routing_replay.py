@@ -1,6 +1,6 @@
 """Routing replay: megatron-core's MoE routers take the experts the rollout engine chose.
 
-    fields = routing_replay_fields(spec.num_experts, tp=1, pp=1, cp=1, recompute="none")
+    fields = routing_replay_fields(spec.num_experts, ParallelLayout(), recompute="none")
     config = transformer_config(spec, **fields)            # moe_enable_routing_replay=True
     per_layer = microbatch_routing(routed[rows], width)    # [b, S, L, K] -> L x [width*b, K]
     with replaying(model, per_layer):                      # REPLAY_FORWARD for this forward
@@ -32,15 +32,18 @@ import torch
 KEY = "rollout.routing_replay"
 
 
-def routing_replay_fields(
-    num_experts: int | None, *, tp: int, pp: int, cp: int, recompute: str
-) -> dict:
+def routing_replay_fields(num_experts: int | None, layout, *, recompute: str) -> dict:
     """TransformerConfig fields that turn routing replay on; ValueError naming KEY where this
     build cannot replay (a dense model, a megatron-core without RouterReplay, or a layout whose
-    router input is not the whole micro-batch in [s, b] order)."""
+    router input is not the whole micro-batch in [s, b] order); `layout`: the run's
+    ParallelLayout."""
     if not num_experts:
         raise ValueError(f"{KEY}: the model is dense (model.num_experts is 0): nothing to replay")
-    for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.cp", cp)):
+    for key, value in (
+        ("parallel.tp", layout.tp),
+        ("parallel.pp", layout.pp),
+        ("parallel.cp", layout.cp),
+    ):
         if value != 1:
             raise ValueError(
                 f"{KEY}: replays whole micro-batches on one model-parallel rank; {key}={value} "

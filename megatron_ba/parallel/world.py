@@ -6,10 +6,9 @@ spawned on this host.
     spawn(worker, nprocs=4, args=(port, ...))     # worker(rank, port, ...) in 4 new processes
     device = join_world()                         # torchrun's RANK/WORLD_SIZE, else a world of one
     device = join_world("gloo", rank=r, world_size=4, port=port)   # in a spawned worker
-    check_world_divides(tp, pp, cp)
-    init_model_parallel(tp, pp, cp)               # megatron-core's parallel_state
-    init_model_parallel(tp, pp, cp, ep=2, etp=1)  # experts split over 2 ranks of DP x CP
-    ctx = world_context(tp, pp, cp, device)       # ctx.is_main, ctx.dp, ctx.broadcast(obj), ...
+    layout = joined_layout(ParallelLayout(tp=2))  # dp from the joined world (parallel.layout)
+    init_model_parallel(layout)                   # megatron-core's parallel_state
+    ctx = world_context(layout, device)           # ctx.is_main, ctx.dp, ctx.broadcast(obj), ...
     leave_world()
 
 megatron_ba.megatron.startup.setup composes these with megatron-core's CPU shims and RNG seeding
@@ -20,7 +19,8 @@ megatron-core's `torch.cuda.current_device()` buffers land there too) when CUDA 
 else the CPU. It is the one place a device is chosen; everything else takes it from `ctx.device`
 or from its input tensors.
 
-The world is tp x pp x cp x dp ranks; dp is what is left of the world size. Rank 0 (the main rank)
+The world is tp x pp x cp x dp ranks (megatron_ba.parallel.layout.ParallelLayout, which holds
+every rule of the split); dp is what is left of the world size. Rank 0 (the main rank)
 owns the rollout engine, the reward workers and the run folder; every rank trains. No
 torch.distributed here: joining the world is collectives.init_process_group. megatron-core is
 imported inside the functions that need its parallel_state.
@@ -36,20 +36,46 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ba.parallel import collectives
+from megatron_ba.parallel.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
 class DistContext:
+    """This rank's place in the world: its rank, its data-parallel rank, its device, and the
+    world's layout (its sizes: ctx.tp, ctx.dp, ... read the layout's)."""
+
     rank: int
-    world: int
-    tp: int
-    pp: int
-    cp: int
-    dp: int
+    layout: ParallelLayout  # dp known: the joined world's
     dp_rank: int
     device: torch.device  # this rank's: cuda:LOCAL_RANK with CUDA, else cpu
-    ep: int = 1  # expert parallelism, carved out of DP x CP
-    etp: int | None = None  # expert tensor parallelism (None: megatron-core's default, tp)
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def etp(self) -> int | None:
+        return self.layout.etp
 
     @property
     def is_main(self) -> bool:
@@ -194,79 +220,47 @@ def join_world(
     return device
 
 
-def check_world_divides(tp: int, pp: int, cp: int) -> None:
-    """ValueError unless the world splits into tp x pp x cp x dp ranks."""
-    world = collectives.world_rank_and_size()[1]
-    if world % (tp * pp * cp):
-        raise ValueError(
-            f"parallel: the world size {world} is not a multiple of tp*pp*cp = {tp * pp * cp} "
-            f"(launch with torchrun --nproc-per-node {tp * pp * cp} or a multiple of it)"
-        )
+def joined_layout(layout: ParallelLayout) -> ParallelLayout:
+    """`layout` on the joined world: dp is what its size leaves (LayoutError, key "world",
+    when tp x pp x cp does not divide it; key "dp" when a given dp disagrees)."""
+    return layout.for_world(collectives.world_rank_and_size()[1])
 
 
-def check_expert_layout(
-    tp: int,
-    pp: int,
-    cp: int,
-    ep: int,
-    etp: int | None,
-    keys: tuple[str, str] = ("--ep", "--etp"),
-    world_size: int | None = None,
-) -> None:
-    """ValueError unless megatron-core can carve expert parallelism out of this world: the
-    experts' grid is etp x ep x expert-DP x pp over the same ranks (parallel_state.
-    initialize_model_parallel), so etp x ep must divide tp x cp x dp (the ranks of one stage).
-    `keys`: the names of ep and etp in the errors (the layout check's flags, a recipe's keys);
-    `world_size`: a world still to be launched (default: the joined one's)."""
-    world = world_size or collectives.world_rank_and_size()[1]
-    if not (isinstance(ep, int) and ep >= 1):
-        raise ValueError(f"{keys[0]}: must be an integer >= 1, got {ep!r}")
-    if etp is not None and not (isinstance(etp, int) and etp >= 1):
-        raise ValueError(f"{keys[1]}: must be an integer >= 1, got {etp!r}")
-    per_stage = world // (tp * pp * cp) * tp * cp
-    expert_model = (tp if etp is None else etp) * ep
-    if per_stage % expert_model:
-        raise ValueError(
-            f"{keys[0]}: etp*ep = {expert_model} does not divide the {per_stage} ranks of a "
-            "pipeline stage (tp*cp*dp); megatron-core carves expert parallelism out of them"
-        )
-
-
-def init_model_parallel(tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> None:
-    """megatron-core's model-parallel groups of the joined world (once per process); `ep` and
-    `etp`: expert (tensor) parallelism (etp None: megatron-core's default, tp)."""
+def init_model_parallel(layout: ParallelLayout) -> None:
+    """megatron-core's model-parallel groups of the joined world for `layout` (once per
+    process; the experts' groups only when the layout splits experts)."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        experts = {} if ep == 1 and etp is None else dict(expert_model_parallel_size=ep)
-        if etp is not None:
-            experts["expert_tensor_parallel_size"] = etp
+        experts = {}
+        if layout.has_experts:
+            experts = dict(
+                expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp
+            )
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            context_parallel_size=cp,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
             **experts,
         )
 
 
-def world_context(
-    tp: int, pp: int, cp: int, device: torch.device, ep: int = 1, etp: int | None = None
-) -> DistContext:
-    """This rank's place in the initialised world and model-parallel groups."""
+def world_context(layout: ParallelLayout, device: torch.device) -> DistContext:
+    """This rank's place in the initialised world and model-parallel groups (`layout` with dp
+    known: joined_layout's)."""
     from megatron.core import parallel_state
 
     rank, world = collectives.world_rank_and_size()
+    if layout.world != world or layout.dp != parallel_state.get_data_parallel_world_size():
+        raise RuntimeError(
+            f"world_context: layout {layout} is not the initialised world's ({world} ranks, "
+            f"DP {parallel_state.get_data_parallel_world_size()})"
+        )
     return DistContext(
         rank=rank,
-        world=world,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        dp=parallel_state.get_data_parallel_world_size(),
+        layout=layout,
         dp_rank=parallel_state.get_data_parallel_rank(),
         device=device,
-        ep=ep,
-        etp=etp,
     )
 
 

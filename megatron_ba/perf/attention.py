@@ -30,6 +30,7 @@ import torch
 
 from megatron_ba.megatron.batching import causal_mask
 from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.parallel.layout import ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIB = 2**20
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         # megatron_ba's step: megatron-core's own causal mask on CUDA, an explicit one on the CPU
         return None if device.type == "cuda" else causal_mask(s, device=device)
 
-    setup(tp=1, pp=1, cp=1, seed=args.seed)
+    setup(ParallelLayout(dp=None), seed=args.seed)
     try:
         out = {"device": str(device), "shape": [args.heads, args.groups, args.head_dim]}
         out["accuracy"] = {

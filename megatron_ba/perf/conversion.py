@@ -35,6 +35,7 @@ from megatron_ba.conversion import (
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.model_shape import PRESETS
+from megatron_ba.parallel.layout import ParallelLayout
 
 QWEN = PRESETS["qwen2.5-0.5b"]
 
@@ -63,7 +64,7 @@ def measure(src: str) -> dict:
 
     warnings.filterwarnings("ignore")
 
-    setup(tp=1, pp=1, cp=1, seed=0)
+    setup(ParallelLayout(dp=None), seed=0)
     spec = spec_from_hf_dir(src)
     rss_before = _status_kib("VmRSS")
     t = time.perf_counter()

@@ -32,6 +32,7 @@ from megatron_ba.generation.vllm_engine import VLLMEngine
 from megatron_ba.megatron.grpo_step import compute_logprobs
 from megatron_ba.megatron.model import build_model_chunks
 from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.parallel.layout import ParallelLayout
 
 
 def build_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> None:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="bench-refit-"))
     build_checkpoint(folder, args.layers, args.hidden, args.vocab)
-    setup(tp=1, pp=1, cp=1, seed=0)
+    setup(ParallelLayout(dp=None), seed=0)
     engine = None
     try:
         spec = spec_from_hf_dir(folder, params_dtype=torch.float32)

@@ -42,6 +42,7 @@ from megatron_ba.megatron.grpo_step import (
 )
 from megatron_ba.megatron.optimizer_choice import build_optimizer, ddp_overrides
 from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.recipe import OptimizerSection
 from megatron_ba.rules import AggregationSettings
@@ -193,7 +194,7 @@ def run_benchmark(args) -> dict:
         raise SystemExit(f"--recompute full: needs a CUDA device, got {device}")
     if accel:
         torch.cuda.set_device(device)  # megatron-core builds parameters on the current device
-    setup(tp=1, pp=1, cp=1, seed=args.seed)
+    setup(ParallelLayout(dp=None), seed=args.seed)
     try:
         spec = _spec(args)
         # The trainer's own resolution of precision, layer spec ("auto": Transformer Engine

@@ -50,6 +50,7 @@ from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optim
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import full_shape
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.planning import flops
 from megatron_ba.recipe import OptimizerSection
@@ -288,7 +289,7 @@ def run_benchmark(args) -> dict:
     # grpo_step's default: an explicit causal mask on the CPU, megatron-core's own on CUDA
     data = lm_microbatches(tokens, args.micro_batches, CPView(causal_mask=device.type != "cuda"))
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "host CPU"
-    setup(tp=1, pp=1, cp=1, seed=args.seed)
+    setup(ParallelLayout(dp=None), seed=args.seed)
     try:
         main_run, init = train_run(spec, args.dtype, args.steps, data, args, device)
         runs = {"timed": main_run}

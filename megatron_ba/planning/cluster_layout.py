@@ -2,11 +2,14 @@
 
     plan = propose(load_model("Qwen2.5-32B"), nodes=8, gpus_per_node=8, gpu_mem_gib=80,
                    max_response_len=12288, group_size=16, prompts_per_step=32)
-    plan.layout, plan.estimate.peak_gib, plan.overrides(), plan.to_json()
+    plan.layout, plan.step, plan.estimate.peak_gib, plan.overrides(), plan.to_json()
+    propose(..., only={"tp": 2, "ep": 8})     # pin fields of the layout (ParallelLayout's)
 
-Search: every tp dividing the GPUs of a node and the KV heads (megatron-core shards query groups
-whole, and TP stays inside a node, on NVLink), every pp dividing the layers, cp a power of two,
-dp what is left of the world; for each, the largest micro-batch (whole sequences of
+Search: every tp dividing the GPUs of a node (TP stays inside a node, on NVLink), every pp dividing
+the layers, cp a power of two, dp what is left of the world, each a ParallelLayout the model can
+train on (parallel.layout: tp divides the heads and KV heads, expert parallelism fits; a mixture of
+experts at ep=1 unless pinned, its experts whole on each GPU (etp 1) unless pinned, with sequence
+parallelism wherever tp > 1); for each, the largest micro-batch (whole sequences of
 prompt_len + max_response_len tokens, padded) whose estimate leaves `headroom` of the GPU free,
 first without activation recomputation, then with it. Among the layouts that fit one sequence
 per micro-batch the proposal is, by `Settings.prefer`:
@@ -24,17 +27,19 @@ per micro-batch the proposal is, by `Settings.prefer`:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_ba.errors import UserError
 from megatron_ba.model_shape import ModelShape
+from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.planning.memory import (
     GIB,
-    Layout,
     MemoryEstimate,
+    StepSettings,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
+    padded_seq_len,
 )
 from megatron_ba.planning.verdict import Verdict, assess
 from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
@@ -51,7 +56,8 @@ DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep whi
 @dataclass
 class Plan:
     shape: ModelShape
-    layout: Layout
+    layout: ParallelLayout
+    step: StepSettings
     estimate: MemoryEstimate
     micro_batch_size: int  # sequences per micro-batch per model replica
     seq_len: int
@@ -69,24 +75,24 @@ class Plan:
         micro-batches of at most recipe.AUTO_CHUNK_ABOVE tokens, or a chunk other than its
         AUTO_CHUNK), and the colocated vLLM engine's share of the GPU, sleep mode and tensor
         parallelism."""
-        lo = self.layout
+        lo, step = self.layout, self.step
         out = [
             f"parallel.tp={lo.tp}",
             f"parallel.pp={lo.pp}",
             f"parallel.cp={lo.cp}",
             f"parallel.micro_batch_size={self.micro_batch_size}",
         ]
-        if lo.ep > 1:  # the estimate's experts are whole on each GPU (expert TP 1)
+        if lo.ep > 1:
             out.append(f"parallel.ep={lo.ep}")
-            if lo.tp > 1:  # megatron-core's default expert TP is tp
-                out.append("parallel.etp=1")
-        if lo.tp > 1 and lo.sequence_parallel:
+            if lo.etp is not None and lo.etp != lo.tp:  # megatron-core's default expert TP: tp
+                out.append(f"parallel.etp={lo.etp}")
+        if lo.sequence_parallel:
             out.append("parallel.sequence_parallel=true")
-        if lo.recompute_mode != "none":
-            out.append(f"parallel.recompute={lo.recompute_mode}")
-        auto = lo.micro_batch_tokens > AUTO_CHUNK_ABOVE and lo.logprob_chunk == AUTO_CHUNK
-        if lo.logprob_mode == "chunked" and not auto:
-            out.append(f"parallel.logprob_chunk_size={lo.logprob_chunk}")
+        if step.recompute_mode != "none":
+            out.append(f"parallel.recompute={step.recompute_mode}")
+        auto = step.micro_batch_tokens > AUTO_CHUNK_ABOVE and step.logprob_chunk == AUTO_CHUNK
+        if step.logprob_mode == "chunked" and not auto:
+            out.append(f"parallel.logprob_chunk_size={step.logprob_chunk}")
         if self.vllm is not None:
             out.append(f"rollout.gpu_memory_utilization={self.vllm.gpu_util}")
             out.append(f"rollout.sleep={str(self.vllm.sleeps).lower()}")
@@ -98,7 +104,7 @@ class Plan:
         return out
 
     def to_json(self) -> dict:
-        lo = self.layout
+        lo, step = self.layout, self.step
         return {
             "model": self.shape.name,
             "params_billion": round(self.shape.total_params() / 1e9, 3),
@@ -111,16 +117,18 @@ class Plan:
             "dp": lo.dp,
             "seq_len": self.seq_len,
             "micro_batch_size": self.micro_batch_size,
-            "micro_batch_tokens": lo.micro_batch_tokens,
-            "micro_batch_tokens_per_gpu": lo.micro_batch_tokens // lo.cp,
+            "micro_batch_tokens": step.micro_batch_tokens,
+            "micro_batch_tokens_per_gpu": step.micro_batch_tokens // lo.cp,
             "ep": lo.ep,
-            "recompute": lo.recompute,
-            "recompute_mode": lo.recompute_mode,
-            "offload": lo.offload,
-            "cpu_adam": lo.cpu_adam,
-            "distributed_optimizer": lo.distributed_optimizer,
-            "chunked_logprobs": lo.chunked_logprobs,
-            "logprobs": lo.logprob_mode,
+            "etp": lo.etp,
+            "sequence_parallel": lo.sequence_parallel,
+            "recompute": step.recompute,
+            "recompute_mode": step.recompute_mode,
+            "offload": step.offload,
+            "cpu_adam": step.cpu_adam,
+            "distributed_optimizer": step.distributed_optimizer,
+            "chunked_logprobs": step.chunked_logprobs,
+            "logprobs": step.logprob_mode,
             "fits": self.fits,
             "why_not": self.verdict.reason,
             "memory_gib_per_gpu": round(self.estimate.total_gib, 2),
@@ -137,7 +145,7 @@ class Plan:
         """planning.verdict.assess on this layout: the estimate, overheads included, within the
         GPU's whole memory, and a colocated vLLM able to hold one sequence's KV cache."""
         return assess(
-            self.shape, self.layout, gpu_mem_gib=self.gpu_mem_gib, vllm=self.vllm,
+            self.shape, self.layout, self.step, gpu_mem_gib=self.gpu_mem_gib, vllm=self.vllm,
             seq_len=self.seq_len,
         )  # fmt: skip
 
@@ -161,12 +169,12 @@ class NoLayoutFits(UserError):
 
 @dataclass(frozen=True)
 class Settings:
-    """What the search does not choose: expert parallelism, recomputation (None: none, then full
-    where needed), micro-batch (sequences, or tokens per GPU; None: the largest that fits),
-    offload, hybrid CPU Adam's fraction, the distributed optimiser, the log-prob path, and how
-    the fitting layouts are ranked (`prefer`, module docstring)."""
+    """What the search does not choose besides the layout fields `propose(only=...)` pins:
+    recomputation (None: none, then full where needed), micro-batch (sequences, or tokens per
+    GPU; None: the largest that fits), offload, hybrid CPU Adam's fraction, the distributed
+    optimiser, the log-prob path, a reference policy on the GPU, and how the fitting layouts
+    are ranked (`prefer`, module docstring)."""
 
-    ep: int = 1
     recompute: str | None = None
     micro_batch_size: int | None = None
     max_tokens_per_gpu: int | None = None
@@ -174,17 +182,20 @@ class Settings:
     cpu_adam: float = 0.0
     distributed_optimizer: bool = True
     logprobs: str = "chunked"
+    reference: bool = False
     prefer: str = "parallelism"
 
 
-def rank_key(layout: Layout, micro_batch_size: int, prefer: str = "parallelism") -> tuple:
+def rank_key(
+    layout: ParallelLayout, step: StepSettings, micro_batch_size: int, prefer: str = "parallelism"
+) -> tuple:
     """The sort key of a fitting layout (smallest first) under `prefer` (module docstring)."""
     if prefer not in PREFER:
         raise ValueError(f"prefer: one of {', '.join(PREFER)}, got {prefer!r}")
-    lo = layout
-    key = (lo.tp * lo.pp * lo.cp, lo.pp, lo.cp, lo.recompute_mode != "none", -micro_batch_size)
+    lo, recomputes = layout, step.recompute_mode != "none"
+    key = (lo.model_parallel, lo.pp, lo.cp, recomputes, -micro_batch_size)
     if prefer == "compute":
-        return (RECOMPUTE_COST[lo.recompute_mode], *key)
+        return (RECOMPUTE_COST[step.recompute_mode], *key)
     return key
 
 
@@ -192,65 +203,80 @@ def _divisors(n: int) -> list[int]:
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
-def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int):
-    """(tp, pp, cp, dp) of every layout megatron-core can build on `world` GPUs."""
+# The layout fields `propose(only=...)` may pin (sequence_parallel: False turns it off).
+PINNABLE = ("tp", "pp", "cp", "ep", "etp", "sequence_parallel")
+
+
+def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, only=None):
+    """Every ParallelLayout the model can train on over `world` GPUs (module docstring): tp
+    within a node, pp dividing the layers, cp a power of two (seq_len a multiple of 2 cp), the
+    fields of `only` pinned, sequence parallelism wherever tp > 1 (unless pinned off)."""
+    only = only or {}
+    sp = only.get("sequence_parallel", True)
+    experts = dict(ep=only.get("ep", 1), etp=only.get("etp", 1)) if shape.is_moe else {}
+    if not shape.is_moe and ("ep" in only or "etp" in only):
+        experts = {k: only[k] for k in ("ep", "etp") if k in only}  # refused below, by name
     for tp in _divisors(gpus_per_node):
-        if shape.num_query_groups % tp or shape.num_attention_heads % tp:
-            continue
         for pp in _divisors(shape.num_layers):
             for cp in (1, 2, 4, 8, 16, 32):
                 mp = tp * pp * cp
+                sizes = {"tp": tp, "pp": pp, "cp": cp}
+                if any(sizes[k] != v for k, v in only.items() if k in sizes):
+                    continue
                 if mp > world or world % mp or seq_len % (2 * cp):
                     continue
-                yield tp, pp, cp, world // mp
+                try:
+                    layout = ParallelLayout(
+                        **sizes, dp=world // mp, **experts, sequence_parallel=sp and tp > 1
+                    )
+                    layout.check_training(shape)
+                except LayoutError:
+                    continue
+                yield layout
 
 
-def _fit_micro_batch(shape, base: Layout, seq_len, budget, gpu_mem_gib, vllm, max_mbs, fixed):
+def _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, max_mbs, fixed):
     """The largest micro-batch size (1..max_mbs) that fits, or 0; with `fixed` (tokens of a
-    micro-batch) only that one. Fits: the tensors' peak within `budget` (the GPU less the
-    headroom, which stands for what the estimate leaves out and its error) and the whole
-    estimate, overheads included, within the GPU."""
+    micro-batch) only that one. `base`: (layout, step settings). Fits: the tensors' peak within
+    `budget` (the GPU less the headroom, which stands for what the estimate leaves out and its
+    error) and the whole estimate, overheads included, within the GPU."""
     gpu = gpu_mem_gib * GIB
+    layout, base_step = base
 
     def over(e):
         return e.peak > budget or e.total > gpu
 
-    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or base.tp
+    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or layout.tp
     kv_per_seq = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
 
     def est(mbs):
         tokens = fixed if fixed else mbs * seq_len
-        lo = Layout(**{**asdict(base), "micro_batch_tokens": tokens})
-        return lo, estimate(shape, lo, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
+        step = replace(base_step, micro_batch_tokens=tokens)
+        return step, estimate(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
 
-    lo, e = est(1)
+    step, e = est(1)
     if over(e) or (vllm is not None and e.vllm_kv_cache < kv_per_seq):
-        return 0, lo, e  # the trainer does not fit, or vLLM cannot hold one sequence's KV cache
-    good = (max(1, lo.micro_batch_tokens // seq_len), lo, e)
+        return 0, step, e  # the trainer does not fit, or vLLM cannot hold one sequence's KV cache
+    good = (max(1, step.micro_batch_tokens // seq_len), step, e)
     mbs = 2
     while mbs <= max_mbs and not fixed:  # memory grows linearly in the micro-batch: doubling
-        lo, e = est(mbs)
+        step, e = est(mbs)
         if over(e):
             break
-        good = (mbs, lo, e)
+        good = (mbs, step, e)
         mbs *= 2
     return good
 
 
-def _base_layout(tp, pp, cp, dp, seq_len, recompute, settings: Settings) -> Layout:
-    return Layout(
-        tp,
-        pp,
-        cp,
-        dp,
+def _base_step(seq_len, recompute, settings: Settings) -> StepSettings:
+    return StepSettings(
         seq_len,
         recompute=recompute,
-        sequence_parallel=tp > 1,
-        ep=settings.ep,
         distributed_optimizer=settings.distributed_optimizer,
         offload=settings.offload,
         cpu_adam=settings.cpu_adam,
         logprobs=settings.logprobs,
+        reference=settings.reference,
     )
 
 
@@ -282,24 +308,20 @@ def _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_le
 
 
 def _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit):
-    """(every fitting (layout, estimate, mbs), the closest (layout, estimate) of all tried);
-    `fit(base, limit, fixed)` is _fit_micro_batch with the budget bound."""
+    """(every fitting (layout, step, estimate, mbs), the closest (layout, step, estimate) of all
+    tried); `fit(base, limit, fixed)` is _fit_micro_batch with the budget bound."""
     fits, closest = [], None
-    for tp, pp, cp, dp in candidate_layouts(shape, world, gpus_per_node, seq_len):
-        if any({"tp": tp, "pp": pp, "cp": cp}[k] != v for k, v in only.items()):
-            continue
-        if sequences is not None and sequences % dp:
+    for layout in candidate_layouts(shape, world, gpus_per_node, seq_len, only):
+        if sequences is not None and sequences % layout.dp:
             continue  # each data-parallel rank takes an equal share of the step's sequences
-        if (tp * cp * dp) % settings.ep:
-            continue
-        limit = None if sequences is None else max(1, sequences // dp)
+        limit = None if sequences is None else max(1, sequences // layout.dp)
         for recompute in (False, True) if settings.recompute is None else (settings.recompute,):
-            base = _base_layout(tp, pp, cp, dp, seq_len, recompute, settings)
-            mbs, lo, e = fit(base, limit, _fixed_tokens(settings, seq_len, cp))
-            if closest is None or e.total < closest[1].total:
-                closest = (lo, e)
+            base = (layout, _base_step(seq_len, recompute, settings))
+            mbs, step, e = fit(base, limit, _fixed_tokens(settings, seq_len, layout.cp))
+            if closest is None or e.total < closest[2].total:
+                closest = (layout, step, e)
             if mbs:
-                fits.append((lo, e, mbs))
+                fits.append((layout, step, e, mbs))
                 break  # recomputation only when a layout cannot fit without it
     return fits, closest
 
@@ -312,10 +334,10 @@ def _alternatives(fits) -> list[dict]:
             "cp": a.cp,
             "dp": a.dp,
             "micro_batch_size": m,
-            "recompute": a.recompute,
+            "recompute": step.recompute,
             "memory_gib_per_gpu": round(ae.total_gib, 2),
         }
-        for a, ae, m in fits[1:6]
+        for a, step, ae, m in fits[1:6]
     ]
 
 
@@ -336,9 +358,9 @@ def propose(
     settings: Settings = Settings(),
     seq_len: int | None = None,
 ) -> Plan:
-    """The proposal (see the module docstring); `only` pins some of tp/pp/cp (e.g. {"tp": 2})
-    to estimate a given layout instead of searching over it; `seq_len` (prompt + response)
-    replaces prompt_len + max_response_len."""
+    """The proposal (see the module docstring); `only` pins layout fields (PINNABLE: e.g.
+    {"tp": 2, "ep": 8}) to estimate a given layout instead of searching over it; `seq_len`
+    (prompt + response) replaces prompt_len + max_response_len."""
     _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_len, headroom)
     if settings.prefer not in PREFER:
         raise ValueError(f"prefer: one of {', '.join(PREFER)}, got {settings.prefer!r}")
@@ -346,10 +368,14 @@ def propose(
     if group_size is not None and prompts_per_step is not None:
         sequences = group_size * prompts_per_step
     seq_len = seq_len or prompt_len + max_response_len
-    seq_len += -seq_len % 64  # padded as megatron_ba's batching pads (and a multiple of 2 cp)
+    seq_len = padded_seq_len(seq_len)
     world = nodes * gpus_per_node
     budget = (1 - headroom) * gpu_mem_gib * GIB
     only = {k: v for k, v in (only or {}).items() if v is not None}
+    unknown = set(only) - set(PINNABLE)
+    if unknown:
+        raise ValueError(f"only: pins {', '.join(PINNABLE)}, not {', '.join(sorted(unknown))}")
+    _check_pins(shape, only)
 
     def fit(base, limit, fixed):
         most = max_micro_batch if limit is None else min(max_micro_batch, limit)
@@ -362,21 +388,35 @@ def propose(
                 f"no TP x PP x CP layout divides {world} GPUs for {shape.name} "
                 f"(tp must divide {gpus_per_node} and the {shape.num_query_groups} KV heads)"
             )
-        lo, e = closest
-        mbs = max(1, lo.micro_batch_tokens // seq_len)
-        plan = Plan(shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
-                    vllm=vllm)  # fmt: skip
+        lo, step, e = closest
+        mbs = max(1, step.micro_batch_tokens // seq_len)
+        plan = Plan(shape, lo, step, e, mbs, seq_len, sequences, nodes, gpus_per_node,
+                    gpu_mem_gib, vllm=vllm)  # fmt: skip
         raise NoLayoutFits(
             f"{shape.name} at {seq_len} tokens per sequence does not fit {nodes} x "
             f"{gpus_per_node} GPUs of {gpu_mem_gib} GiB: the closest layout (tp={lo.tp} pp={lo.pp} "
-            f"cp={lo.cp}, recompute={lo.recompute_mode}) needs {e.total_gib:.1f} GiB per GPU "
+            f"cp={lo.cp}, recompute={step.recompute_mode}) needs {e.total_gib:.1f} GiB per GPU "
             f"({e.peak_gib:.1f} GiB of tensors against {budget / GIB:.1f} GiB usable with the "
             f"headroom{'; ' + plan.verdict.reason if plan.verdict.reason else ''}); add nodes, use "
             f"GPUs with more memory or shorten --max-response-len",
             closest=plan,
         )
 
-    fits.sort(key=lambda item: rank_key(item[0], item[2], settings.prefer))
-    lo, e, mbs = fits[0]
-    return Plan(shape, lo, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
+    fits.sort(key=lambda item: rank_key(item[0], item[1], item[3], settings.prefer))
+    lo, step, e, mbs = fits[0]
+    return Plan(shape, lo, step, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
                 _alternatives(fits), vllm=vllm)  # fmt: skip
+
+
+def _check_pins(shape: ModelShape, only: dict) -> None:
+    """ValueError naming the flag when the pinned fields alone cannot train `shape` (a layout
+    with them and every other field 1, at the pinned sizes' own data parallelism)."""
+    pinned = {k: only[k] for k in ("tp", "pp", "cp") if k in only}
+    experts = {k: only[k] for k in ("ep", "etp") if k in only}
+    dp = (experts.get("ep", 1) * experts.get("etp", 1)) or 1
+    try:
+        sp = only.get("sequence_parallel", True) and pinned.get("tp", 1) > 1
+        layout = ParallelLayout(**pinned, dp=dp, **experts, sequence_parallel=sp)
+        layout.check_training(shape, even_stages=False)
+    except LayoutError as e:
+        raise ValueError(e.renamed(FLAGS)) from None

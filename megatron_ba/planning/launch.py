@@ -14,10 +14,13 @@ means "not given and no GPU here": the CPU default, one gloo process per model-p
 when `scontrol show hostnames` cannot run, e.g. a DRY_RUN away from any cluster).
 
 On GPUs it also asks the memory planner (planning/verdict.py, the verdict `megatron-ba layout`
-reports as "fits") whether the recipe's layout fits each GPU, for a recipe that trains a
-checkpoint whose config.json it can read: GPU memory from `--gpu-mem GIB`, else the environment's
-MBA_GPU_MEM_GIB, else `nvidia-smi` on this node (none of them: the check is skipped, and says so).
-A layout that does not fit exits 3 naming the single changes that would make it fit (e.g.
+reports as "fits") whether the recipe's layout fits each GPU: the recipe's whole
+ParallelLayout (expert parallelism included) and its step's settings (`recipe_plan`), for the model
+it trains (a checkpoint's config.json it can read, or a fresh model's shape keys; a checkpoint
+path it cannot read here is not checked, and says so). GPU memory from `--gpu-mem GIB`, else the
+environment's MBA_GPU_MEM_GIB, else `nvidia-smi` on this node (none of them: the check is skipped,
+and says so). A layout that fits prints RECIPE_MEMORY_GIB (the estimate per GPU); one that does
+not exits 3 naming the single changes that would make it fit (e.g.
 "parallel.recompute=full (61.2 GiB)" or "parallel.cp=2").
 """
 
@@ -32,8 +35,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_ba.planning.memory import Layout, VLLMShare, load_model
-from megatron_ba.planning.verdict import assess, remedies
+from megatron_ba.model_shape import ModelShape
+from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
+from megatron_ba.planning.memory import StepSettings, VLLMShare, load_model, padded_seq_len
+from megatron_ba.planning.verdict import Verdict, assess, remedies
 from megatron_ba.recipe import RecipeError, load_recipe
 
 
@@ -44,12 +49,13 @@ class FitError(ValueError):
 FIT_EXIT = 3  # `fit`'s exit status when the allocation cannot hold the layout (2: bad input)
 
 
-def check_fit(tp: int, pp: int, cp: int, nodes: int, gpus_per_node: int) -> dict:
-    """DP and the world of `nodes` x `gpus_per_node` ranks for a TP x PP x CP model layout."""
+def check_fit(layout: ParallelLayout, nodes: int, gpus_per_node: int) -> ParallelLayout:
+    """The recipe's `layout` on `nodes` x `gpus_per_node` ranks (its dp what they leave)."""
     if nodes < 1:
         raise FitError(f"nodes: must be >= 1, got {nodes}")
     if gpus_per_node < 1:
         raise FitError(f"GPUS_PER_NODE: must be >= 1, got {gpus_per_node}")
+    tp = layout.tp
     if tp > gpus_per_node:
         raise FitError(
             f"parallel.tp={tp} is larger than GPUS_PER_NODE={gpus_per_node}: tensor parallelism "
@@ -61,16 +67,22 @@ def check_fit(tp: int, pp: int, cp: int, nodes: int, gpus_per_node: int) -> dict
             f"parallel.tp={tp} does not divide GPUS_PER_NODE={gpus_per_node}: a TP group would "
             f"straddle two nodes; use a parallel.tp that divides {gpus_per_node}"
         )
-    mp = tp * pp * cp
     world = nodes * gpus_per_node
-    if world % mp:
+    try:
+        return layout.for_world(world)
+    except LayoutError as e:
+        mp = layout.model_parallel
+        if e.key != "world":  # the world leaves a dp the layout's experts cannot be carved from
+            raise FitError(
+                f"{e.renamed(RECIPE_KEYS)} (on {nodes} x {gpus_per_node} GPUs)"
+            ) from None
         need_nodes = mp // math.gcd(mp, gpus_per_node)  # smallest node count that fits
         raise FitError(
             f"{nodes} node(s) x {gpus_per_node} GPU(s) = {world} ranks is not a multiple of "
-            f"parallel.tp x pp x cp = {tp} x {pp} x {cp} = {mp}: submit with --nodes a multiple "
-            f"of {need_nodes}, or change parallel.tp/pp/cp so that their product divides {world}"
-        )
-    return {"mp": mp, "world": world, "dp": world // mp}
+            f"parallel.tp x pp x cp = {layout.tp} x {layout.pp} x {layout.cp} = {mp}: submit "
+            f"with --nodes a multiple of {need_nodes}, or change parallel.tp/pp/cp so that their "
+            f"product divides {world}"
+        ) from None
 
 
 _RANGE = re.compile(r"\[([^\]]+)\]")
@@ -136,35 +148,50 @@ def gpu_memory_here(given: float | None) -> float | None:
     return float(first[0]) / 1024 if out.returncode == 0 and first else None  # MiB -> GiB
 
 
-def recipe_layout(recipe, dp: int) -> tuple[Layout, VLLMShare | None, int]:
-    """The planner's view of a recipe: its layout, colocated vLLM share, sequence length."""
+def recipe_shape(recipe) -> ModelShape | None:
+    """The model a recipe trains, as the planner reads it: the checkpoint's config.json
+    (model.pretrained), or a fresh model's shape keys with the tokenizer's vocabulary; None when
+    the checkpoint's config.json is not readable here."""
+    if recipe.model.pretrained:
+        config = Path(recipe.model.pretrained, "config.json")
+        return load_model(str(config)) if config.is_file() else None
+    return recipe.model.fresh_shape(recipe.tokenizer.vocab_size)
+
+
+def recipe_plan(recipe, dp: int) -> tuple[ParallelLayout, StepSettings, VLLMShare | None, int]:
+    """The planner's inputs for a recipe on `dp` data-parallel ranks: its ParallelLayout, its
+    step's settings (micro-batch tokens, recomputation, the log-prob chunk, a reference policy
+    with the KL term), its colocated vLLM engine and its padded sequence length (as `megatron-ba
+    layout` counts one)."""
     p, g = recipe.parallel, recipe.grpo
-    seq_len = (recipe.data.max_prompt_tokens or 512) + g.max_new_tokens
-    tokens = p.max_tokens_per_microbatch or p.micro_batch_size * seq_len
-    layout = Layout(
-        p.tp, p.pp, p.cp, dp, tokens, recompute=p.recompute, sequence_parallel=p.sequence_parallel
+    seq_len = padded_seq_len((recipe.data.max_prompt_tokens or 512) + g.max_new_tokens)
+    step = StepSettings(
+        p.max_tokens_per_microbatch or p.micro_batch_size * seq_len,
+        recompute=p.recompute,
+        logprob_chunk=p.logprob_chunk_size or StepSettings.logprob_chunk,
+        reference=recipe.loss.kl_coef > 0,
     )
     r = recipe.rollout
     vllm = None
     if r.engine == "vllm":
         vllm = VLLMShare(r.gpu_memory_utilization, sleeps=r.sleep, tp=r.engine_tp)
-    return layout, vllm, seq_len
+    return p.layout(dp), step, vllm, seq_len
 
 
-def check_memory(recipe, dp: int, gpus_per_node: int, gpu_mem_gib: float) -> str | None:
-    """None when the recipe's layout fits GPUs of `gpu_mem_gib`, else what to change (FitError
-    text); a recipe without a readable checkpoint config.json is not checked (None)."""
-    config = Path(recipe.model.pretrained or "", "config.json")
-    if not recipe.model.pretrained or not config.is_file():
-        return None
-    shape = load_model(str(config))
-    layout, vllm, seq_len = recipe_layout(recipe, dp)
-    v = assess(shape, layout, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len)
+def check_memory(recipe, layout: ParallelLayout, gpus_per_node: int, gpu_mem_gib: float):
+    """(the verdict, None) when the recipe on `layout` fits GPUs of `gpu_mem_gib`, else (the
+    verdict, what to change: FitError text); (None, None) when the model cannot be read here."""
+    shape = recipe_shape(recipe)
+    if shape is None:
+        return None, None
+    layout, step, vllm, seq_len = recipe_plan(recipe, layout.dp)
+    v = assess(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len)
     if v.fits:
-        return None
+        return v, None
     fixes = remedies(
         shape,
         layout,
+        step,
         gpu_mem_gib=gpu_mem_gib,
         vllm=vllm,
         seq_len=seq_len,
@@ -172,10 +199,33 @@ def check_memory(recipe, dp: int, gpus_per_node: int, gpu_mem_gib: float) -> str
     )
     say = ", or ".join(f"{key} ({gib} GiB)" for _, key, gib in fixes)
     hint = f"it fits with {say}" if fixes else "no single change of the layout or vLLM's TP fits"
-    return (
-        f"the layout does not fit GPUs of {gpu_mem_gib:.1f} GiB: {v.reason}; {hint} "
+    return v, (
+        f"the layout ({layout}) does not fit GPUs of {gpu_mem_gib:.1f} GiB: {v.reason}; {hint} "
         f"(megatron-ba layout --help: the estimate)"
     )
+
+
+def _memory_verdict(args, recipe, layout, gpus) -> tuple[int, Verdict | None]:
+    """(exit status so far, the memory verdict) of the fit's memory check (module docstring)."""
+    gpu_mem = gpu_memory_here(args.gpu_mem) if args.gpus_per_node else None
+    if not args.gpus_per_node:
+        return 0, None
+    if gpu_mem is None:
+        print("launch: GPU memory unknown (no --gpu-mem, MBA_GPU_MEM_GIB or nvidia-smi): the "
+              "memory check is skipped", file=sys.stderr)  # fmt: skip
+        return 0, None
+    try:
+        verdict, problem = check_memory(recipe, layout, gpus, gpu_mem)
+    except ValueError as e:
+        print(f"launch: {args.recipe}: {e}", file=sys.stderr)
+        return 2, None
+    if verdict is None:
+        print(f"launch: {recipe.model.pretrained}/config.json is not readable here: the memory "
+              "check is skipped", file=sys.stderr)  # fmt: skip
+    if problem:
+        print(f"launch: {args.recipe}: {problem}", file=sys.stderr)
+        return FIT_EXIT, verdict
+    return 0, verdict
 
 
 def _fit(args: argparse.Namespace) -> int:
@@ -192,26 +242,16 @@ def _fit(args: argparse.Namespace) -> int:
             print(f"launch: {e}", file=sys.stderr)
             return 2
     nodes = args.nodes if args.nodes is not None else len(hosts)
-    p = recipe.parallel
-    gpus = args.gpus_per_node or p.tp * p.pp * p.cp  # CPU: the processes the recipe needs
+    layout = recipe.parallel.layout()
+    gpus = args.gpus_per_node or layout.model_parallel  # CPU: the processes the recipe needs
     try:
-        fit = check_fit(p.tp, p.pp, p.cp, nodes, gpus)
+        layout = check_fit(layout, nodes, gpus)
     except FitError as e:
         print(f"launch: {args.recipe}: {e}", file=sys.stderr)
         return FIT_EXIT
-    gpu_mem = gpu_memory_here(args.gpu_mem) if args.gpus_per_node else None
-    if args.gpus_per_node and gpu_mem is None:
-        print("launch: GPU memory unknown (no --gpu-mem, MBA_GPU_MEM_GIB or nvidia-smi): the "
-              "memory check is skipped", file=sys.stderr)  # fmt: skip
-    elif gpu_mem is not None:
-        try:
-            problem = check_memory(recipe, fit["dp"], gpus, gpu_mem)
-        except ValueError as e:
-            print(f"launch: {args.recipe}: {e}", file=sys.stderr)
-            return 2
-        if problem:
-            print(f"launch: {args.recipe}: {problem}", file=sys.stderr)
-            return FIT_EXIT
+    status, verdict = _memory_verdict(args, recipe, layout, gpus)
+    if status:
+        return status
     if args.write_recipe:
         Path(args.write_recipe).parent.mkdir(parents=True, exist_ok=True)
         recipe.dump(args.write_recipe)
@@ -220,17 +260,20 @@ def _fit(args: argparse.Namespace) -> int:
         "RULE": recipe.loss.rule,
         "BACKEND": recipe.backend,
         "STEPS": recipe.grpo.steps,
-        "TP": p.tp,
-        "PP": p.pp,
-        "CP": p.cp,
-        "DP": fit["dp"],
-        "WORLD": fit["world"],
+        "TP": layout.tp,
+        "PP": layout.pp,
+        "CP": layout.cp,
+        "DP": layout.dp,
+        "EP": layout.ep,
+        "WORLD": layout.world,
         "GPUS_PER_NODE": gpus,
         "RUN_NAME": f"{recipe.name}-{recipe.loss.rule}",  # megatron-ba train's default folder
         "NODES": nodes,
     }
     if hosts:
         values["HOSTS"] = " ".join(hosts)
+    if verdict is not None:
+        values["MEMORY_GIB"] = f"{verdict.estimate.total_gib:.2f}"
     for k, v in values.items():
         print(f"RECIPE_{k}={shlex.quote(str(v))}")
     return 0

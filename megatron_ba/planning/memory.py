@@ -1,8 +1,13 @@
 """Per-GPU memory of a GRPO training step on megatron-core, term by term.
 
     shape = load_model("Qwen2.5-Math-7B")            # a preset, a config.json, or a folder with one
-    est = estimate(shape, Layout(tp=2, pp=1, cp=1, dp=16, micro_batch_tokens=8192), gpu_mem_gib=80)
+    est = estimate(shape, ParallelLayout(tp=2, dp=16, sequence_parallel=True),
+                   StepSettings(micro_batch_tokens=8192), gpu_mem_gib=80)
     est.peak_gib, est.breakdown_gib()
+
+The layout is megatron_ba.parallel.layout.ParallelLayout (its rules are checked there, against the
+model too); what the step keeps in memory besides it (the micro-batch, recomputation, the
+log-prob path, the optimiser's placement, offload, a reference policy) is StepSettings.
 
 The model is the megatron-core mixed-precision recipe the local backend and NeMo use: bf16
 weights, fp32 gradient buffers (grads are reduced in fp32), and the distributed optimiser's fp32
@@ -22,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
+from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
@@ -85,11 +91,10 @@ OFFLOAD = ("auto", "none", "states")
 
 
 @dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    cp: int
-    dp: int
+class StepSettings:
+    """What a training step keeps in memory besides the layout decides; a bad value raises
+    ValueError naming the flag of `megatron-ba layout`."""
+
     micro_batch_tokens: int  # tokens of one micro-batch of one model replica, before CP splits it
     # "none", "selective" (megatron-core's core-attention recompute: with flash attention it
     # keeps what "none" keeps) or "full" (keep each layer's input, redo the layer); True / False
@@ -97,8 +102,6 @@ class Layout:
     recompute: bool | str = False
     chunked_logprobs: bool = True  # megatron_ba.megatron.vocab_parallel's chunked path
     logprob_chunk: int = 1024  # its tokens per chunk
-    sequence_parallel: bool = True  # with tp > 1: the norms' activations sharded over TP too
-    ep: int = 1  # expert parallelism (MoE; expert tensor parallelism 1)
     distributed_optimizer: bool = True  # optimiser states sharded over DP x CP
     # What the trainer keeps on the GPU while a colocated engine generates: "auto" (its weights
     # while the engine sleeps, everything when it stays awake), "none" (nothing is offloaded:
@@ -112,6 +115,16 @@ class Layout:
     # DistributedLogprob on the model's fp32 logits), "naive" (autograd's log_softmax of fp32
     # logits); chunked_logprobs=False means "naive".
     logprobs: str = "chunked"
+
+    def __post_init__(self) -> None:
+        if self.recompute_mode not in RECOMPUTE:
+            raise ValueError(f"--recompute: one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.logprob_mode not in LOGPROBS:
+            raise ValueError(f"--logprobs: one of {', '.join(LOGPROBS)}, got {self.logprobs!r}")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"--offload: one of {', '.join(OFFLOAD)}, got {self.offload!r}")
+        if not 0 <= self.cpu_adam <= 1:
+            raise ValueError(f"--offload cpu-adam=F: F must be in [0, 1], got {self.cpu_adam}")
 
     @property
     def logprob_mode(self) -> str:
@@ -171,6 +184,16 @@ class MemoryEstimate:
         return self.total / GIB
 
 
+# Sequences as the planner counts them: padded to a multiple of 64 tokens, as megatron_ba's
+# batching pads them (and so a multiple of 2 cp for every cp the planner proposes).
+SEQ_PAD = 64
+
+
+def padded_seq_len(tokens: int) -> int:
+    """`tokens` (prompt + response) as the planner counts a sequence: padded to SEQ_PAD."""
+    return tokens + -tokens % SEQ_PAD
+
+
 def stage_layers(shape: ModelShape, pp: int) -> int:
     """Layers of the fullest pipeline stage (megatron-core gives the remainder to the first and
     last stages when pp does not divide them; the fullest stage has ceil(L / pp))."""
@@ -195,62 +218,46 @@ def stage_params(shape: ModelShape, pp: int, stage: int, experts: bool | None = 
 
 def estimate(
     shape: ModelShape,
-    layout: Layout,
+    layout: ParallelLayout,
+    step: StepSettings,
     *,
     gpu_mem_gib: float,
     vllm: VLLMShare | None = None,
     precision: Precision = PRECISION,
 ) -> MemoryEstimate:
-    """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks)."""
-    if layout.pp > shape.num_layers:
-        raise ValueError(f"--pp {layout.pp}: more stages than the {shape.num_layers} layers")
-    check_layout(shape, layout)
+    """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks).
+    ValueError naming the flag when `layout` cannot train `shape` (ParallelLayout's rules; the
+    planner estimates uneven pipeline stages too: at most one stage per layer)."""
+    try:
+        layout.check_training(shape, even_stages=False)
+    except LayoutError as e:
+        raise ValueError(e.renamed(FLAGS)) from None
     best = None
     for stage in range(layout.pp):
-        est = _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, precision)
+        est = _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, precision)
         if best is None or est.total > best.total:
             best = est
     return best
 
 
-def check_layout(shape: ModelShape, layout: Layout) -> None:
-    """ValueError naming the flag when expert parallelism or an option does not fit the model."""
-    if layout.ep > 1 and not shape.is_moe:
-        raise ValueError(f"--ep {layout.ep}: {shape.name} is dense (no experts to split)")
-    if shape.is_moe and shape.num_experts % layout.ep:
-        raise ValueError(f"--ep {layout.ep}: does not divide the {shape.num_experts} experts")
-    if (layout.tp * layout.cp * layout.dp) % layout.ep:
-        raise ValueError(
-            f"--ep {layout.ep}: must divide tp x cp x dp = "
-            f"{layout.tp * layout.cp * layout.dp} (the ranks of one pipeline stage)"
-        )
-    if layout.recompute_mode not in RECOMPUTE:
-        raise ValueError(f"--recompute: one of {', '.join(RECOMPUTE)}, got {layout.recompute!r}")
-    if layout.logprob_mode not in LOGPROBS:
-        raise ValueError(f"--logprobs: one of {', '.join(LOGPROBS)}, got {layout.logprobs!r}")
-    if layout.offload not in OFFLOAD:
-        raise ValueError(f"--offload: one of {', '.join(OFFLOAD)}, got {layout.offload!r}")
-    if not 0 <= layout.cpu_adam <= 1:
-        raise ValueError(f"--offload cpu-adam=F: F must be in [0, 1], got {layout.cpu_adam}")
-
-
-def _states(shape, layout, stage, prec):
+def _states(shape, layout, step, stage, prec):
     """Weights, gradients and the optimiser's GPU part of one stage, per GPU."""
-    t, c, d, e = layout.tp, layout.cp, layout.dp, layout.ep
+    t, c, d = layout.tp, layout.cp, layout.dp
     dense = stage_params(shape, layout.pp, stage, experts=False) / t  # TP shards every matrix
-    experts = stage_params(shape, layout.pp, stage, experts=True) / e  # expert TP 1
+    # the routed experts: split over EP, each expert's matrices over expert TP
+    experts = stage_params(shape, layout.pp, stage, experts=True) / (layout.ep * layout.expert_tp)
     params = dense + experts
-    if layout.distributed_optimizer:  # experts' data-parallel group: t c d / e ranks
-        opt_params = dense / (d * c) + experts * e / (t * c * d)
+    if step.distributed_optimizer:  # the experts' states over their data-parallel group
+        opt_params = dense / (d * c) + experts / layout.expert_dp
     else:
         opt_params = params
-    optimizer = opt_params * prec.optimizer_bytes * (1 - layout.cpu_adam)
+    optimizer = opt_params * prec.optimizer_bytes * (1 - step.cpu_adam)
     return params * prec.param_bytes, params * prec.grad_bytes, optimizer
 
 
-def _activations(shape, layout, stage, prec):
+def _activations(shape, layout, step, stage, prec):
     t, p, c = layout.tp, layout.pp, layout.cp
-    tokens = layout.micro_batch_tokens / c  # CP splits every sequence across c ranks
+    tokens = step.micro_batch_tokens / c  # CP splits every sequence across c ranks
     layers = stage_layers(shape, p)
     # 1F1B: stage s has min(p - s, micro-batches) forwards in flight before its first backward;
     # the planner assumes at least p micro-batches per step (it proposes enough).
@@ -267,7 +274,7 @@ def _activations(shape, layout, stage, prec):
     return no_recompute, full_recompute, tokens
 
 
-def _logits(shape, layout, stage, tokens, prec):
+def _logits(shape, layout, step, stage, tokens, prec):
     """(naive, chunked, megatron, fp32) bytes of the log-prob path on this stage."""
     if stage != layout.pp - 1:
         return 0.0, 0.0, 0.0, 0.0
@@ -278,7 +285,7 @@ def _logits(shape, layout, stage, tokens, prec):
     naive = tokens * v_local * (prec.logits_bytes + 20)
     # chunked: the bf16 logits and their gradient, two fp32 chunk buffers of C x V/t (742 MiB
     # extra measured at C 1024 there: 594 MiB gradient + 2 x 1024 x 18,992 x 4 bytes).
-    chunk = min(layout.logprob_chunk, tokens)
+    chunk = min(step.logprob_chunk, tokens)
     chunked = tokens * v_local * 2 * prec.logits_bytes + 2 * chunk * v_local * 4
     # megatron-core's vocab_parallel_cross_entropy: the bf16 logits, their fp32 softmax kept for
     # the backward (which turns it into the gradient in place), the bf16 gradient it returns.
@@ -292,13 +299,13 @@ def _logits(shape, layout, stage, tokens, prec):
     return naive, chunked, megatron, fp32
 
 
-def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
-    weights, grads, optimizer = _states(shape, layout, stage, prec)
-    no_recompute, full_recompute, tokens = _activations(shape, layout, stage, prec)
-    activations = full_recompute if layout.recompute_mode == "full" else no_recompute
-    naive, chunked, megatron, fp32 = _logits(shape, layout, stage, tokens, prec)
+def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
+    weights, grads, optimizer = _states(shape, layout, step, stage, prec)
+    no_recompute, full_recompute, tokens = _activations(shape, layout, step, stage, prec)
+    activations = full_recompute if step.recompute_mode == "full" else no_recompute
+    naive, chunked, megatron, fp32 = _logits(shape, layout, step, stage, tokens, prec)
     logits = {"naive": naive, "chunked": chunked, "megatron": megatron, "fp32": fp32}[
-        layout.logprob_mode
+        step.logprob_mode
     ]
 
     gpu = gpu_mem_gib * GIB
@@ -309,9 +316,9 @@ def _estimate_stage(shape, layout, stage, gpu_mem_gib, vllm, prec) -> MemoryEsti
     vllm_weights = shape.total_params() / vllm_tp * prec.param_bytes
     kv_cache = max(0.0, reserved - vllm_weights) if vllm is not None else 0.0
     vllm_train = 0.0 if (vllm is None or vllm.sleeps) else reserved
-    reference = weights if layout.reference else 0.0  # sharded as the policy
+    reference = weights if step.reference else 0.0  # sharded as the policy
     train_phase = weights + grads + optimizer + activations + logits + vllm_train + reference
-    kept = {"none": weights + grads + optimizer, "states": 0.0}.get(layout.offload)
+    kept = {"none": weights + grads + optimizer, "states": 0.0}.get(step.offload)
     if kept is None:  # auto
         kept = weights if (vllm is None or vllm.sleeps) else weights + grads + optimizer
     generate_phase = 0.0 if vllm is None else kept + reserved + reference

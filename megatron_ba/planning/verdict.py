@@ -1,9 +1,9 @@
 """Does a given layout fit, and if not, what single change would make it fit.
 
-    v = assess(shape, layout, gpu_mem_gib=79.11, vllm=VLLMShare(0.6), seq_len=10240)
+    v = assess(shape, layout, step, gpu_mem_gib=79.11, vllm=VLLMShare(0.6), seq_len=10240)
     v.fits, v.estimate.total_gib, v.reason
     gpu_memory_gib("H100")        # 79.11: what torch reports as the GPU's total capacity
-    remedies(shape, layout, gpu_mem_gib=79.11, vllm=..., seq_len=..., gpus_per_node=8)
+    remedies(shape, layout, step, gpu_mem_gib=79.11, vllm=..., seq_len=..., gpus_per_node=8)
     # -> [("--recompute full", "parallel.recompute=full", 61.2), ...]
 
 The verdict is the one `megatron-ba layout --json` reports as "fits", the public-record test
@@ -18,11 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron_ba.model_shape import ModelShape
+from megatron_ba.parallel.layout import LayoutError, ParallelLayout
 from megatron_ba.planning.memory import (
     GIB,
     PRECISION,
-    Layout,
     MemoryEstimate,
+    StepSettings,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
@@ -58,14 +59,15 @@ class Verdict:
 
 def assess(
     shape: ModelShape,
-    layout: Layout,
+    layout: ParallelLayout,
+    step: StepSettings,
     *,
     gpu_mem_gib: float,
     vllm: VLLMShare | None,
     seq_len: int,
 ) -> Verdict:
-    """The verdict on one layout (module docstring)."""
-    e = estimate(shape, layout, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
+    """The verdict on one layout and its step's settings (module docstring)."""
+    e = estimate(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
     if e.total > gpu_mem_gib * GIB:
         return Verdict(
             False,
@@ -87,24 +89,33 @@ def assess(
     return Verdict(True, e, "")
 
 
-def _changes(layout: Layout, world: int, gpus_per_node: int):
-    """(flag, recipe key, changed layout) for each single change that lowers memory."""
+def _changes(layout: ParallelLayout, step: StepSettings, gpus_per_node: int):
+    """(flag, recipe key, changed layout, changed step) for each single change that lowers
+    memory; a layout change its rules refuse (e.g. expert parallelism that no longer divides
+    the new tp x cp x dp) is not offered."""
     lo = layout
-    if lo.recompute_mode != "full":
-        yield "--recompute full", "parallel.recompute=full", replace(lo, recompute="full")
+    if step.recompute_mode != "full":
+        yield "--recompute full", "parallel.recompute=full", lo, replace(step, recompute="full")
     for name in ("cp", "tp", "pp"):
         value = getattr(lo, name)
         if lo.dp % 2 == 0 and (name != "tp" or 2 * value <= gpus_per_node):
-            new = replace(lo, **{name: 2 * value, "dp": lo.dp // 2})
-            yield f"--{name} {2 * value}", f"parallel.{name}={2 * value}", new
-    if lo.micro_batch_tokens > 1:
-        half = replace(lo, micro_batch_tokens=lo.micro_batch_tokens // 2)
-        yield "half the micro-batch", "parallel.micro_batch_size (halved)", half
+            changed = {name: 2 * value, "dp": lo.dp // 2}
+            if name == "tp":
+                changed["sequence_parallel"] = True  # the planner's layouts: SP with tp > 1
+            try:
+                new = replace(lo, **changed)
+            except LayoutError:
+                continue
+            yield f"--{name} {2 * value}", f"parallel.{name}={2 * value}", new, step
+    if step.micro_batch_tokens > 1:
+        half = replace(step, micro_batch_tokens=step.micro_batch_tokens // 2)
+        yield "half the micro-batch", "parallel.micro_batch_size (halved)", lo, half
 
 
 def remedies(
     shape: ModelShape,
-    layout: Layout,
+    layout: ParallelLayout,
+    step: StepSettings,
     *,
     gpu_mem_gib: float,
     vllm: VLLMShare | None,
@@ -115,24 +126,27 @@ def remedies(
     order tried: full recompute, CP x2, TP x2, PP x2 (each taken from DP), half the micro-batch
     (while it still holds a whole sequence), then the smallest colocated vLLM engine TP (a
     power of two within the node) whose share holds its weights and one sequence's KV cache."""
-    world = layout.tp * layout.pp * layout.cp * layout.dp
-    tries = [(flag, key, new, vllm) for flag, key, new in _changes(layout, world, gpus_per_node)]
+    tries = [
+        (flag, key, new, new_step, vllm)
+        for flag, key, new, new_step in _changes(layout, step, gpus_per_node)
+    ]
     if vllm is not None:
         engine_tp = 2 * (vllm.tp or layout.tp)
         while engine_tp <= gpus_per_node:
             new_vllm = replace(vllm, tp=engine_tp)
             tries.append(
-                (f"vLLM TP {engine_tp}", f"rollout.engine_tp={engine_tp}", layout, new_vllm)
+                (f"vLLM TP {engine_tp}", f"rollout.engine_tp={engine_tp}", layout, step, new_vllm)
             )
             engine_tp *= 2
     out = []
-    for flag, key, new, new_vllm in tries:
-        if new.micro_batch_tokens < seq_len or new.pp > shape.num_layers:
+    for flag, key, new, new_step, new_vllm in tries:
+        if new_step.micro_batch_tokens < seq_len or new.pp > shape.num_layers:
             continue
         try:
-            v = assess(shape, new, gpu_mem_gib=gpu_mem_gib, vllm=new_vllm, seq_len=seq_len)
+            v = assess(shape, new, new_step, gpu_mem_gib=gpu_mem_gib, vllm=new_vllm,
+                       seq_len=seq_len)  # fmt: skip
         except ValueError:
-            continue  # e.g. expert parallelism no longer divides the new tp x cp x dp
+            continue  # e.g. the new tp no longer divides the model's heads
         if v.fits:
             out.append((flag, key, round(v.estimate.total_gib, 1)))
             if new_vllm is not vllm:

@@ -18,8 +18,9 @@ rank's files and the metadata are on disk, so a crash leaves the previous checkp
 
 RNG policy. Per-rank generator states (python, numpy, torch CPU, CUDA when present, megatron-core's
 model-parallel tracker) only mean something for the same rank of the same layout. When the
-saved layout (tp, pp, cp, dp) equals this run's, every rank restores its own states exactly and
-the resumed run repeats the uninterrupted one bit for bit (tests/test_train_integration.py).
+saved layout (the ParallelLayout meta.json records) equals this run's, every rank restores its
+own states exactly and the resumed run repeats the uninterrupted one bit for bit
+(tests/test_train_integration.py).
 Otherwise every generator is reseeded from (recipe seed, step) - the same on every rank, like a
 fresh start - and a warning says so; rollouts take their seeds from (seed, step) anyway, so only
 streams drawn outside them (dropout, if any) differ from the uninterrupted run.
@@ -38,6 +39,7 @@ import torch
 
 from megatron_ba.conversion import dist_checkpoint as dc
 from megatron_ba.megatron.cpu_compat import seed_model_parallel_rng
+from megatron_ba.parallel.layout import ParallelLayout
 
 DIST = "dist"
 RNG = "rng"
@@ -102,14 +104,11 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def layout_of(ctx) -> dict:
-    """The saved layout; expert parallelism only when the run has it (a dense run's layout reads
-    as it did before EP existed, so its RNG states still restore)."""
-    layout = {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp}
-    ep, etp = getattr(ctx, "ep", 1), getattr(ctx, "etp", None)
-    if ep != 1 or etp is not None:
-        layout.update(ep=ep, etp=etp)
-    return layout
+def saved_layout(meta: dict) -> ParallelLayout | None:
+    """The layout a checkpoint's meta.json records (ParallelLayout.to_dict: a run without expert
+    parallelism reads as one written before EP existed), or None for a record without one."""
+    record = meta.get("layout")
+    return None if record is None else ParallelLayout.from_dict(record)
 
 
 def _sharded_state(chunks, optimizer, *, is_loading: bool = False) -> dict:
@@ -140,7 +139,7 @@ def save(
     ctx.barrier()
     if ctx.is_main:
         dc.write_model_meta(tmp / DIST, spec, source_dir)
-        full_meta = {**meta, "step": step, "layout": layout_of(ctx), "world": ctx.world}
+        full_meta = {**meta, "step": step, "layout": ctx.layout.to_dict(), "world": ctx.world}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -189,8 +188,8 @@ def load(ctx, ckpt: Path, chunks, optimizer, *, seed: int, log=print) -> dict:
     state = dc.load_sharded(target, ckpt / DIST)
     dc.load_model_state(chunks, state["model"])
     optimizer.load_sharded(state["optimizer"])
-    here, saved = layout_of(ctx), meta.get("layout")
-    if saved == here and meta.get("world") == ctx.world:
+    here, saved = ctx.layout, saved_layout(meta)
+    if saved == here:
         _set_rng_state(torch.load(ckpt / RNG / f"rank-{ctx.rank:05d}.pt", weights_only=False))
     else:
         reseed_rng(seed, meta["step"])

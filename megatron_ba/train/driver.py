@@ -25,6 +25,7 @@ import torch
 
 from megatron_ba.diagnostics import batch_diagnostics
 from megatron_ba.megatron.startup import setup, teardown
+from megatron_ba.parallel.layout import RECIPE_KEYS
 from megatron_ba.recipe import Recipe
 from megatron_ba.tasks import build_task
 from megatron_ba.tokenization import load_hf_tokenizer, load_tokenizer
@@ -54,16 +55,7 @@ class Trainer:
         self.folder = RunFolder(run_dir)
         self.run_dir = self.folder.path
         self.rollouts = self.scorer = None
-        parallel = recipe.parallel
-        self.ctx = setup(
-            tp=parallel.tp,
-            pp=parallel.pp,
-            cp=parallel.cp,
-            seed=recipe.seed,
-            ep=parallel.ep,
-            etp=parallel.etp,
-            expert_keys=("parallel.ep", "parallel.etp"),
-        )
+        self.ctx = setup(recipe.parallel.layout(), seed=recipe.seed, names=RECIPE_KEYS)
         if recipe.rollout.threads:
             torch.set_num_threads(recipe.rollout.threads)
         if self.ctx.is_main:
@@ -85,7 +77,9 @@ class Trainer:
             self.tokenizer = load_hf_tokenizer(recipe.tokenizer.path or self.hf_dir)
         else:  # trained-bpe: the one the warm start trained and saved beside its model
             self.tokenizer = load_tokenizer(self.hf_dir)
-        self.policy = Policy.from_hf(self.hf_dir, recipe, is_main=ctx.is_main, device=ctx.device)
+        self.policy = Policy.from_hf(
+            self.hf_dir, recipe, is_main=ctx.is_main, layout=ctx.layout, device=ctx.device
+        )
         self.task = build_task(recipe, self.tokenizer) if ctx.is_main else None
         if self.task is not None and getattr(self.task, "report", None):
             self.log(f"[data] {self.task.report}")

@@ -1,6 +1,7 @@
 """The policy of a local GRPO run on this rank: megatron-core chunks, the frozen reference, AdamW.
 
-    policy = Policy.from_hf(hf_dir, recipe, is_main=ctx.is_main)   # any TP / PP layout
+    policy = Policy.from_hf(hf_dir, recipe, is_main=ctx.is_main, layout=ctx.layout,
+                            device=ctx.device)     # any TP / PP / EP layout
     policy.set_lr(step)                        # linear warm-up of recipe.optimizer.lr
     named = policy.hf_weights()                # collective: HF-named tensors on rank 0, else None
     policy.export_hf(out_dir, tokenizer)       # collective: rank 0 writes a Hugging Face folder
@@ -28,17 +29,13 @@ from megatron_ba.conversion import (
     spec_from_hf_dir,
 )
 from megatron_ba.conversion.hf_config import dtype as config_dtype
-from megatron_ba.megatron.build_options import (
-    RECIPE_KEYS,
-    check_expert_parallel,
-    expert_config_fields,
-    resolve_build_options,
-)
+from megatron_ba.errors import UserError
+from megatron_ba.megatron.build_options import expert_config_fields, resolve_build_options
 from megatron_ba.megatron.model import build_model_chunks, transformer_config
 from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
 from megatron_ba.megatron.routing_replay import routing_replay_fields
 from megatron_ba.parallel.full_shape import gather_full_state_dict
-from megatron_ba.parallel.world import rank_device
+from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.recipe import Recipe
 
 
@@ -69,48 +66,44 @@ class Policy:
         self.source, self.is_main = Path(source), is_main
 
     @classmethod
-    def from_hf(cls, hf_dir: str | Path, recipe: Recipe, *, is_main: bool, device=None) -> Policy:
-        """The policy (and, with the KL term on, its frozen reference) from an HF folder.
-
-        device: this rank's device (`DistContext.device`); default: the current one
-        (parallel.world.rank_device). The model is built on it (megatron-core allocates on
-        the current CUDA device, which parallel.world.join_world made this rank's GPU).
-        """
+    def from_hf(
+        cls,
+        hf_dir: str | Path,
+        recipe: Recipe,
+        *,
+        is_main: bool,
+        layout: ParallelLayout,
+        device: torch.device,
+    ) -> Policy:
+        """The policy (and, with the KL term on, its frozen reference) from an HF folder, built
+        for `layout` (the joined world's: `DistContext.layout`) on this rank's `device`
+        (`DistContext.device`; megatron-core allocates on the current CUDA device, which
+        parallel.world.join_world made this rank's GPU)."""
 
         hf_dir = Path(hf_dir)
-        device = rank_device() if device is None else device
         m, p = recipe.model, recipe.parallel
         opts = resolve_build_options(
             precision=m.precision,
             transformer_impl=m.transformer_impl,
             attention=m.attention,
-            sequence_parallel=p.sequence_parallel,
             recompute=p.recompute,
             device=device,
-            tp=p.tp,
-            cp=p.cp,
+            layout=layout,
         )
         spec = spec_from_hf_dir(hf_dir, params_dtype=torch.float32, init_std=m.init_std)
         check_shape_keys(recipe, spec, hf_dir)
-        spec.check_layout(p.tp, p.pp)
-        check_expert_parallel(
-            spec,
-            tp=p.tp,
-            ep=p.ep,
-            etp=p.etp,
-            keys=RECIPE_KEYS,
-            sequence_parallel=opts.sequence_parallel,
-        )
-        if p.ep > 1 and p.pp > 1:
+        try:
+            layout.check_training(spec)
+        except LayoutError as e:
+            raise UserError(f"{e.renamed(RECIPE_KEYS)} ({hf_dir}/config.json)") from None
+        if layout.ep > 1 and layout.pp > 1:
             raise ValueError(
                 "parallel.ep: expert parallelism with parallel.pp > 1 is not trained here yet "
                 "(the rollout engines' refit gathers experts within one pipeline stage)"
             )
-        experts = expert_config_fields(spec, tp=p.tp, ep=p.ep, etp=p.etp)
+        experts = expert_config_fields(spec, layout)
         if recipe.rollout.routing_replay:
-            experts |= routing_replay_fields(
-                spec.num_experts, tp=p.tp, pp=p.pp, cp=p.cp, recompute=p.recompute
-            )
+            experts |= routing_replay_fields(spec.num_experts, layout, recompute=p.recompute)
         config = transformer_config(
             spec, cpu=device.type == "cpu", **opts.config_fields(), **experts
         )

@@ -23,7 +23,6 @@ import torch
 
 from megatron_ba.conversion import hf_config_from_spec
 from megatron_ba.megatron.model import ModelSpec
-from megatron_ba.model_shape import PRESETS
 from megatron_ba.recipe import Recipe
 from megatron_ba.tasks import build_task
 from megatron_ba.tasks.arithmetic import ArithmeticTask
@@ -75,16 +74,7 @@ def _hf_model(recipe: Recipe, vocab_size: int, eos_id: int):
 
     # The one source of both the megatron-core policy and its Hugging Face twin (warm start,
     # vLLM, exports): the recipe's shape keys.
-    shape = recipe.model.shape()
-    base = PRESETS["tiny-moe"] if shape["num_experts"] else PRESETS["tiny"]
-    spec = ModelSpec.of(
-        base,
-        vocab_size=vocab_size,
-        init_std=recipe.model.init_std,
-        kv_channels=None,
-        tie_word_embeddings=False,
-        **shape,
-    )
+    spec = ModelSpec.of(recipe.model.fresh_shape(vocab_size), init_std=recipe.model.init_std)
     cfg = hf_config_from_spec(spec, eos_token_id=eos_id, bos_token_id=eos_id)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg))
 

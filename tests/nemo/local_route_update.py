@@ -31,6 +31,7 @@ from megatron_ba.megatron.grpo_step import (
 )
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.parallel.full_shape import gather_full_state_dict
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.recipe import load_recipe
 from megatron_ba.rules import AggregationSettings, GRPOLossConfig
 from megatron_ba.train.policy import Policy
@@ -44,7 +45,8 @@ def build_policy(hf_dir: Path) -> list[torch.nn.Module]:
     recipes/tiny-cpu.yaml's settings (fp32, the local layer spec with unfused attention on the
     CPU, DDP; its model keys are the tiny model's shape, which from_hf checks)."""
     recipe = load_recipe(REPO / "recipes" / "tiny-cpu.yaml")
-    return Policy.from_hf(hf_dir, recipe, is_main=True, device=CPU).chunks
+    layout = ParallelLayout()  # the world of one this script joins
+    return Policy.from_hf(hf_dir, recipe, is_main=True, layout=layout, device=CPU).chunks
 
 
 def token_aligned(position_aligned: torch.Tensor, fill) -> torch.Tensor:
@@ -104,7 +106,7 @@ def main() -> None:
     # megatron-core warns at import that Apex / Transformer Engine are missing: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     batch = torch.load(args.batch, weights_only=False)
-    setup(tp=1, pp=1, cp=1, seed=0, backend="gloo")
+    setup(ParallelLayout(dp=None), seed=0, backend="gloo")
     try:
         chunks = build_policy(args.hf)
         result = forward_backward(chunks, grpo_batch(batch), *step_settings(batch))

@@ -1,5 +1,5 @@
-"""What the layout check checks: layouts, cases and their negative controls, the synthetic batch,
-the results' records.
+"""What the layout check checks: cases and their negative controls on a ParallelLayout (with the
+checked model and core attention), the synthetic batch, the results' records.
 
 Shared by the launcher (check.py, the parent process) and the process bodies
 (workers.py, the spawned ranks); importing neither, so that they import it and not each
@@ -16,12 +16,11 @@ from megatron_ba.advantages import group_advantages
 from megatron_ba.loss import GRPOLossConfig
 from megatron_ba.megatron import grpo_step
 from megatron_ba.megatron.batching import response_end
-from megatron_ba.megatron.build_options import CHECK_LAYOUT_KEYS, check_expert_parallel
 from megatron_ba.megatron.layout_equivalence import controls
 from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.model_shape import PRESETS
-from megatron_ba.parallel import world
+from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
 
 TOLERANCE = 1e-5
@@ -44,41 +43,24 @@ def correction_settings(mode: str) -> RolloutCorrectionSettings:
     return RolloutCorrectionSettings(mode, **CORRECTION_BOUNDS)
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    # The local spec's core attention of the layout under test (model.attention); the
-    # single-process reference always runs megatron-core's unfused core.
-    attention: str = "unfused"
-    # The check's model (MODELS) and, for a mixture-of-experts one, expert parallelism carved
-    # out of DP x CP (megatron-core's expert grid etp x ep x expert-DP x pp over the same
-    # ranks); etp None: megatron-core's default, the TP size.
-    model: str = "debug"
-    ep: int = 1
-    etp: int | None = None
-    # parallel.sequence_parallel: the sequence split over the TP ranks outside the attention and
-    # MLP (megatron-core's SP; the local spec's norms through cpu_compat shim 6). Needs tp > 1.
-    sequence_parallel: bool = False
+# The local spec's core attentions the layout under test may run (model.attention); the
+# single-process reference always runs megatron-core's unfused core.
+ATTENTIONS = ("unfused", "sdpa")
 
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
 
-    @property
-    def expert_dp(self) -> int:
-        """The expert-data-parallel size: the ranks holding the same experts' shards."""
-        return self.world // ((self.etp or self.tp) * self.ep * self.pp)
+def describe(layout: ParallelLayout, model: str = "debug", attention: str = "unfused") -> str:
+    """How the check names what it runs: the layout, a non-default model and attention."""
+    extra = f" {model}" if model != "debug" else ""
+    core = f" ({attention} attention)" if attention != "unfused" else ""
+    return f"{layout}{extra}{core}"
 
-    def __str__(self) -> str:
-        core = f" ({self.attention} attention)" if self.attention != "unfused" else ""
-        experts = ""
-        if self.model != "debug":
-            experts = f" {self.model} EP{self.ep}" + (f" ETP{self.etp}" if self.etp else "")
-        sp = "+SP" if self.sequence_parallel else ""
-        return f"TP{self.tp}{sp}xPP{self.pp}xCP{self.cp}xDP{self.dp}{experts}{core}"
+
+def flag_layout(**fields) -> ParallelLayout:
+    """The ParallelLayout of check-layout's flags; ValueError naming the flag it breaks."""
+    try:
+        return ParallelLayout(**fields)
+    except LayoutError as e:
+        raise ValueError(e.renamed(FLAGS)) from None
 
 
 NORMALIZATIONS = ("plan", "per_microbatch")
@@ -204,58 +186,34 @@ def tiny_spec(model: str = "debug"):
     return ModelSpec.of(PRESETS[model], tie_word_embeddings=False, moe_aux_loss_coeff=0.0)
 
 
-def check_expert_layout(layout: Layout) -> None:
-    """ValueError naming the flag when megatron-core cannot carve `layout`'s experts."""
-    spec = tiny_spec(layout.model)
-    check_expert_parallel(
-        spec,
-        tp=layout.tp,
-        ep=layout.ep,
-        etp=layout.etp,
-        keys=CHECK_LAYOUT_KEYS,
-        sequence_parallel=layout.sequence_parallel,
-    )
-    if spec.num_experts:
-        world.check_expert_layout(
-            layout.tp, layout.pp, layout.cp, layout.ep, layout.etp, world_size=layout.world
-        )
-
-
 def check_layout_possible(
-    layout: Layout,
+    layout: ParallelLayout,
     cases: list[Case],
     world_size: int | None = None,
     *,
     sequences: int = SEQUENCES,
+    model: str = "debug",
+    attention: str = "unfused",
 ) -> None:
-    """ValueError saying why a layout (or a case on it) cannot be built."""
-    for name in ("tp", "pp", "cp", "dp"):
-        v = getattr(layout, name)
-        if not (isinstance(v, int) and v >= 1):
-            raise ValueError(f"--{name}: must be an integer >= 1, got {v!r}")
+    """ValueError saying why a layout (or a case on it) cannot be built, naming the flag."""
     if world_size is not None and world_size != layout.world:
         raise ValueError(f"world size {world_size} != tp*pp*cp*dp = {layout.world}")
-    tiny_spec(layout.model).check_layout(layout.tp, layout.pp)
-    if layout.sequence_parallel and layout.tp < 2:
-        raise ValueError(
-            f"--sequence-parallel: needs --tp > 1 (it splits the sequence over the "
-            f"tensor-parallel ranks), got --tp {layout.tp}"
-        )
-    check_expert_layout(layout)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"--attention: must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
+    try:
+        layout.check_training(tiny_spec(model))
+        layout.check_micro_batching(token_budget=any(c.token_budget is not None for c in cases))
+    except LayoutError as e:
+        raise ValueError(e.renamed(FLAGS)) from None
     if not (isinstance(sequences, int) and sequences >= 1):
         raise ValueError(f"--sequences: must be an integer >= 1, got {sequences!r}")
-    if layout.ep > 1:  # the experts' token exchange: one collective per micro-batch over EP ranks
-        if sequences % layout.dp:
-            raise ValueError(
-                f"--sequences: {sequences} do not divide over the {layout.dp} DP ranks; with "
-                "--ep every rank's micro-batches must hold the same tokens (the experts' "
-                "dispatcher exchanges them across DP ranks)"
-            )
-        if any(case.token_budget is not None for case in cases):
-            raise ValueError(
-                "--token-budget: token-budget micro-batches differ between DP ranks, and with "
-                "--ep the experts' dispatcher exchanges every micro-batch's tokens across them"
-            )
+    if layout.ep > 1 and sequences % layout.dp:
+        # the experts' token exchange: one collective per micro-batch over EP ranks
+        raise ValueError(
+            f"--sequences: {sequences} do not divide over the {layout.dp} DP ranks; with "
+            "--ep every rank's micro-batches must hold the same tokens (the experts' "
+            "dispatcher exchanges them across DP ranks)"
+        )
     if sequences < layout.dp:
         raise ValueError(f"--sequences: {sequences} is fewer than the {layout.dp} DP ranks")
     fewest = sequences // layout.dp  # dp_rows: the smallest rank's share
@@ -305,7 +263,7 @@ def dp_rows(n: int, dp: int, rank: int) -> torch.Tensor:
     return torch.arange(rank, n, dp)
 
 
-def case_rows(batch: dict, layout: Layout, case: Case, rank: int) -> torch.Tensor:
+def case_rows(batch: dict, layout: ParallelLayout, case: Case, rank: int) -> torch.Tensor:
     """This DP rank's rows for `case`: dp_rows, or under a token budget the shards balanced by
     tokens (packing.balanced_dp_shards over prompt + response lengths)."""
     n = batch["tokens"].shape[0]
@@ -316,7 +274,7 @@ def case_rows(batch: dict, layout: Layout, case: Case, rank: int) -> torch.Tenso
     return torch.tensor(shards[rank], dtype=torch.long)
 
 
-def expected_reducer_calls(layout: Layout, case: Case | None = None) -> list[int]:
+def expected_reducer_calls(layout: ParallelLayout, case: Case | None = None) -> list[int]:
     """1 on the ranks of the last pipeline stage (they compute the loss), 0 elsewhere; 0 on
     every rank for the per-micro-batch control (its statistics are its micro-batch's own).
 
@@ -325,5 +283,5 @@ def expected_reducer_calls(layout: Layout, case: Case | None = None) -> list[int
     """
     if case is not None and case.normalization == "per_microbatch":
         return [0] * layout.world
-    per_stage = layout.tp * layout.cp * layout.dp
+    per_stage = layout.stage_ranks
     return [1 if r // per_stage == layout.pp - 1 else 0 for r in range(layout.world)]

@@ -1,7 +1,8 @@
 """Check that a TP x PP x CP x DP layout gives the single-process loss and gradients exactly.
 
-    from megatron_ba.megatron.layout_equivalence.check import Layout, Case, run_layout
-    results = run_layout(Layout(tp=2, pp=1, cp=1, dp=2), [Case("balanced", 3)], seed=0)
+    from megatron_ba.megatron.layout_equivalence.check import Case, run_layout
+    results = run_layout(ParallelLayout(tp=2, dp=2), [Case("balanced", 3)], seed=0)
+    results = run_layout(ParallelLayout(dp=2, ep=2), cases, seed=0, model="tiny-moe")
 
 One launch of tp*pp*cp*dp gloo processes (torch.multiprocessing, spawn) runs every case of the
 list; one single-process launch computes the reference (TP=PP=CP=DP=1, one micro-batch) first.
@@ -31,22 +32,25 @@ from megatron_ba.megatron.layout_equivalence.cases import (  # re-exported: the 
     TOLERANCE,
     Case,
     CaseResult,
-    Layout,
     LayoutReport,
     check_layout_possible,
+    describe,
     expected_reducer_calls,
+    flag_layout,
 )
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.parallel.world import free_port, spawn
 
 __all__ = [
     "TOLERANCE",
     "Case",
     "CaseResult",
-    "Layout",
     "LayoutReport",
     "check_layout_possible",
     "compute_reference",
+    "describe",
     "expected_reducer_calls",
+    "flag_layout",
     "run_layout",
 ]
 
@@ -61,26 +65,29 @@ def compute_reference(
 
 
 def run_layout(
-    layout: Layout,
+    layout: ParallelLayout,
     cases: list[Case],
     *,
     seed: int = 0,
     reference: str | None = None,
     sequences: int = SEQUENCES,
+    model: str = "debug",
+    attention: str = "unfused",
 ) -> LayoutReport:
     """Run every case on `layout` in one launch and compare with the single-process reference.
 
-    `reference`: a file written by `compute_reference` for (a superset of) these cases' rules,
-    scopes and rollout corrections, this seed and this many sequences; computed here, in a
-    temporary file, when None.
+    `model`: the checked model (cases.MODELS); `attention`: the local spec's core attention of
+    the layout under test (the reference runs the unfused one). `reference`: a file written by
+    `compute_reference` for (a superset of) these cases' rules, scopes and rollout corrections,
+    this seed, model and number of sequences; computed here, in a temporary file, when None.
     """
-    check_layout_possible(layout, cases, sequences=sequences)
+    check_layout_possible(layout, cases, sequences=sequences, model=model, attention=attention)
     with tempfile.TemporaryDirectory() as tmp:
         if reference is None:
             reference = os.path.join(tmp, "reference.pt")
-            compute_reference(cases, seed, reference, sequences, layout.model)
+            compute_reference(cases, seed, reference, sequences, model)
         out = os.path.join(tmp, "report.json")
-        args = (layout.world, free_port(), layout, cases, reference, out)
+        args = (layout.world, free_port(), layout, model, attention, cases, reference, out)
         spawn(workers.layout_worker, layout.world, args)
         with open(out) as f:
             report = json.load(f)

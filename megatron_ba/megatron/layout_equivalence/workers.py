@@ -23,7 +23,6 @@ from megatron_ba.megatron.grpo_step import MicroBatchSpec, StepLoss, compute_log
 from megatron_ba.megatron.layout_equivalence.cases import (
     LOSS_CONFIG,
     Case,
-    Layout,
     case_rows,
     correction_settings,
     num_groups,
@@ -35,6 +34,7 @@ from megatron_ba.megatron.startup import setup
 from megatron_ba.parallel import collectives, full_shape
 from megatron_ba.parallel.collectives import StatisticsReducer
 from megatron_ba.parallel.full_shape import gather_full_state_dict
+from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.parallel.sharding import cp_shard
 from megatron_ba.rollout_correction import (
     correction_diagnostics,
@@ -50,36 +50,26 @@ OPTIMIZER = dict(lr=1e-3, eps=1e-2, clip_grad=0.5)
 OPTIMIZER_CASE = Case("balanced", 1)
 
 
-def _init(rank: int, world: int, port: int, layout: Layout) -> None:
+def _init(rank: int, world: int, port: int, layout: ParallelLayout) -> None:
     # megatron-core warns at import that Apex / Transformer Engine are missing: expected on CPU.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     torch.set_num_threads(1)
-    setup(
-        tp=layout.tp,
-        pp=layout.pp,
-        cp=layout.cp,
-        seed=0,
-        backend="gloo",
-        rank=rank,
-        world_size=world,
-        port=port,
-        ep=layout.ep,
-        etp=layout.etp,
-    )
+    setup(layout, seed=0, backend="gloo", rank=rank, world_size=world, port=port)
 
 
-def _build(per_token_loss: bool, seed: int, layout: Layout):
-    spec = tiny_spec(layout.model)
+def _build(
+    per_token_loss: bool,
+    seed: int,
+    layout: ParallelLayout,
+    model: str = "debug",
+    attention: str = "unfused",
+):
+    spec = tiny_spec(model)
     # the config's EP decides which expert parameters DDP reduces where
-    experts = expert_config_fields(spec, tp=layout.tp, ep=layout.ep, etp=layout.etp)
+    experts = expert_config_fields(spec, layout)
     # The world's device (gloo: the CPU): the layout check runs where its collectives do.
     device = collectives.comm_device(None)
-    options = resolve_build_options(
-        device=device,
-        attention=layout.attention,
-        sequence_parallel=layout.sequence_parallel,
-        tp=layout.tp,
-    )
+    options = resolve_build_options(device=device, attention=attention, layout=layout)
     config = mm.transformer_config(
         spec,
         calculate_per_token_loss=per_token_loss,
@@ -174,10 +164,10 @@ def _direct_logprobs(chunks, tokens: torch.Tensor):
 def reference_worker(
     rank: int, port: int, seed: int, keys: list, out_path: str, sequences: int, model: str
 ) -> None:
-    one = Layout(model=model)
+    one = ParallelLayout()
     _init(rank, 1, port, one)
 
-    chunks = _build(False, seed, one)
+    chunks = _build(False, seed, one, model)
     batch = synthetic_batch(seed, sequences, model)
     logp, ent = compute_logprobs(chunks, batch["tokens"], with_entropy=True)
     lp_direct, ent_direct = _direct_logprobs(chunks, batch["tokens"])
@@ -229,7 +219,7 @@ def _cp_layout_matches_megatron(tokens: torch.Tensor) -> bool:
     return bool(torch.equal(theirs, cp_shard(tokens, cp=cp, rank=rank, dim=1)))
 
 
-def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
+def layout_worker(rank, world, port, layout, model, attention, cases, ref_path, out_path) -> None:
     _init(rank, world, port, layout)
     from megatron.core import parallel_state
 
@@ -237,7 +227,7 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     batch = ref["batch"]
     dp_rank = parallel_state.get_data_parallel_rank()
     cp_ok = all(collectives.all_gather_object(_cp_layout_matches_megatron(batch["tokens"])))
-    models = {False: _build(False, ref["seed"], layout)}
+    models = {False: _build(False, ref["seed"], layout, model, attention)}
     # Forward-only log-probs on the first case's rows and micro-batches (token budget: each row
     # run on its prompt + response only; the positions past it are 0 and not compared).
     first = cases[0]
@@ -260,7 +250,9 @@ def layout_worker(rank, world, port, layout, cases, ref_path, out_path) -> None:
     report = []
     for case in cases:
         if case.per_token_loss not in models:
-            models[case.per_token_loss] = _build(case.per_token_loss, ref["seed"], layout)
+            models[case.per_token_loss] = _build(
+                case.per_token_loss, ref["seed"], layout, model, attention
+            )
         rows = case_rows(batch, layout, case, dp_rank)
         result, calls, grads = _run_case(models[case.per_token_loss], batch, rows, case)
         loss_ref, grads_ref = ref["results"][(case.rule, case.scope, case.rollout_correction)]
