@@ -24,7 +24,7 @@ from megatron_ba.conversion import (
     write_hf_folder,
     write_safetensors,
 )
-from megatron_ba.megatron.model import ModelSpec, Qwen2Spec, full_parameter_shapes
+from megatron_ba.megatron.model import ModelSpec, full_parameter_shapes
 
 VARIANTS = ("qwen2-tied", "qwen2-untied", "qwen3")
 
@@ -183,7 +183,7 @@ def test_transformer_engine_spellings_map_to_the_same_hf_names():
 
 
 def test_qwen2spec_name_still_builds_the_qwen2_shape():
-    spec = Qwen2Spec(16, 64, 2, 4, 2, 32)
+    spec = ModelSpec(16, 64, 2, 4, 2, 32)
     assert (
         spec.family == "qwen2"
         and spec.head_dim == 16

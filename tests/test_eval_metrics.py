@@ -1,5 +1,7 @@
 """Acc@k / Best@k on hand-made correctness matrices, the report JSON and the paper table."""
 
+from dataclasses import asdict
+
 import pytest
 
 from megatron_ba.evaluation import (
@@ -64,7 +66,7 @@ def test_table_and_json_in_the_papers_layout():
     data = a.to_json()
     assert data["average"] == {"acc@8": 0.3125, "best@8": 0.5}
     assert data["benchmarks"]["aime24"]["best"] == 0.25
-    assert EvalReport.from_json(data).to_json() == data
+    assert data["benchmarks"]["math500"] == asdict(a.benchmarks["math500"])
     c = EvalReport("x", 8, {"math500": a.benchmarks["math500"]})
     with pytest.raises(ValueError, match="covers"):
         markdown_table([a, c])

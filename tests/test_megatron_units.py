@@ -25,7 +25,7 @@ from megatron_ba.megatron.batching import (
     label_aligned,
     prepare_microbatches,
 )
-from megatron_ba.megatron.model import Qwen2Spec, full_parameter_shapes, tiny_qwen2_spec
+from megatron_ba.megatron.model import ModelSpec, full_parameter_shapes, tiny_qwen2_spec
 from megatron_ba.megatron.packing import fixed_count_microbatches
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
 from megatron_ba.parallel.layout import ParallelLayout
@@ -136,9 +136,9 @@ def test_causal_mask_hand_computed():
 
 def test_qwen2_spec_errors_and_shapes():
     with pytest.raises(ValueError, match="num_query_groups"):
-        Qwen2Spec(16, 64, 2, 4, 3, 32)
+        ModelSpec(16, 64, 2, 4, 3, 32)
     with pytest.raises(ValueError, match="hidden_size"):
-        Qwen2Spec(16, 66, 2, 4, 2, 32)
+        ModelSpec(16, 66, 2, 4, 2, 32)
     spec = tiny_qwen2_spec()
     with pytest.raises(ValueError, match="num_layers=4 is not a multiple of pp=3"):
         ParallelLayout(pp=3).check_model(spec)

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from megatron_ba.generation.weight_buckets import (
     SharedBucket,
     iter_buckets,
-    manifest_bytes,
     open_bucket,
     pack,
     unpack,
@@ -143,3 +142,14 @@ def test_rollout_dtype_picks_the_engine_and_refit_dtype():
     assert _engine_dtype(_recipe("rollout.dtype=float32")) == torch.float32
     with pytest.raises(RecipeError, match=r"rollout\.dtype: auto, float32 or bfloat16"):
         _recipe("rollout.dtype=fp16")
+
+
+def manifest_bytes(manifest: list) -> int:
+    """Bytes a manifest occupies in its buffer (its last view's end)."""
+    if not manifest:
+        return 0
+    _, shape, dtype, offset = manifest[-1]
+    numel = 1
+    for s in shape:
+        numel *= s
+    return offset + numel * getattr(torch, dtype).itemsize

@@ -20,6 +20,7 @@ run by test_vllm_capture_equals_transformers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def worker(rank: int, port: int, out: str) -> None:
     model, k = chunks[0], spec.moe_router_topk
     n, s = 4, 16
     tokens = torch.randint(0, spec.vocab_size, (n, s), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad(), rr.recording(model) as recorded:
+    with torch.no_grad(), recording(model) as recorded:
         model(tokens, torch.arange(s).expand(n, s), causal_mask(s))
         per_layer = recorded()
     routed = torch.stack([e.reshape(s, n, k).transpose(0, 1) for e in per_layer], dim=2)
@@ -200,3 +201,21 @@ def test_vllm_capture_equals_transformers(tmp_path):
         assert s["positions"] == s["fed"]  # every fed token of every sample has a record
         assert s["hf_same"] == s["pairs"]  # measured: all 480 (token, layer) top-2 sets
     assert r["replay_vs_plain"] < 1e-6 and r["megatron_differ"] == 0
+
+
+@contextlib.contextmanager
+def recording(model: torch.nn.Module):
+    """`model`'s forwards inside record their routing (megatron-core's RECORD action); yields
+    a callable returning, per MoE layer, the last forward's [tokens, K] experts ([s, b] order)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megatron_ba.megatron.routing_replay import replay_instances
+
+    instances = replay_instances(model)
+    for inst in instances:
+        inst.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield lambda: [inst.get_recorded_indices() for inst in instances]
+    finally:
+        for inst in instances:
+            inst.clear_router_replay_action()

@@ -54,15 +54,6 @@ class EvalReport:
             "average": {f"acc@{k}": self.acc, f"best@{k}": self.best},
         }
 
-    @classmethod
-    def from_json(cls, data: dict) -> EvalReport:
-        return cls(
-            data["label"],
-            data["samples"],
-            {n: BenchmarkResult(**b) for n, b in data["benchmarks"].items()},
-            data.get("settings", {}),
-        )
-
 
 def markdown_table(reports: list[EvalReport]) -> str:
     """The paper's layout: one Acc@k and one Best@k row per run, benchmarks as columns."""

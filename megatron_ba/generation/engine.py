@@ -5,8 +5,9 @@
     groups = engine.generate(prompt_ids, n=8, temperature=1.0, max_tokens=64, seed=0)
     engine.close()
 
-Both samplers satisfy `Engine`; a vLLM engine is also a `RefitEngine` (the trainer refits its
-weights in memory and may put it to sleep between rollouts).
+Both samplers satisfy `Engine`; the vLLM engine also takes the trainer's in-memory refit
+(`load_bucket`, `finish_refit`: train/rollouts.py, generation/refit.py) and sleeps between
+rollouts (`sleep`, `wake_up`).
 """
 
 from __future__ import annotations
@@ -51,20 +52,3 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free the engine (its process, its memory)."""
         ...
-
-
-@runtime_checkable
-class RefitEngine(Engine, Protocol):
-    """An engine whose weights the trainer streams in after each update (generation/refit.py),
-    and that can sleep between rollouts (rollout.sleep)."""
-
-    dtype: Any  # the weights' dtype on the engine
-    asleep: bool
-
-    def load_bucket(self, bucket: list[tuple[str, Any]]) -> None: ...
-
-    def finish_refit(self) -> None: ...
-
-    def sleep(self) -> None: ...
-
-    def wake_up(self) -> None: ...

@@ -89,7 +89,7 @@ def _visible_devices(device, count: int, in_process: bool):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-class VLLMEngine:  # a RefitEngine (generation.engine)
+class VLLMEngine:  # an Engine (generation.engine) that the trainer refits in memory
     """vLLM over a Hugging Face model directory, in its own process (default) or in this one."""
 
     def __init__(

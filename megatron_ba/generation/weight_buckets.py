@@ -62,17 +62,6 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def manifest_bytes(manifest: list) -> int:
-    """Bytes a manifest occupies in its buffer."""
-    if not manifest:
-        return 0
-    _, shape, dtype, offset = manifest[-1]
-    numel = 1
-    for s in shape:
-        numel *= s
-    return offset + numel * getattr(torch, dtype).itemsize
-
-
 def pack(bucket: list[tuple[str, torch.Tensor]], buffer: torch.Tensor) -> list:
     """Copy the bucket's tensors into the uint8 `buffer`; the manifest that `unpack` reads."""
     manifest, offset = [], 0

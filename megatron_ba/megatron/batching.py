@@ -333,7 +333,7 @@ def prepare_microbatches(
     n, s = batch.tokens.shape
     multiple = view.length_multiple
     if batch.routed_experts is not None:
-        routing_replay.check_layout(thd=thd, cp_sharded=view.mode == "model" and view.cp > 1)
+        routing_replay.check_replayable(thd=thd, cp_sharded=view.mode == "model" and view.cp > 1)
     if thd:  # GPU (Transformer Engine) only: see megatron_ba.megatron.thd
         return _thd_microbatches(batch, view, max_tokens, seq_tokens, uniform)
     if max_tokens is None:

@@ -62,10 +62,6 @@ class ModelSpec(ModelShape):
         return sum(math.prod(s) for s in full_parameter_shapes(self).values())
 
 
-# The name callers used before the spec covered Qwen3 (same fields, family "qwen2" by default).
-Qwen2Spec = ModelSpec
-
-
 def tiny_qwen2_spec(**changes: Any) -> ModelSpec:
     """The "debug" preset's model (~60k parameters: multi-process CPU tests), with `changes`."""
     return ModelSpec.of(PRESETS["debug"], **changes)

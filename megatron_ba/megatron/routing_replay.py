@@ -65,7 +65,7 @@ def routing_replay_fields(num_experts: int | None, layout, *, recompute: str) ->
     return {"moe_enable_routing_replay": True}
 
 
-def check_layout(*, thd: bool, cp_sharded: bool) -> None:
+def check_replayable(*, thd: bool, cp_sharded: bool) -> None:
     """ValueError naming KEY for micro-batches whose router rows are not [width * b] in [s, b]
     order of padded whole sequences."""
     if thd or cp_sharded:
@@ -143,22 +143,6 @@ def _comparing(inst, differ: list):
         return replay(scores, topk, num_groups, group_topk, default_compute_topk)
 
     return get_replay_topk
-
-
-@contextlib.contextmanager
-def recording(model: torch.nn.Module):
-    """`model`'s forwards inside record their routing; yields a callable returning, per MoE
-    layer, the last forward's [tokens, K] experts ([s, b] order)."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    instances = replay_instances(model)
-    for inst in instances:
-        inst.set_router_replay_action(RouterReplayAction.RECORD)
-    try:
-        yield lambda: [inst.get_recorded_indices() for inst in instances]
-    finally:
-        for inst in instances:
-            inst.clear_router_replay_action()
 
 
 def differ_counts(differ: list[torch.Tensor], parts: list[dict]) -> torch.Tensor:

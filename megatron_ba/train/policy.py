@@ -3,7 +3,6 @@
     policy = Policy.from_hf(hf_dir, recipe, is_main=ctx.is_main, layout=ctx.layout,
                             device=ctx.device)     # any TP / PP / EP layout
     policy.set_lr(step)                        # linear warm-up of recipe.optimizer.lr
-    named = policy.hf_weights()                # collective: HF-named tensors on rank 0, else None
     policy.export_hf(out_dir, tokenizer)       # collective: rank 0 writes a Hugging Face folder
 
 The architecture comes from the Hugging Face folder's config.json (Qwen2 / Qwen2.5 / Qwen3,
@@ -17,14 +16,12 @@ Every conversion between megatron-core's names and Hugging Face names goes throu
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from megatron_ba.conversion import (
     export_chunks_to_hf,
-    hf_named_tensors,
     load_hf_into_chunks,
     spec_from_hf_dir,
 )
@@ -34,7 +31,6 @@ from megatron_ba.megatron.build_options import expert_config_fields, resolve_bui
 from megatron_ba.megatron.model import build_model_chunks, transformer_config
 from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
 from megatron_ba.megatron.routing_replay import routing_replay_fields
-from megatron_ba.parallel.full_shape import gather_full_state_dict
 from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.recipe import Recipe
 
@@ -135,12 +131,6 @@ class Policy:
 
         o = self.recipe.optimizer
         apply_lr_schedule(self.optimizer, step, lr=o.lr, warmup_steps=o.warmup_steps)
-
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """Gather the full policy (a collective: every rank calls it); HF-named on rank 0."""
-
-        full = gather_full_state_dict(self.chunks)
-        return hf_named_tensors(full, self.spec) if self.is_main else None
 
     def export_hf(self, out_dir: Path, tokenizer) -> None:
         """A Hugging Face folder of the current policy, in the source checkpoint's dtype
