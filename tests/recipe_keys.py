@@ -1,10 +1,10 @@
 """Which recipe keys the code reads, found statically (tests/test_recipe.py uses it).
 
-A key `section.field` counts as read where some module of megatron_ba (outside the recipe loader's
-own validation) accesses `<...>.section.field`, or `x.field` on a name bound to `<...>.section`
-(`g = recipe.grpo; g.steps`), or `self.field` inside the section's own class (its methods are
-called by the code that builds things from it). Hashing a whole section (`.__dict__`) or
-validating it does not count: neither makes the setting do anything.
+A key `section.field` counts as read where some module of megatron_ba (outside the recipe
+package's loading and validation) accesses `<...>.section.field`, or `x.field` on a name bound
+to `<...>.section` (`g = recipe.grpo; g.steps`), or `self.field` inside the section's own class
+(its methods are called by the code that builds things from it). Hashing a whole section
+(`.__dict__`) or validating it does not count: neither makes the setting do anything.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def keys_read(package: Path, keys: dict[str, str | None], sources=None) -> set[s
         tree = ast.parse(text)
         aliases = _aliases(tree, sections)
         scopes: list[ast.AST] = [tree]
-        if Path(path).name == "recipe.py":  # the loader: only the section classes' methods
+        if Path(path).parent.name == "recipe":  # the schema, loader and checks: only the
+            # section classes' methods (schema.py's) count
             scopes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in class_of]
         for scope in scopes:
             own = class_of.get(scope.name) if isinstance(scope, ast.ClassDef) else None

@@ -234,7 +234,7 @@ CORE = frozenset(
 SHAPE = frozenset({"model_shape", "rope_scaling"})
 # Folder (or top-level module of megatron_ba, or benchmarks / scripts) -> what it may import
 # besides itself. Read bottom-up: core <- parallel <- megatron <- conversion / generation <-
-# train <- commands; recipe.py is a schema the others read and imports none of them.
+# train <- commands; recipe/ is the schema the others read and imports none of them.
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "rules": frozenset({"errors"}),

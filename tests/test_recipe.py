@@ -110,15 +110,15 @@ def test_the_key_reader_catches_an_unread_key():
     keys = {**recipe_keys(Recipe), "grpo.unused_knob": "GRPOSection"}
     sources = {p: p.read_text() for p in sorted((ROOT / "megatron_ba").rglob("*.py"))}
     assert "grpo.unused_knob" not in keys_read(ROOT / "megatron_ba", keys, sources)
-    recipe_py = ROOT / "megatron_ba" / "recipe.py"
-    sources[recipe_py] += "\n\ndef validate_more(recipe):\n    return recipe.grpo.unused_knob\n"
+    checks_py = ROOT / "megatron_ba" / "recipe" / "checks.py"
+    sources[checks_py] += "\n\ndef validate_more(recipe):\n    return recipe.grpo.unused_knob\n"
     assert "grpo.unused_knob" not in keys_read(ROOT / "megatron_ba", keys, sources)
     sources[ROOT / "megatron_ba" / "x.py"] = "def f(r):\n    g = r.grpo\n    return g.unused_knob\n"
     assert "grpo.unused_knob" in keys_read(ROOT / "megatron_ba", keys, sources)
 
 
 def test_unimplemented_keys_are_refused_by_name(monkeypatch):
-    import megatron_ba.recipe as recipe_mod
+    import megatron_ba.recipe.loading as recipe_mod
 
     # No key is unimplemented today (parallel.sequence_parallel now is read): the mechanism is
     # checked with a planted entry.
