@@ -41,6 +41,7 @@ __all__ = [
     "ROLLOUT_CORRECTION_MODES",
     "RolloutCorrection",
     "RolloutCorrectionSettings",
+    "correct_rows",
     "correction_diagnostics",
     "correction_statistics",
     "rollout_correction",
@@ -161,6 +162,21 @@ def rollout_correction(
         new_mask = kept if index is None else torch.where(accepted, index, -1)
     weights = torch.where(kept, weights, zero)
     return RolloutCorrection(weights, new_mask, q, corrected & valid)
+
+
+def correct_rows(
+    settings: RolloutCorrectionSettings,
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """What a rank does to its own whole sequences before the plan is built: (the mask, less the
+    rejected tokens; the weights, None with mode none; their correction_statistics, the gap
+    alone with mode none). The trainer's update and the layout check both call it."""
+    if settings.mode == "none":
+        return mask, None, correction_statistics(old_logprobs, rollout_logprobs, mask)
+    c = rollout_correction(settings, old_logprobs, rollout_logprobs, mask)
+    return c.mask, c.weights, correction_statistics(old_logprobs, rollout_logprobs, mask, c)
 
 
 def correction_statistics(

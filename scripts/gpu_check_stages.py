@@ -27,7 +27,7 @@ from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape
 from megatron_ba.parallel.layout import ParallelLayout
-from megatron_ba.planning.memory import GIB, StepSettings, estimate
+from megatron_ba.planning.memory import GIB, MemorySettings, estimate
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "megatron_ba.cli"]
@@ -94,7 +94,7 @@ def stage_train_lm(c) -> None:
 def planner_estimate(shape: ModelShape, tokens: int, recompute: bool, chunk: int) -> dict:
     """planning.memory's estimate of one GRPO step of this shape on one GPU (TP = PP = CP = DP =
     1, one `tokens`-token sequence per micro-batch, chunked log-probs, no vLLM)."""
-    step = StepSettings(
+    step = MemorySettings(
         micro_batch_tokens=tokens, recompute=recompute, chunked_logprobs=True, logprob_chunk=chunk
     )
     est = estimate(shape, ParallelLayout(), step, gpu_mem_gib=1e6, vllm=None)

@@ -54,10 +54,11 @@ def _chunks(spec, *, without_cp: bool = True, **config_overrides):
 
 
 def _grads(chunks, split):
-    from megatron_ba.megatron.grpo_step import StepLoss, forward_backward
+    from megatron_ba.megatron.grpo_step import forward_backward
     from megatron_ba.parallel.full_shape import gather_full_state_dict
+    from megatron_ba.step_settings import StepSettings
 
-    result = forward_backward(chunks, _batch(), StepLoss(num_groups=2), split)
+    result = forward_backward(chunks, _batch(), StepSettings(), split, num_groups=2)
     return result.loss, gather_full_state_dict(chunks, grads=True)
 
 
@@ -202,7 +203,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     exp = build_experience([[1, 2, 3], [4, 5]], samples, [1.0, 0.0, 0.0, 1.0], pad_id=0)
     rec = DeviceRecorder()
     with rec:
-        metrics = grpo_update(chunks, None, optimizer, recipe, ctx, exp)
+        metrics = grpo_update(chunks, None, optimizer, recipe.step_settings(), ctx, exp)
     found["device"] = {
         "ctx": str(ctx.device),
         "seen": sorted(rec.devices),

@@ -61,8 +61,9 @@ def keys_read(package: Path, keys: dict[str, str | None], sources=None) -> set[s
         aliases = _aliases(tree, sections)
         scopes: list[ast.AST] = [tree]
         if Path(path).parent.name == "recipe":  # the schema, loader and checks: only the
-            # section classes' methods (schema.py's) count
-            scopes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in class_of]
+            # methods of schema.py's classes count (a section's, and the Recipe's builders)
+            builders = {*class_of, "Recipe"}
+            scopes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in builders]
         for scope in scopes:
             own = class_of.get(scope.name) if isinstance(scope, ast.ClassDef) else None
             for node in ast.walk(scope):

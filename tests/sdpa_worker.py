@@ -168,8 +168,9 @@ def _model_run(spec, attention: str, full: dict, rank: int, tp: int, **config_ch
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.batching import causal_mask
     from megatron_ba.megatron.build_options import BuildOptions
-    from megatron_ba.megatron.grpo_step import MicroBatchSpec, StepLoss, forward_backward
+    from megatron_ba.megatron.grpo_step import MicroBatchSpec, forward_backward
     from megatron_ba.parallel import full_shape
+    from megatron_ba.step_settings import StepSettings
 
     config = mm.transformer_config(spec, **config_changes)
     layer_spec = BuildOptions(attention=attention).layer_spec(spec)
@@ -185,7 +186,7 @@ def _model_run(spec, attention: str, full: dict, rank: int, tp: int, **config_ch
     chunks = mm.build_model_chunks(spec, config=config, layer_spec=layer_spec)
     full_shape.load_full_state_dict(chunks, full)
     step = forward_backward(
-        chunks, _grpo_batch(spec.vocab_size, 20), StepLoss(num_groups=2), MicroBatchSpec()
+        chunks, _grpo_batch(spec.vocab_size, 20), StepSettings(), MicroBatchSpec(), num_groups=2
     )
     core = type(plain.decoder.layers[0].self_attention.core_attention).__name__
     return {

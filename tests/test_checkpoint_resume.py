@@ -66,7 +66,7 @@ def _policy(init_seed: int):
 def _step(ctx, chunks, opt, step: int) -> dict:
     """One GRPO step on the synthetic batch of `step`: loss, full gradients, norm."""
     from megatron_ba.megatron.batching import GRPOBatch
-    from megatron_ba.megatron.grpo_step import MicroBatchSpec, StepLoss, forward_backward
+    from megatron_ba.megatron.grpo_step import MicroBatchSpec, forward_backward
     from megatron_ba.megatron.layout_equivalence.cases import (
         LOSS_CONFIG,
         NUM_GROUPS,
@@ -74,6 +74,7 @@ def _step(ctx, chunks, opt, step: int) -> dict:
         synthetic_batch,
     )
     from megatron_ba.parallel.full_shape import gather_full_state_dict
+    from megatron_ba.step_settings import StepSettings
 
     b = synthetic_batch(100 + step)
     rows = dp_rows(b["tokens"].shape[0], ctx.dp, ctx.dp_rank)
@@ -86,10 +87,8 @@ def _step(ctx, chunks, opt, step: int) -> dict:
         old_logprobs=lp[rows],
         ref_logprobs=lp[rows] - 0.1,
     )
-    loss = StepLoss(
-        num_groups=NUM_GROUPS, aggregation=AggregationSettings(max_length=16), loss=LOSS_CONFIG
-    )
-    result = forward_backward(chunks, batch, loss, MicroBatchSpec())
+    settings = StepSettings(AggregationSettings(max_length=16), LOSS_CONFIG)
+    result = forward_backward(chunks, batch, settings, MicroBatchSpec(), num_groups=NUM_GROUPS)
     grads = gather_full_state_dict(chunks, grads=True)
     applied, norm = opt.step()
     assert applied

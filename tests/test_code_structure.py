@@ -227,7 +227,7 @@ def test_cycle_finder_sees_a_lazy_cycle_and_relative_imports(tmp_path):
 # The math: pure torch, no framework, no process group (reduce is passed in).
 CORE = frozenset(
     {"errors", "rules", "_checks", "aggregation", "advantages", "loss", "diagnostics"}
-    | {"rollout_correction"}
+    | {"rollout_correction", "step_settings"}
 )
 # The model's shape, its presets and its RoPE scaling settings: pure Python that every layer
 # above the math may read.
@@ -244,16 +244,17 @@ ALLOWED: dict[str, frozenset[str]] = {
     "loss": frozenset({"_checks", "aggregation", "rules"}),
     "diagnostics": frozenset({"_checks", "aggregation"}),
     "rollout_correction": frozenset({"loss", "rules"}),
+    "step_settings": frozenset({"errors", "rules"}),
     "megatron_ba": frozenset({"rules", "aggregation", "advantages", "loss", "diagnostics"}),
     "model_shape": frozenset({"rope_scaling"}),
     "rope_scaling": frozenset(),
-    "recipe": frozenset({"errors", "rules", "parallel"}) | SHAPE,
+    "recipe": frozenset({"errors", "rules", "step_settings", "parallel"}) | SHAPE,
     "tokenization": frozenset({"errors"}),
     "rewards": frozenset({"errors"}),
     "data": frozenset({"errors", "rewards"}),
     "tasks": frozenset({"errors", "data", "rewards"}),
     "testing": frozenset({"errors", "tokenization"}) | SHAPE,
-    "planning": frozenset({"errors", "recipe", "parallel"}) | SHAPE,
+    "planning": frozenset({"errors", "recipe", "step_settings", "parallel"}) | SHAPE,
     "parallel": CORE,
     "megatron": CORE | SHAPE | {"parallel", "recipe"},
     "conversion": CORE | SHAPE | {"parallel", "megatron"},

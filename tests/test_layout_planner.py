@@ -20,7 +20,7 @@ from megatron_ba.planning.cluster_layout import (
 )
 from megatron_ba.planning.memory import (
     GIB,
-    StepSettings,
+    MemorySettings,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def plan(tp, pp, cp, dp, tokens, *, ep=1, etp=None, **step):
     """A layout as the planner builds one (sequence parallelism with tp > 1) and its step."""
     layout = ParallelLayout(tp, pp, cp, dp, ep=ep, etp=etp, sequence_parallel=tp > 1)
-    return layout, StepSettings(tokens, **step)
+    return layout, MemorySettings(tokens, **step)
 
 
 Q7 = PRESETS["Qwen2.5-Math-7B"]

@@ -32,7 +32,7 @@ def _grads(aux: float, factor: float, batch) -> dict[str, torch.Tensor]:
     from megatron_ba.megatron.build_options import resolve_build_options
     from megatron_ba.megatron.grpo_step import MicroBatchSpec, PreparedStep
     from megatron_ba.megatron.layout_equivalence import workers
-    from megatron_ba.megatron.layout_equivalence.cases import Case
+    from megatron_ba.megatron.layout_equivalence.cases import Case, num_groups
     from megatron_ba.model_shape import PRESETS
     from megatron_ba.parallel import full_shape
 
@@ -43,10 +43,14 @@ def _grads(aux: float, factor: float, batch) -> dict[str, torch.Tensor]:
     full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, 0))
     rows = torch.arange(batch["tokens"].shape[0])
     local = workers._local_batch(batch, rows, Case("balanced", 3))
-    loss = workers.step_loss(batch, Case("balanced", 3))
-    prepared = PreparedStep.start(chunks, local, MicroBatchSpec(3))
-    plan = prepared.plan(loss)
-    prepared.run(loss, plan_of=lambda r: plan.select(r), scale=prepared.scale() * factor)
+    case = Case("balanced", 3)
+
+    class Scaled(PreparedStep):  # the exact step with its loss scale times `factor`
+        def scale(self):
+            return super().scale() * factor
+
+    prepared = Scaled.start(chunks, local, MicroBatchSpec(3))
+    prepared.run(case.step_settings(), num_groups(batch["tokens"].shape[0]))
     return full_shape.gather_full_state_dict(chunks, grads=True)
 
 

@@ -23,7 +23,7 @@ from megatron_ba.megatron.packing import (
     token_budget_microbatches,
 )
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
-from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
+from megatron_ba.step_settings import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 
 def test_token_budget_hand_computed():

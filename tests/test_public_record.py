@@ -36,7 +36,7 @@ from pathlib import Path
 
 from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
-from megatron_ba.planning.memory import GIB, StepSettings, VLLMShare, load_model
+from megatron_ba.planning.memory import GIB, MemorySettings, VLLMShare, load_model
 from megatron_ba.planning.verdict import assess, gpu_memory_gib
 
 FIXTURE = Path(__file__).parent / "fixtures" / "public_runs.json"
@@ -160,7 +160,7 @@ def planner_inputs(case: dict) -> dict:
         etp=1 if shape.is_moe else None,
         sequence_parallel=tp > 1,
     )
-    step = StepSettings(
+    step = MemorySettings(
         tokens,
         recompute=case["recompute"] or "none",
         distributed_optimizer=case["distributed_optimizer"] is not False,

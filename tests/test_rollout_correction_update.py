@@ -75,7 +75,7 @@ def _update(mode: str | None, delta: torch.Tensor | None = None, rule: str = "ba
         if delta is not None:
             old, _ = compute_logprobs(chunks, exp.tokens)  # the update's old log-probs
             exp.rollout_logprobs = torch.where(exp.response_mask, old - delta, 0.0)
-        metrics = update.grpo_update(chunks, None, optimizer, recipe, ctx, exp)
+        metrics = update.grpo_update(chunks, None, optimizer, recipe.step_settings(), ctx, exp)
         return metrics, exp.response_mask, exp.advantages.double(), exp.group_ids
     finally:
         teardown()

@@ -57,7 +57,7 @@ def _update(overrides, *, cut_row: int | None = None):
 
             update.response_end = short
         try:
-            metrics = update.grpo_update(chunks, None, optimizer, recipe, ctx, exp)
+            metrics = update.grpo_update(chunks, None, optimizer, recipe.step_settings(), ctx, exp)
         finally:
             if cut_row is not None:
                 update.response_end = real

@@ -151,7 +151,7 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_offload(text: str) -> tuple[str, float]:
-    """--offload's value -> (StepSettings' offload mode, hybrid CPU Adam's fraction)."""
+    """--offload's value -> (MemorySettings' offload mode, hybrid CPU Adam's fraction)."""
     mode, cpu_adam = "auto", 0.0
     for part in (x.strip() for x in text.split(",")):
         name, _, value = part.partition("=")

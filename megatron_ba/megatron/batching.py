@@ -23,11 +23,12 @@ from functools import partial
 
 import torch
 
+from megatron_ba.errors import SettingError
 from megatron_ba.megatron import routing_replay
 from megatron_ba.megatron.packing import fixed_count_microbatches, token_budget_microbatches
 from megatron_ba.megatron.thd import thd_microbatch
 from megatron_ba.parallel.sharding import cp_shard
-from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
+from megatron_ba.step_settings import MicroBatching
 
 CP_MODES = ("model", "loss")
 
@@ -197,16 +198,12 @@ class MicroBatches:
 
 
 def logprob_chunk(setting: int | None, num_tokens: int) -> int | None:
-    """The chunk size of a micro-batch's log-softmax: `setting` (parallel.logprob_chunk_size)
-    when an int, else auto: AUTO_CHUNK above AUTO_CHUNK_ABOVE tokens, unchunked (None) below."""
-    if setting is None:
-        return AUTO_CHUNK if num_tokens > AUTO_CHUNK_ABOVE else None
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting <= 0:
-        raise ValueError(
-            f"parallel.logprob_chunk_size: must be a positive number of tokens or null (auto: "
-            f"chunked above {AUTO_CHUNK_ABOVE} tokens), got {setting!r}"
-        )
-    return setting
+    """The chunk size of a micro-batch's log-softmax: step_settings.MicroBatching's rule for
+    `setting` (parallel.logprob_chunk_size; None: auto); a bad one names the recipe key."""
+    try:
+        return MicroBatching(logprob_chunk_size=setting).logprob_chunk(num_tokens)
+    except SettingError as e:
+        raise ValueError(e.renamed(prefix="parallel.")) from None
 
 
 def cp_view(spec: MicroBatchSpec, sequence_parallel: bool = False) -> CPView:

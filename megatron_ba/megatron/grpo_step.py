@@ -6,9 +6,8 @@ context_parallel_size=cp)`, with `chunks = model.build_model_chunks(spec)` on ev
     split = MicroBatchSpec(num_microbatches=4)                           # batching.py
     old, _ = compute_logprobs(chunks, tokens, split)                     # [N, S] on every rank
     batch = GRPOBatch(tokens, response_mask, advantages, group_ids, old)  # batching.GRPOBatch
-    loss = StepLoss(num_groups=prompts_per_global_batch,
-                    aggregation=AggregationSettings(rule="balanced"))
-    result = forward_backward(chunks, batch, loss, split)  # finalised gradients in main_grad
+    settings = StepSettings(AggregationSettings(rule="balanced"))  # megatron_ba.step_settings
+    result = forward_backward(chunks, batch, settings, split, num_groups=prompts_per_batch)
     applied, grad_norm = optimizer.step()           # cpu_optimizer.ShardedAdamW(chunks, lr=...)
 
 Every TP, PP and CP rank of a data-parallel rank passes the same batch: that DP rank's sequences,
@@ -26,11 +25,11 @@ schedule's 1/num_microbatches and DDP's 1/(DP x CP) (or finalize_model_grads' 1/
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.loss import LossPlan, grpo_loss
 from megatron_ba.megatron.batching import (
     GRPOBatch,
     MicroBatches,
@@ -46,27 +45,16 @@ from megatron_ba.megatron.routing_replay import differ_counts
 from megatron_ba.megatron.thd import thd_scatter
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import collectives
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.step_settings import StepSettings
 
 __all__ = [
     "GRPOBatch",
     "MicroBatchSpec",
     "PreparedStep",
-    "StepLoss",
     "StepResult",
     "compute_logprobs",
     "forward_backward",
 ]
-
-
-@dataclass(frozen=True)
-class StepLoss:
-    """What the step's loss is: the plan's rule, the per-token terms, over how many groups."""
-
-    num_groups: int  # global number of prompt groups (group ids lie in [0, num_groups))
-    aggregation: AggregationSettings = field(default_factory=AggregationSettings)  # the plan
-    loss: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    temperature: float = 1.0  # the sampler's: logits are divided by it before the softmax
 
 
 @dataclass
@@ -87,29 +75,30 @@ def _ps():
 def forward_backward(
     chunks: list[torch.nn.Module],
     batch: GRPOBatch,
-    loss: StepLoss,
+    settings: StepSettings,
     split: MicroBatchSpec,
     *,
+    num_groups: int,
     reducer: collectives.StatisticsReducer | None = None,
 ) -> StepResult:
     """One forward/backward of the GRPO loss over this rank's batch; gradients finalised.
 
-    Zeroes the DDP gradient buffers, builds the loss plan of the global batch (one DP
-    all-reduce, last stage only), runs the schedule with each micro-batch's rows of it, scaled to
-    cancel megatron-core's normalisation (the schedule then calls finalize_model_grads: DP/CP
-    all-reduce, TP-replicated and embedding gradients) and returns the global loss and metrics on
-    every rank. `reducer` defaults to a StatisticsReducer over the DP group; pass one to count
-    its calls.
+    Zeroes the DDP gradient buffers, builds the loss plan of the global batch of `num_groups`
+    prompt groups (group ids lie in [0, num_groups); one DP all-reduce, last stage only), runs
+    the schedule with each micro-batch's rows of it, scaled to cancel megatron-core's
+    normalisation (the schedule then calls finalize_model_grads: DP/CP all-reduce, TP-replicated
+    and embedding gradients) and returns the global loss and metrics on every rank. `settings`:
+    the plan's aggregation, the loss's coefficients, the temperature. `reducer` defaults to a
+    StatisticsReducer over the DP group; pass one to count its calls.
     """
-    step = PreparedStep.start(chunks, batch, split, reducer)
-    return step.run(loss, scale=step.scale())
+    return PreparedStep.start(chunks, batch, split, reducer).run(settings, num_groups)
 
 
 class PreparedStep:
     """One step's batch cut into finished micro-batches, the model zeroed and set up for the
-    schedule's backward: `run` runs it with a given plan per micro-batch and scale. The exact
-    step (forward_backward) uses the global plan and loss_scale's factor; the layout check's
-    negative controls (layout_equivalence/controls.py) change one of the two."""
+    schedule's backward; `run` runs the exact step: each micro-batch's rows of the global plan
+    (`plan_of`), its whole part counted (`share`), scaled by loss_scale's factor (`scale`). The
+    layout check's negative controls are subclasses that override one of the three."""
 
     def __init__(self, chunks, batch: GRPOBatch, parts: MicroBatches, reducer) -> None:
         ps = _ps()
@@ -129,42 +118,42 @@ class PreparedStep:
         check_cp_agreement(chunks, parts.view.mode, parts.view.cp)  # model CP == batch CP
         return cls(chunks, batch, parts, reducer)
 
-    def plan(self, loss: StepLoss, rows=slice(None), *, reduce="dp") -> LossPlan:
+    def plan(
+        self, settings: StepSettings, num_groups: int, rows=slice(None), *, reduce="dp"
+    ) -> LossPlan:
         """The plan of batch[rows]'s sequences from their statistics summed by `reduce`: the
         global batch's (all rows, summed over DP by the step's reducer) by default."""
         b = self.batch
         return LossPlan.build(
-            loss.aggregation,
+            settings.aggregation,
             b.lengths[rows],
             b.advantages[rows],
             b.group_ids[rows],
             reduce=self.reducer if reduce == "dp" else reduce,
-            num_groups=loss.num_groups,
+            num_groups=num_groups,
         )
 
-    def scale(self, version: tuple[int, int] | None = None) -> int:
-        """The factor cancelling megatron-core's scaling (`version`: another release's)."""
+    def plan_of(self, settings: StepSettings, num_groups: int) -> Callable:
+        """rows -> a micro-batch's plan: its rows of the global batch's plan (built here, on the
+        last stage only, where the loss exists)."""
+        plan = self.plan(settings, num_groups) if self.last else None
+        return lambda rows: plan.select(rows)
+
+    def share(self) -> float:
+        """The share of each micro-batch's loss counted in the step's: all of it."""
+        return 1.0
+
+    def scale(self) -> int:
+        """The factor cancelling the installed megatron-core's scaling (loss_scale.py)."""
         view = self.parts.view
-        return loss_scale(
-            len(self.parts), self.dp, view.cp, per_token_loss=self.per_token_loss, version=version
-        )
+        return loss_scale(len(self.parts), self.dp, view.cp, per_token_loss=self.per_token_loss)
 
-    def run(
-        self,
-        loss: StepLoss,
-        *,
-        scale: float,
-        plan_of: Callable | None = None,
-        share: float = 1.0,
-    ) -> StepResult:
-        """The schedule over the micro-batches: each one's loss is grpo_loss with the plan
-        `plan_of(rows)` (padded to its rows; default: its rows of the global batch's plan, built
-        here), `share` of it counted in the step's loss, times `scale` on the way to the
-        gradient."""
-        if plan_of is None:
-            plan = self.plan(loss) if self.last else None  # the loss exists on the last stage only
-            plan_of = lambda rows: plan.select(rows)  # noqa: E731
-        loss_func = _part_loss(loss, self.parts, plan_of, scale, share)
+    def run(self, settings: StepSettings, num_groups: int) -> StepResult:
+        """The schedule over the micro-batches: each one's loss is grpo_loss with its plan
+        (`plan_of`, padded to its rows), `share` of it counted in the step's loss, times
+        `scale` on the way to the gradient."""
+        plan_of = self.plan_of(settings, num_groups)
+        loss_func = _part_loss(settings, self.parts, plan_of, self.scale(), self.share())
         store = run_schedule(self.chunks, self.parts, forward_only=False, loss_func=loss_func)
         return _global_result(store, self.last, self.reducer)
 
@@ -205,22 +194,22 @@ def _logprobs(output, mb, parts: MicroBatches, *, temperature: float, with_entro
     return logp.reshape(shape), (None if ent is None else ent.reshape(shape))
 
 
-def _part_loss(loss: StepLoss, parts: MicroBatches, plan_of, scale: float, share: float):
+def _part_loss(settings: StepSettings, parts: MicroBatches, plan_of, scale: float, share: float):
     """The schedule's loss function: each micro-batch's (and CP shard's) part of the GRPO loss,
     times `scale`, with its additive metrics."""
-    with_entropy = loss.loss.entropy_coef > 0
+    with_entropy = settings.loss.entropy_coef > 0
     one = torch.ones((), dtype=torch.int, device=parts.parts[0]["targets"].device)
 
     def loss_func(mb, output):
         logp, ent = _logprobs(
-            output, mb, parts, temperature=loss.temperature, with_entropy=with_entropy
+            output, mb, parts, temperature=settings.temperature, with_entropy=with_entropy
         )
         part, metrics = grpo_loss(
             logp,
             mb["old"],
             mb["mask"],
             plan_of(mb["rows"]).padded_to(mb["plan_rows"]),  # padding rows weigh 0
-            loss.loss,
+            settings.loss,
             ref_logprobs=mb.get("ref"),
             entropy=ent,
             is_weights=mb.get("is"),

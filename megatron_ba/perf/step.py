@@ -36,7 +36,6 @@ from megatron_ba.megatron.batching import GRPOBatch
 from megatron_ba.megatron.build_options import resolve_build_options
 from megatron_ba.megatron.grpo_step import (
     MicroBatchSpec,
-    StepLoss,
     compute_logprobs,
     forward_backward,
 )
@@ -46,6 +45,7 @@ from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.recipe import OptimizerSection
 from megatron_ba.rules import AggregationSettings
+from megatron_ba.step_settings import StepSettings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RULES = ("balanced", "token")  # BA, token-mean: the only difference between the two variants
@@ -219,7 +219,7 @@ def run_benchmark(args) -> dict:
         batch = _batch(args, spec, chunks, device)
         split = MicroBatchSpec(args.micro_batches, logprob_chunk_size=args.logprob_chunk_size)
         groups = args.sequences // args.group_size
-        losses_of = {r: StepLoss(groups, AggregationSettings(rule=r)) for r in RULES}
+        settings_of = {r: StepSettings(AggregationSettings(rule=r)) for r in RULES}
         times: dict[str, list[float]] = {r: [] for r in RULES}
         peaks: dict[str, list[float]] = {r: [] for r in RULES}
         reserved: dict[str, list[float]] = {r: [] for r in RULES}
@@ -228,7 +228,9 @@ def run_benchmark(args) -> dict:
             order = RULES[i % 2 :] + RULES[: i % 2]  # rotate which variant goes first
             for rule in order:
                 with _Meter(device) as m:
-                    result = forward_backward(chunks, batch, losses_of[rule], split)
+                    result = forward_backward(
+                        chunks, batch, settings_of[rule], split, num_groups=groups
+                    )
                     optimizer.step()
                     optimizer.zero_grad()
                 losses[rule] = float(result.loss)

@@ -35,14 +35,14 @@ from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.planning.memory import (
     GIB,
     MemoryEstimate,
-    StepSettings,
+    MemorySettings,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
     padded_seq_len,
 )
 from megatron_ba.planning.verdict import Verdict, assess
-from megatron_ba.recipe import AUTO_CHUNK, AUTO_CHUNK_ABOVE
+from megatron_ba.step_settings import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 # A step's compute relative to its model FLOPs (forward 1/3, backward 2/3 of 6 N S): full
 # recomputation runs each layer's forward twice; selective (core attention) with flash attention
@@ -57,7 +57,7 @@ DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep whi
 class Plan:
     shape: ModelShape
     layout: ParallelLayout
-    step: StepSettings
+    step: MemorySettings
     estimate: MemoryEstimate
     micro_batch_size: int  # sequences per micro-batch per model replica
     seq_len: int
@@ -187,7 +187,7 @@ class Settings:
 
 
 def rank_key(
-    layout: ParallelLayout, step: StepSettings, micro_batch_size: int, prefer: str = "parallelism"
+    layout: ParallelLayout, step: MemorySettings, micro_batch_size: int, prefer: str = "parallelism"
 ) -> tuple:
     """The sort key of a fitting layout (smallest first) under `prefer` (module docstring)."""
     if prefer not in PREFER:
@@ -268,8 +268,8 @@ def _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, max_mbs, f
     return good
 
 
-def _base_step(seq_len, recompute, settings: Settings) -> StepSettings:
-    return StepSettings(
+def _base_step(seq_len, recompute, settings: Settings) -> MemorySettings:
+    return MemorySettings(
         seq_len,
         recompute=recompute,
         distributed_optimizer=settings.distributed_optimizer,

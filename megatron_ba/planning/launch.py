@@ -37,7 +37,7 @@ from pathlib import Path
 
 from megatron_ba.model_shape import ModelShape
 from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
-from megatron_ba.planning.memory import StepSettings, VLLMShare, load_model, padded_seq_len
+from megatron_ba.planning.memory import MemorySettings, VLLMShare, load_model, padded_seq_len
 from megatron_ba.planning.verdict import Verdict, assess, remedies
 from megatron_ba.recipe import RecipeError, load_recipe
 
@@ -158,17 +158,17 @@ def recipe_shape(recipe) -> ModelShape | None:
     return recipe.model.fresh_shape(recipe.tokenizer.vocab_size)
 
 
-def recipe_plan(recipe, dp: int) -> tuple[ParallelLayout, StepSettings, VLLMShare | None, int]:
+def recipe_plan(recipe, dp: int) -> tuple[ParallelLayout, MemorySettings, VLLMShare | None, int]:
     """The planner's inputs for a recipe on `dp` data-parallel ranks: its ParallelLayout, its
     step's settings (micro-batch tokens, recomputation, the log-prob chunk, a reference policy
     with the KL term), its colocated vLLM engine and its padded sequence length (as `megatron-ba
     layout` counts one)."""
     p, g = recipe.parallel, recipe.grpo
     seq_len = padded_seq_len((recipe.data.max_prompt_tokens or 512) + g.max_new_tokens)
-    step = StepSettings(
+    step = MemorySettings(
         p.max_tokens_per_microbatch or p.micro_batch_size * seq_len,
         recompute=p.recompute,
-        logprob_chunk=p.logprob_chunk_size or StepSettings.logprob_chunk,
+        logprob_chunk=p.logprob_chunk_size or MemorySettings.logprob_chunk,
         reference=recipe.loss.kl_coef > 0,
     )
     r = recipe.rollout

@@ -2,12 +2,12 @@
 
     shape = load_model("Qwen2.5-Math-7B")            # a preset, a config.json, or a folder with one
     est = estimate(shape, ParallelLayout(tp=2, dp=16, sequence_parallel=True),
-                   StepSettings(micro_batch_tokens=8192), gpu_mem_gib=80)
+                   MemorySettings(micro_batch_tokens=8192), gpu_mem_gib=80)
     est.peak_gib, est.breakdown_gib()
 
 The layout is megatron_ba.parallel.layout.ParallelLayout (its rules are checked there, against the
 model too); what the step keeps in memory besides it (the micro-batch, recomputation, the
-log-prob path, the optimiser's placement, offload, a reference policy) is StepSettings.
+log-prob path, the optimiser's placement, offload, a reference policy) is MemorySettings.
 
 The model is the megatron-core mixed-precision recipe the local backend and NeMo use: bf16
 weights, fp32 gradient buffers (grads are reduced in fp32), and the distributed optimiser's fp32
@@ -91,7 +91,7 @@ OFFLOAD = ("auto", "none", "states")
 
 
 @dataclass(frozen=True)
-class StepSettings:
+class MemorySettings:
     """What a training step keeps in memory besides the layout decides; a bad value raises
     ValueError naming the flag of `megatron-ba layout`."""
 
@@ -219,7 +219,7 @@ def stage_params(shape: ModelShape, pp: int, stage: int, experts: bool | None = 
 def estimate(
     shape: ModelShape,
     layout: ParallelLayout,
-    step: StepSettings,
+    step: MemorySettings,
     *,
     gpu_mem_gib: float,
     vllm: VLLMShare | None = None,

@@ -23,7 +23,7 @@ from megatron_ba.planning.memory import (
     GIB,
     PRECISION,
     MemoryEstimate,
-    StepSettings,
+    MemorySettings,
     VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
@@ -60,7 +60,7 @@ class Verdict:
 def assess(
     shape: ModelShape,
     layout: ParallelLayout,
-    step: StepSettings,
+    step: MemorySettings,
     *,
     gpu_mem_gib: float,
     vllm: VLLMShare | None,
@@ -89,7 +89,7 @@ def assess(
     return Verdict(True, e, "")
 
 
-def _changes(layout: ParallelLayout, step: StepSettings, gpus_per_node: int):
+def _changes(layout: ParallelLayout, step: MemorySettings, gpus_per_node: int):
     """(flag, recipe key, changed layout, changed step) for each single change that lowers
     memory; a layout change its rules refuse (e.g. expert parallelism that no longer divides
     the new tp x cp x dp) is not offered."""
@@ -115,7 +115,7 @@ def _changes(layout: ParallelLayout, step: StepSettings, gpus_per_node: int):
 def remedies(
     shape: ModelShape,
     layout: ParallelLayout,
-    step: StepSettings,
+    step: MemorySettings,
     *,
     gpu_mem_gib: float,
     vllm: VLLMShare | None,

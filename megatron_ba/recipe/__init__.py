@@ -11,8 +11,6 @@ torch, no framework and no data code.
 from megatron_ba.recipe.checks import BENCHMARK_NAMES, MATH_TEMPLATE_NAMES, validate
 from megatron_ba.recipe.loading import NOT_IMPLEMENTED, apply_overrides, load_recipe, parse_override
 from megatron_ba.recipe.schema import (
-    AUTO_CHUNK,
-    AUTO_CHUNK_ABOVE,
     TINY_SHAPE,
     VLLM_GPU_MEMORY_UTILIZATION,
     CheckpointSection,
@@ -35,8 +33,6 @@ from megatron_ba.recipe.schema import (
 )
 
 __all__ = [
-    "AUTO_CHUNK",
-    "AUTO_CHUNK_ABOVE",
     "BENCHMARK_NAMES",
     "MATH_TEMPLATE_NAMES",
     "NOT_IMPLEMENTED",

@@ -65,16 +65,14 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
 
 
 def _check_parallel(p: ParallelSection) -> None:
-    """The layout (ParallelLayout's rules), then the micro-batching and memory keys."""
+    """The layout (ParallelLayout's rules), the micro-batching (MicroBatching's), and the
+    rule that binds them: no token-budget micro-batches under expert parallelism."""
     layout = p.layout()
+    p.micro_batching()
     try:
         layout.check_micro_batching(token_budget=p.max_tokens_per_microbatch is not None)
     except LayoutError as e:
         raise RecipeError(e.renamed(RECIPE_KEYS)) from None
-    _need(p.micro_batch_size >= 1, "parallel.micro_batch_size", "must be >= 1")
-    for k in ("max_tokens_per_microbatch", "logprob_chunk_size"):
-        v = getattr(p, k)
-        _need(v is None or v >= 1, f"parallel.{k}", f"must be a positive integer or null, got {v}")
     _need(
         p.recompute in ("none", "selective", "full"),
         "parallel.recompute",

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_ba.errors import UserError
+from megatron_ba.errors import SettingError, UserError
 from megatron_ba.model_shape import PRESETS, ModelShape
 from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.rules import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
+from megatron_ba.step_settings import MicroBatching, StepSettings
 
 
 class RecipeError(UserError):
@@ -192,13 +193,6 @@ class LossSection(GRPOLossConfig, AggregationSettings):
         GRPOLossConfig.__post_init__(self)
 
 
-# `parallel.logprob_chunk_size: null` (auto): a micro-batch above AUTO_CHUNK_ABOVE tokens walks
-# its vocab-parallel log-softmax AUTO_CHUNK tokens at a time, so the fp32 softmax buffers stay
-# O(AUTO_CHUNK x V/TP) (2 x 1024 x 152k/TP x 4 bytes = 1.2 GB at TP=1 for Qwen2's vocabulary)
-# instead of O(T x V/TP). The step (megatron_ba.megatron.grpo_step) and the planner read them.
-AUTO_CHUNK_ABOVE, AUTO_CHUNK = 4096, 1024
-
-
 @dataclass
 class ParallelSection:
     """The parallel layout's keys (tp, pp, cp, ep, etp, sequence_parallel: `layout()` builds the
@@ -214,7 +208,7 @@ class ParallelSection:
     # Token-budget micro-batches (prompt + response tokens, rows x longest on CPU); null: fixed
     # micro_batch_size sequences. Replaces micro_batch_size when set.
     max_tokens_per_microbatch: int | None = None
-    # Tokens per chunk of the vocab-parallel log-softmax; null: auto (AUTO_CHUNK above).
+    # Tokens per chunk of the vocab-parallel log-softmax; null: auto (step_settings.AUTO_CHUNK).
     logprob_chunk_size: int | None = None
     sequence_parallel: bool = False  # needs tp > 1; on CUDA the Transformer Engine spec
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
@@ -234,6 +228,15 @@ class ParallelSection:
             )
         except LayoutError as e:
             raise RecipeError(e.renamed(RECIPE_KEYS)) from None
+
+    def micro_batching(self) -> MicroBatching:
+        """The step's micro-batching these keys describe (RecipeError naming a bad key)."""
+        try:
+            return MicroBatching(
+                self.micro_batch_size, self.max_tokens_per_microbatch, self.logprob_chunk_size
+            )
+        except SettingError as e:
+            raise RecipeError(e.renamed(prefix="parallel.")) from None
 
 
 # vLLM's share of each GPU while it generates (weights + KV cache), colocated with training: the
@@ -322,6 +325,23 @@ class Recipe:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     eval: EvalSection = field(default_factory=EvalSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def step_settings(self) -> StepSettings:
+        """The GRPO update's settings, built once from the loss, grpo and parallel sections:
+        the aggregation (dr_grpo's budget: loss.max_length, default grpo.max_new_tokens), the
+        loss's coefficients, the sampling temperature, the rollout correction, the
+        micro-batching and the optimiser steps per rollout batch."""
+        loss, grpo = self.loss, self.grpo
+        return StepSettings(
+            aggregation=dataclasses.replace(
+                loss.aggregation_settings(), max_length=loss.max_length or grpo.max_new_tokens
+            ),
+            loss=loss.loss_config(),
+            temperature=grpo.temperature,
+            rollout_correction=loss.rollout_correction,
+            micro_batching=self.parallel.micro_batching(),
+            mini_batches=grpo.mini_batches,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -52,6 +52,7 @@ class Trainer:
         self, recipe: Recipe, run_dir: Path, *, resume: bool, cache_dir: Path, log=print
     ) -> None:
         self.recipe, self.log = recipe, log
+        self.step_settings = recipe.step_settings()  # the update's, built once
         self.folder = RunFolder(run_dir)
         self.run_dir = self.folder.path
         self.rollouts = self.scorer = None
@@ -151,7 +152,9 @@ class Trainer:
         started = time.perf_counter()
         policy = self.policy
         policy.set_lr(step)
-        updates = grpo_update(policy.chunks, policy.ref_chunks, policy.optimizer, recipe, ctx, exp)
+        updates = grpo_update(
+            policy.chunks, policy.ref_chunks, policy.optimizer, self.step_settings, ctx, exp
+        )
         timings["time/train"] = time.perf_counter() - started
         timings["time/sync"] = self.rollouts.sync(policy)
         if not ctx.is_main:

@@ -1,18 +1,21 @@
 """One GRPO update on megatron-core: old/reference log-probs, then the loss plan's optimiser steps.
 
-    metrics = grpo_update(chunks, ref_chunks, optimizer, recipe, ctx, experience)
+    metrics = grpo_update(chunks, ref_chunks, optimizer, recipe.step_settings(), ctx, experience)
 
 The experience is moved to `ctx.device` first (cuda:LOCAL_RANK on GPUs); every other tensor of
 the step is made on its inputs' device.
 
-`grpo.mini_batches` splits the step's prompt groups into that many global batches, each with its
-own plan (one statistics all-reduce over data-parallel ranks) and optimiser step; the old (and
-reference) log-probs of all of them are computed first, through the same schedule, so from the
-second mini-batch on the ratio moves away from 1 and the clip acts.
+Everything the update is configured by arrives in one StepSettings (megatron_ba.step_settings,
+built once from the recipe). `mini_batches` (grpo.mini_batches) splits the step's prompt groups
+into that many global batches, each with its own plan (one statistics all-reduce over
+data-parallel ranks) and optimiser step; the old (and reference) log-probs of all of them are
+computed first, through the same schedule, so from the second mini-batch on the ratio moves away
+from 1 and the clip acts.
 
-`loss.rollout_correction`: each mini-batch's old log-probs and the rollout engine's give its
-per-token weights (and, rejecting, its smaller mask and lengths) before its plan is built; every
-rank corrects its own whole sequences (megatron_ba.rollout_correction), and the diagnostics' sums
+The rollout correction (loss.rollout_correction): each mini-batch's old log-probs and the
+rollout engine's give its per-token weights (and, rejecting, its smaller mask and lengths) before
+its plan is built; every rank corrects its own whole sequences (rollout_correction.correct_rows,
+as the layout check does), and the diagnostics' sums
 are all-reduced over data-parallel ranks. The log-prob gap is logged whenever the engine returned
 log-probs, with the correction off too (one subtraction per token).
 
@@ -24,51 +27,30 @@ have chosen another top-k set than the engine did.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.grpo_step import (
     GRPOBatch,
     MicroBatchSpec,
-    StepLoss,
     compute_logprobs,
     forward_backward,
 )
 from megatron_ba.megatron.model import model_cp_size
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.parallel import collectives
-from megatron_ba.recipe import Recipe
-from megatron_ba.rollout_correction import (
-    WEIGHT_MAX,
-    correction_diagnostics,
-    correction_statistics,
-    rollout_correction,
-)
+from megatron_ba.rollout_correction import WEIGHT_MAX, correct_rows, correction_diagnostics
+from megatron_ba.step_settings import StepSettings
 from megatron_ba.train.experience import Experience
 
 
-def step_loss(recipe: Recipe, num_groups: int) -> StepLoss:
-    """The megatron GRPO step's loss from the recipe's loss and grpo sections."""
-    L, g = recipe.loss, recipe.grpo
-    return StepLoss(
-        num_groups=num_groups,
-        aggregation=dataclasses.replace(
-            L.aggregation_settings(), max_length=L.max_length or g.max_new_tokens
-        ),
-        loss=L.loss_config(),
-        temperature=g.temperature,
-    )
-
-
-def microbatch_spec(recipe: Recipe, num_microbatches: int, cp_mode: str) -> MicroBatchSpec:
-    """How a rank's mini-batch is split, from the recipe's parallel section."""
-    p = recipe.parallel
+def microbatch_spec(settings: StepSettings, rows: int, cp_mode: str) -> MicroBatchSpec:
+    """How a rank's `rows` sequences are split for the schedule (settings.micro_batching)."""
+    mb = settings.micro_batching
     return MicroBatchSpec(
-        num_microbatches,
-        max_tokens_per_microbatch=p.max_tokens_per_microbatch,
-        logprob_chunk_size=p.logprob_chunk_size,
+        mb.count(rows),
+        max_tokens_per_microbatch=mb.max_tokens_per_microbatch,
+        logprob_chunk_size=mb.logprob_chunk_size,
         cp_mode=cp_mode,
     )
 
@@ -79,30 +61,32 @@ def cp_mode_of(chunks) -> str:
     return "model" if model_cp_size(chunks[0]) > 1 else "loss"
 
 
-def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experience) -> dict:
-    """`grpo.mini_batches` optimiser steps on the batch; metrics averaged over them.
+def grpo_update(
+    chunks, ref_chunks, optimizer, settings: StepSettings, ctx, exp: Experience
+) -> dict:
+    """`settings.mini_batches` optimiser steps on the batch; metrics averaged over them.
 
     Mini-batch j holds whole prompt groups [j P/m, (j+1) P/m) and is a global batch of its
     own: its plan is built from its groups only (one statistics all-reduce each). The old
     (and reference) log-probs of every mini-batch are computed before the first update, so
     from the second mini-batch on the ratio moves away from 1 and the clip acts.
     """
-    r = recipe
     # Every tensor of the step on this rank's device: the batch goes there once (the broadcast
     # delivers it to every rank on the CPU); grpo_step's tensors follow their inputs.
     exp = exp.to(ctx.device)
-    m = r.grpo.mini_batches
+    m = settings.mini_batches
     cp_mode = cp_mode_of(chunks)
     groups_per = exp.num_groups // m
     differ: list = []  # routing replay's diagnostic counts, one per mini-batch
-    parts = [_old_logprobs(chunks, ref_chunks, r, ctx, exp, j, cp_mode, differ) for j in range(m)]
+    parts = [
+        _old_logprobs(chunks, ref_chunks, settings, ctx, exp, j, cp_mode, differ) for j in range(m)
+    ]
     totals: dict[str, float] = {}
     grad_norms, applied = [], []
     token_entropy, n_tokens = 0.0, 0
     stats = []
-    loss = step_loss(r, groups_per)
     for j, (rows, split, old, ref, entropy) in enumerate(parts):
-        mask, weights, stat = _corrected(r, exp, rows, old)
+        mask, weights, stat = _corrected(settings, exp, rows, old)
         stats.append(stat)
         batch = GRPOBatch(
             tokens=exp.tokens[rows],
@@ -115,7 +99,7 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
             is_weights=weights,
             routed_experts=None if exp.routed_experts is None else exp.routed_experts[rows],
         )
-        result = forward_backward(chunks, batch, loss, split)
+        result = forward_backward(chunks, batch, settings, split, num_groups=groups_per)
         ok, norm = optimizer.step()
         applied.append(bool(ok))
         grad_norms.append(norm)
@@ -141,14 +125,14 @@ def grpo_update(chunks, ref_chunks, optimizer, recipe: Recipe, ctx, exp: Experie
     )
 
 
-def _old_logprobs(chunks, ref_chunks, r: Recipe, ctx, exp: Experience, j: int, cp_mode, differ):
+def _old_logprobs(chunks, ref_chunks, settings, ctx, exp: Experience, j: int, cp_mode, differ):
     """(rows, split, old, ref, entropy) of mini-batch j on this rank: its rows (balanced by
-    tokens under parallel.max_tokens_per_microbatch), its micro-batch split, and the old (and
-    reference) log-probs; with routing replay the old forward replays the engine's experts and
-    adds its diagnostic counts to `differ`."""
-    m = r.grpo.mini_batches
+    tokens under a token budget), its micro-batch split, and the old (and reference) log-probs;
+    with routing replay the old forward replays the engine's experts and adds its diagnostic
+    counts to `differ`."""
+    m = settings.mini_batches
     seq_tokens = None
-    if r.parallel.max_tokens_per_microbatch:  # DP shards balanced by tokens (groups may split)
+    if settings.micro_batching.max_tokens_per_microbatch:  # DP shards balanced by tokens
         mini = exp.rows(1, 0, mini_batches=m, index=j)
         ends = response_end(exp.response_mask[mini])  # one host read per mini-batch
         mine = balanced_dp_shards(ends, ctx.dp)[ctx.dp_rank]
@@ -156,11 +140,8 @@ def _old_logprobs(chunks, ref_chunks, r: Recipe, ctx, exp: Experience, j: int, c
         seq_tokens = [ends[i] for i in mine]
     else:
         rows = exp.rows(ctx.dp, ctx.dp_rank, mini_batches=m, index=j)
-    n_local = len(rows)
-    mbs = min(r.parallel.micro_batch_size, n_local)
-    # need not divide: micro-batch sizes differ by one
-    split = microbatch_spec(r, -(-n_local // mbs), cp_mode)
-    kw = dict(temperature=r.grpo.temperature, seq_tokens=seq_tokens)
+    split = microbatch_spec(settings, len(rows), cp_mode)  # sizes differ by one where needed
+    kw = dict(temperature=settings.temperature, seq_tokens=seq_tokens)
     old, entropy = compute_logprobs(
         chunks,
         exp.tokens[rows],
@@ -177,19 +158,14 @@ def _old_logprobs(chunks, ref_chunks, r: Recipe, ctx, exp: Experience, j: int, c
     return rows, split, old, ref, entropy
 
 
-def _corrected(recipe: Recipe, exp: Experience, rows, old: torch.Tensor):
+def _corrected(settings: StepSettings, exp: Experience, rows, old: torch.Tensor):
     """(response mask, is_weights or None, correction statistics or None) of the rows: the
-    recipe's `loss.rollout_correction` on this rank's whole sequences, before the plan is built
-    (a rejected token leaves the mask, hence the lengths)."""
+    rollout correction on this rank's whole sequences, before the plan is built (a rejected
+    token leaves the mask, hence the lengths); without engine log-probs, none."""
     mask = exp.response_mask[rows]
     if exp.rollout_logprobs is None:
         return mask, None, None
-    settings = recipe.loss.rollout_correction
-    rollout = exp.rollout_logprobs[rows]
-    if settings.mode == "none":  # the gap alone: a free diagnostic
-        return mask, None, correction_statistics(old, rollout, mask)
-    c = rollout_correction(settings, old, rollout, mask)
-    return c.mask, c.weights, correction_statistics(old, rollout, mask, c)
+    return correct_rows(settings.rollout_correction, old, exp.rollout_logprobs[rows], mask)
 
 
 def _with_diagnostics(stats: list, ctx) -> dict[str, float]:

@@ -26,7 +26,6 @@ import torch
 from megatron_ba.megatron.grpo_step import (
     GRPOBatch,
     MicroBatchSpec,
-    StepLoss,
     forward_backward,
 )
 from megatron_ba.megatron.startup import setup, teardown
@@ -34,6 +33,7 @@ from megatron_ba.parallel.full_shape import gather_full_state_dict
 from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.recipe import load_recipe
 from megatron_ba.rules import AggregationSettings, GRPOLossConfig
+from megatron_ba.step_settings import StepSettings
 from megatron_ba.train.policy import Policy
 
 CPU = torch.device("cpu")
@@ -70,7 +70,7 @@ def grpo_batch(batch: dict) -> GRPOBatch:
     )
 
 
-def step_settings(batch: dict) -> tuple[StepLoss, MicroBatchSpec]:
+def step_settings(batch: dict) -> tuple[StepSettings, MicroBatchSpec]:
     s = batch["settings"]
     aggregation = AggregationSettings(
         rule=s["rule"],
@@ -88,13 +88,8 @@ def step_settings(batch: dict) -> tuple[StepLoss, MicroBatchSpec]:
     )
     if loss.kl_coef != 0:
         raise ValueError("settings.kl_coef: this script has no reference policy; use 0.0")
-    step_loss = StepLoss(
-        num_groups=int(batch["num_groups"]),
-        aggregation=aggregation,
-        loss=loss,
-        temperature=float(s["temperature"]),
-    )
-    return step_loss, MicroBatchSpec(int(s["num_microbatches"]))
+    settings = StepSettings(aggregation, loss, temperature=float(s["temperature"]))
+    return settings, MicroBatchSpec(int(s["num_microbatches"]))
 
 
 def main() -> None:
@@ -109,7 +104,10 @@ def main() -> None:
     setup(ParallelLayout(dp=None), seed=0, backend="gloo")
     try:
         chunks = build_policy(args.hf)
-        result = forward_backward(chunks, grpo_batch(batch), *step_settings(batch))
+        num_groups = int(batch["num_groups"])
+        result = forward_backward(
+            chunks, grpo_batch(batch), *step_settings(batch), num_groups=num_groups
+        )
         # main_grad (DDP's buffers) after finalize_model_grads, by full megatron-core name
         grads = gather_full_state_dict(chunks, grads=True)
     finally:

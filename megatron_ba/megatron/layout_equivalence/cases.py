@@ -21,7 +21,12 @@ from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.model_shape import PRESETS
 from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
-from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
+from megatron_ba.rules import (
+    ROLLOUT_CORRECTION_MODES,
+    AggregationSettings,
+    RolloutCorrectionSettings,
+)
+from megatron_ba.step_settings import StepSettings
 
 TOLERANCE = 1e-5
 LOSS_CONFIG = GRPOLossConfig(
@@ -94,6 +99,15 @@ class Case:
     # Negative control of sequence parallelism: the parameters SP marks (norms, router) keep each
     # TP rank's share of their gradient, not summed over TP; must fail under SP, pass without.
     sequence_parallel_grads_unreduced: bool = False
+
+    def step_settings(self) -> StepSettings:
+        """The step's settings of this case: its rule and scope (dr_grpo's budget: SEQ_LEN),
+        the check's loss coefficients (LOSS_CONFIG), its rollout correction."""
+        return StepSettings(
+            aggregation=AggregationSettings(rule=self.rule, scope=self.scope, max_length=SEQ_LEN),
+            loss=LOSS_CONFIG,
+            rollout_correction=correction_settings(self.rollout_correction),
+        )
 
     def step_function(self):
         """The step this case runs: grpo_step.forward_backward, or one of the controls."""

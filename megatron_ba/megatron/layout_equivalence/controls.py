@@ -2,7 +2,8 @@
 
 Each control runs the same prepared step as the exact one (grpo_step.PreparedStep: the same
 micro-batches, the same loss function, the same schedule) and differs from
-grpo_step.forward_backward in the one property it exposes:
+grpo_step.forward_backward in the one property it exposes (a subclass overriding the one method
+that holds it, or megatron-core's gradient finalisation wrapped):
 
   * `scaled_as(version)`: the factor cancels another megatron-core release's scaling
     (loss_scale.loss_scale's rows for that version) instead of the installed one's;
@@ -24,47 +25,68 @@ The check must see each control fail wherever its property matters (tests/test_l
 
 from __future__ import annotations
 
-from megatron_ba.megatron.grpo_step import PreparedStep, StepLoss, StepResult
+from megatron_ba.megatron.grpo_step import PreparedStep, StepResult
+from megatron_ba.megatron.loss_scale import loss_scale
 from megatron_ba.parallel.full_shape import is_expert_name
+from megatron_ba.step_settings import StepSettings
 
 
 def scaled_as(version: tuple[int, int]):
     """forward_backward, its scale cancelling megatron-core `version`'s factors."""
+    return _step_of(_scaled_as(version))
 
-    def step(chunks, batch, loss: StepLoss, split, *, reducer=None) -> StepResult:
-        prepared = PreparedStep.start(chunks, batch, split, reducer)
-        return prepared.run(loss, scale=prepared.scale(version))
 
-    return step
+def _scaled_as(version: tuple[int, int]) -> type[PreparedStep]:
+    class ScaledAs(PreparedStep):
+        def scale(self) -> int:
+            view = self.parts.view
+            return loss_scale(
+                len(self.parts), self.dp, view.cp, per_token_loss=self.per_token_loss,
+                version=version,
+            )  # fmt: skip
+
+    return ScaledAs
 
 
 def per_microbatch_plan(version: tuple[int, int] | None = None):
     """forward_backward with each micro-batch's plan from its own statistics (no reduction),
     averaged over micro-batches and DP ranks; `version` as in scaled_as (None: installed)."""
+    base = PreparedStep if version is None else _scaled_as(version)
 
-    def step(chunks, batch, loss: StepLoss, split, *, reducer=None) -> StepResult:
-        prepared = PreparedStep.start(chunks, batch, split, reducer)
+    class PerMicrobatchPlan(base):
+        def plan_of(self, settings, num_groups):
+            return lambda rows: self.plan(settings, num_groups, rows, reduce=None)
+
         # The mean over micro-batches and DP ranks; a micro-batch's CP shards still add up to
         # its loss, since its plan comes from whole-sequence lengths.
-        share = 1.0 / (len(prepared.parts) * prepared.dp)
-        return prepared.run(
-            loss,
-            plan_of=lambda rows: prepared.plan(loss, rows, reduce=None),
-            scale=prepared.scale(version) * share,
-            share=share,
-        )
+        def share(self) -> float:
+            return 1.0 / (len(self.parts) * self.dp)
+
+        def scale(self) -> float:
+            return super().scale() * self.share()
+
+    return _step_of(PerMicrobatchPlan)
+
+
+def _step_of(cls: type[PreparedStep]):
+    """A step function with forward_backward's signature that runs `cls`."""
+
+    def step(chunks, batch, settings: StepSettings, split, *, num_groups, reducer=None):
+        return cls.start(chunks, batch, split, reducer).run(settings, num_groups)
 
     return step
 
 
-def expert_grads_unreduced(chunks, batch, loss: StepLoss, split, *, reducer=None) -> StepResult:
+def expert_grads_unreduced(
+    chunks, batch, settings: StepSettings, split, *, num_groups, reducer=None
+) -> StepResult:
     """forward_backward whose expert gradients skip the expert-data-parallel reduction."""
     from megatron.core.utils import get_model_config
 
     prepared = PreparedStep.start(chunks, batch, split, reducer)
     config = get_model_config(chunks[0])
     config.finalize_model_grads_func = _experts_kept_local(config.finalize_model_grads_func, chunks)
-    return prepared.run(loss, scale=prepared.scale())
+    return prepared.run(settings, num_groups)
 
 
 def _experts_kept_local(finalize, chunks):
@@ -88,7 +110,7 @@ def _experts_kept_local(finalize, chunks):
 
 
 def sequence_parallel_grads_unreduced(
-    chunks, batch, loss: StepLoss, split, *, reducer=None
+    chunks, batch, settings: StepSettings, split, *, num_groups, reducer=None
 ) -> StepResult:
     """forward_backward whose sequence-parallel parameters skip the TP all-reduce."""
     from megatron.core.utils import get_model_config
@@ -98,7 +120,7 @@ def sequence_parallel_grads_unreduced(
     config.finalize_model_grads_func = _sequence_parallel_unmarked(
         config.finalize_model_grads_func, chunks
     )
-    return prepared.run(loss, scale=prepared.scale())
+    return prepared.run(settings, num_groups)
 
 
 def _sequence_parallel_unmarked(finalize, chunks):

@@ -19,12 +19,10 @@ from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch, causal_mask, response_end
 from megatron_ba.megatron.build_options import expert_config_fields, resolve_build_options
 from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
-from megatron_ba.megatron.grpo_step import MicroBatchSpec, StepLoss, compute_logprobs
+from megatron_ba.megatron.grpo_step import MicroBatchSpec, compute_logprobs
 from megatron_ba.megatron.layout_equivalence.cases import (
-    LOSS_CONFIG,
     Case,
     case_rows,
-    correction_settings,
     num_groups,
     synthetic_batch,
     tiny_spec,
@@ -36,12 +34,7 @@ from megatron_ba.parallel.collectives import StatisticsReducer
 from megatron_ba.parallel.full_shape import gather_full_state_dict
 from megatron_ba.parallel.layout import ParallelLayout
 from megatron_ba.parallel.sharding import cp_shard
-from megatron_ba.rollout_correction import (
-    correction_diagnostics,
-    correction_statistics,
-    rollout_correction,
-)
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.rollout_correction import correct_rows, correction_diagnostics
 
 # One clipped AdamW step (eps 1e-2 keeps the update a smooth function of the gradient, so that
 # float32 rounding in the gradient stays small in the update; the clip threshold is below the
@@ -88,14 +81,13 @@ def _build(
 
 def _local_batch(batch: dict, rows: torch.Tensor, case: Case):
     """This DP rank's batch, its rollout correction computed on its own rows (whole sequences),
-    before the plan, as train/update.py does."""
+    before the plan, by the trainer's own correct_rows (train/update.py)."""
     mask, old, weights = batch["response_mask"][rows], batch["old_logprobs"][rows], None
-    if case.rollout_correction != "none":
-        settings = correction_settings(case.rollout_correction)
-        c = rollout_correction(settings, old, batch["rollout_logprobs"][rows], mask)
-        weights = c.weights
+    if "rollout_logprobs" in batch:  # the reference's batch has them (so the correction acts)
+        settings = case.step_settings().rollout_correction
+        kept, weights, _ = correct_rows(settings, old, batch["rollout_logprobs"][rows], mask)
         if not case.rejected_kept_in_denominators:
-            mask = c.mask
+            mask = kept
     return GRPOBatch(
         tokens=batch["tokens"][rows],
         response_mask=mask,
@@ -107,33 +99,22 @@ def _local_batch(batch: dict, rows: torch.Tensor, case: Case):
     )
 
 
-def step_loss(batch: dict, case: Case) -> StepLoss:
-    """The GRPO loss of `case` on the whole synthetic `batch`."""
-    return StepLoss(
-        num_groups=num_groups(batch["tokens"].shape[0]),
-        aggregation=AggregationSettings(rule=case.rule, scope=case.scope, max_length=16),
-        loss=LOSS_CONFIG,
-    )
-
-
 def _run_case(chunks, batch: dict, rows: torch.Tensor, case: Case):
     from megatron.core import parallel_state
 
-    loss = step_loss(batch, case)
     split = MicroBatchSpec(case.num_microbatches, max_tokens_per_microbatch=case.token_budget)
     reducer = StatisticsReducer(parallel_state.get_data_parallel_group())
     step = case.step_function()
-    result = step(chunks, _local_batch(batch, rows, case), loss, split, reducer=reducer)
+    groups = num_groups(batch["tokens"].shape[0])  # of the whole synthetic batch
+    local = _local_batch(batch, rows, case)
+    result = step(chunks, local, case.step_settings(), split, num_groups=groups, reducer=reducer)
     return result, reducer.calls, gather_full_state_dict(chunks, grads=True)
 
 
 def _fraction_corrected(batch: dict, case: Case) -> float:
     """The share of the whole batch's response tokens the case's correction acts on."""
-    if case.rollout_correction == "none":
-        return 0.0
     old, rollout, mask = batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"]
-    c = rollout_correction(correction_settings(case.rollout_correction), old, rollout, mask)
-    stats = correction_statistics(old, rollout, mask, c)
+    _, _, stats = correct_rows(case.step_settings().rollout_correction, old, rollout, mask)
     return correction_diagnostics(stats)["rollout_correction/fraction_corrected"]
 
 
