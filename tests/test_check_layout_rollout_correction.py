@@ -22,7 +22,7 @@ FINAL = re.compile(r"^max_rel_grad_err=(\S+) loss_err=(\S+)$")
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_truncating_and_rejecting_modes_pass_and_the_denominator_control_fails():
-    from megatron_ba.megatron.layout_equivalence.check import Case, run_layout
+    from megatron_ba.layout_equivalence.check import Case, run_layout
     from megatron_ba.parallel.layout import ParallelLayout
 
     cases = [

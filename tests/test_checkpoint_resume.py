@@ -52,9 +52,9 @@ def _setup(rank: int, world: int, port: int, tp: int):
 
 
 def _policy(init_seed: int):
+    from megatron_ba.layout_equivalence.cases import tiny_spec
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
-    from megatron_ba.megatron.layout_equivalence.cases import tiny_spec
     from megatron_ba.parallel import full_shape
 
     spec = tiny_spec()
@@ -65,14 +65,14 @@ def _policy(init_seed: int):
 
 def _step(ctx, chunks, opt, step: int) -> dict:
     """One GRPO step on the synthetic batch of `step`: loss, full gradients, norm."""
-    from megatron_ba.megatron.batching import GRPOBatch
-    from megatron_ba.megatron.grpo_step import MicroBatchSpec, forward_backward
-    from megatron_ba.megatron.layout_equivalence.cases import (
+    from megatron_ba.layout_equivalence.cases import (
         LOSS_CONFIG,
         NUM_GROUPS,
         dp_rows,
         synthetic_batch,
     )
+    from megatron_ba.megatron.batching import GRPOBatch
+    from megatron_ba.megatron.grpo_step import MicroBatchSpec, forward_backward
     from megatron_ba.parallel.full_shape import gather_full_state_dict
     from megatron_ba.step_settings import StepSettings
 

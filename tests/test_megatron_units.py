@@ -158,7 +158,7 @@ def test_megatron_modules_import_lazily_and_shims_are_idempotent(tmp_path):
         import sys, warnings, os
         warnings.filterwarnings("ignore")
         import megatron_ba.megatron.grpo_step, megatron_ba.megatron.model
-        import megatron_ba.megatron.layout_equivalence.check, megatron_ba.megatron.cpu_optimizer
+        import megatron_ba.layout_equivalence.check, megatron_ba.megatron.cpu_optimizer
         assert not any(m.startswith("megatron.core") for m in sys.modules), "eager import"
         import torch
         from megatron_ba.megatron import cpu_compat

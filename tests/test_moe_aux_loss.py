@@ -28,11 +28,11 @@ FACTORS = (1.0, 1.0 / 3.0, 10.0)
 
 
 def _grads(aux: float, factor: float, batch) -> dict[str, torch.Tensor]:
+    from megatron_ba.layout_equivalence import workers
+    from megatron_ba.layout_equivalence.cases import Case, num_groups
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.build_options import resolve_build_options
     from megatron_ba.megatron.grpo_step import MicroBatchSpec, PreparedStep
-    from megatron_ba.megatron.layout_equivalence import workers
-    from megatron_ba.megatron.layout_equivalence.cases import Case, num_groups
     from megatron_ba.model_shape import PRESETS
     from megatron_ba.parallel import full_shape
 
@@ -59,9 +59,9 @@ def worker(rank: int, port: int, out: str) -> None:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(1)
+    from megatron_ba.layout_equivalence.cases import synthetic_batch
+    from megatron_ba.layout_equivalence.workers import _build
     from megatron_ba.megatron.grpo_step import compute_logprobs
-    from megatron_ba.megatron.layout_equivalence.cases import synthetic_batch
-    from megatron_ba.megatron.layout_equivalence.workers import _build
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel.layout import ParallelLayout
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ba.megatron.layout_equivalence.check import (
+from megatron_ba.layout_equivalence.check import (
     TOLERANCE,
     Case,
     check_layout_possible,

@@ -57,10 +57,10 @@ def _setup(rank: int, world: int, port: int, ep: int):
 
 
 def _policy(init_seed: int, ep: int):
+    from megatron_ba.layout_equivalence.cases import tiny_spec
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.build_options import expert_config_fields
     from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
-    from megatron_ba.megatron.layout_equivalence.cases import tiny_spec
     from megatron_ba.parallel import full_shape
 
     spec = tiny_spec("tiny-moe")
@@ -73,14 +73,14 @@ def _policy(init_seed: int, ep: int):
 
 def _step(ctx, chunks, opt, step: int) -> dict:
     """One GRPO step on the synthetic batch of `step`: loss, full gradients, norm."""
-    from megatron_ba.megatron.batching import GRPOBatch
-    from megatron_ba.megatron.grpo_step import MicroBatchSpec, forward_backward
-    from megatron_ba.megatron.layout_equivalence.cases import (
+    from megatron_ba.layout_equivalence.cases import (
         LOSS_CONFIG,
         NUM_GROUPS,
         dp_rows,
         synthetic_batch,
     )
+    from megatron_ba.megatron.batching import GRPOBatch
+    from megatron_ba.megatron.grpo_step import MicroBatchSpec, forward_backward
     from megatron_ba.parallel.full_shape import gather_full_state_dict
     from megatron_ba.step_settings import StepSettings
 

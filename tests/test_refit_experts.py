@@ -41,9 +41,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     torch.set_num_threads(1)
     from megatron_ba.generation.refit import ReplicaGroups, WeightRefit
+    from megatron_ba.layout_equivalence.cases import tiny_spec
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.build_options import expert_config_fields
-    from megatron_ba.megatron.layout_equivalence.cases import tiny_spec
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
     from megatron_ba.parallel.layout import ParallelLayout
@@ -89,8 +89,8 @@ def per_rank(tmp_path_factory):
 
 def _reference() -> dict:
     from megatron_ba.conversion import hf_named_tensors
+    from megatron_ba.layout_equivalence.cases import tiny_spec
     from megatron_ba.megatron import model as mm
-    from megatron_ba.megatron.layout_equivalence.cases import tiny_spec
 
     spec = tiny_spec("tiny-moe")
     return dict(hf_named_tensors(mm.full_init_state_dict(spec, SEED), spec))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ba.megatron.layout_equivalence.check import (
+from megatron_ba.layout_equivalence.check import (
     TOLERANCE,
     Case,
     compute_reference,

@@ -165,7 +165,7 @@ def unsupported_megatron_core() -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     # torch: imported on use, so that --help imports none
-    from megatron_ba.megatron.layout_equivalence.check import (
+    from megatron_ba.layout_equivalence.check import (
         TOLERANCE,
         Case,
         check_layout_possible,

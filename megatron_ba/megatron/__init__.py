@@ -6,6 +6,5 @@
 - grpo_step: the GRPO train step and forward-only log-probs on the schedules; loss_scale: the
   factor that cancels the schedules' scaling; batching, packing, thd: micro-batches.
 - cpu_optimizer, optimizer_choice: the CPU optimiser, and which optimiser a run gets.
-- layout_equivalence: the check behind `megatron-ba check-layout`.
 - cpu_compat: CPU/gloo shims for megatron-core (imported only by CPU runs).
 """

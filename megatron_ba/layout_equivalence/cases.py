@@ -3,7 +3,7 @@ checked model and core attention), the synthetic batch, the results' records.
 
 Shared by the launcher (check.py, the parent process) and the process bodies
 (workers.py, the spawned ranks); importing neither, so that they import it and not each
-other. The check itself and its error measures: megatron_ba.megatron.layout_equivalence.check.
+other. The check itself and its error measures: megatron_ba.layout_equivalence.check.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ba.advantages import group_advantages
+from megatron_ba.layout_equivalence import controls
 from megatron_ba.loss import GRPOLossConfig
 from megatron_ba.megatron import grpo_step
 from megatron_ba.megatron.batching import response_end
-from megatron_ba.megatron.layout_equivalence import controls
 from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.model_shape import PRESETS

@@ -1,6 +1,6 @@
 """Check that a TP x PP x CP x DP layout gives the single-process loss and gradients exactly.
 
-    from megatron_ba.megatron.layout_equivalence.check import Case, run_layout
+    from megatron_ba.layout_equivalence.check import Case, run_layout
     results = run_layout(ParallelLayout(tp=2, dp=2), [Case("balanced", 3)], seed=0)
     results = run_layout(ParallelLayout(dp=2, ep=2), cases, seed=0, model="tiny-moe")
 
@@ -26,8 +26,8 @@ import json
 import os
 import tempfile
 
-from megatron_ba.megatron.layout_equivalence import workers
-from megatron_ba.megatron.layout_equivalence.cases import (  # re-exported: the check's public names
+from megatron_ba.layout_equivalence import workers
+from megatron_ba.layout_equivalence.cases import (  # re-exported: the check's public names
     SEQUENCES,
     TOLERANCE,
     Case,

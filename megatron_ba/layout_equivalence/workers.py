@@ -15,18 +15,18 @@ from dataclasses import asdict
 
 import torch
 
-from megatron_ba.megatron import model as mm
-from megatron_ba.megatron.batching import GRPOBatch, causal_mask, response_end
-from megatron_ba.megatron.build_options import expert_config_fields, resolve_build_options
-from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
-from megatron_ba.megatron.grpo_step import MicroBatchSpec, compute_logprobs
-from megatron_ba.megatron.layout_equivalence.cases import (
+from megatron_ba.layout_equivalence.cases import (
     Case,
     case_rows,
     num_groups,
     synthetic_batch,
     tiny_spec,
 )
+from megatron_ba.megatron import model as mm
+from megatron_ba.megatron.batching import GRPOBatch, causal_mask, response_end
+from megatron_ba.megatron.build_options import expert_config_fields, resolve_build_options
+from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
+from megatron_ba.megatron.grpo_step import MicroBatchSpec, compute_logprobs
 from megatron_ba.megatron.mcore_compat import cp_shard_batch
 from megatron_ba.megatron.startup import setup
 from megatron_ba.parallel import collectives, full_shape
