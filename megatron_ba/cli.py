@@ -1,7 +1,7 @@
 """The `megatron-ba` command line.
 
     megatron-ba --help                 # list the subcommands
-    megatron-ba plan --help            # help of one subcommand
+    megatron-ba weights --help         # help of one subcommand
 
 Each subcommand lives in its own module with `add_arguments(parser)` and `run(args) -> int`.
 Modules are imported only when their subcommand runs, and at module level they import nothing
@@ -23,8 +23,8 @@ from megatron_ba.errors import UserError
 
 # name -> (module, one-line help). Later features register here.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": (
-        "megatron_ba.commands.plan",
+    "weights": (
+        "megatron_ba.commands.weights",
         "show the per-sequence weights of every aggregation rule for a small GRPO batch",
     ),
     "check-layout": (
@@ -67,10 +67,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "megatron_ba.commands.layout",
         "propose TP/PP/CP/DP and micro-batches that fit a cluster, with a per-GPU memory estimate",
     ),
-    "bench": (
-        "megatron_ba.commands.bench",
-        "run a benchmark (aggregation, ...) and print its measurements",
+    "perf": (
+        "megatron_ba.commands.perf",
+        "run a speed / memory measurement (aggregation, step, refit, ...) and print it",
     ),
+}
+# Former names, still accepted: each says what the command is called now, then runs it.
+ALIASES: dict[str, tuple[str, str]] = {
+    "plan": ("weights", "it shows every rule's per-sequence weights"),
+    "bench": ("perf", "'benchmark' means the evaluation sets; these measure speed and memory"),
 }
 
 
@@ -84,6 +89,7 @@ def _top_level_help() -> str:
         "commands:",
     ]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {old:<{width}}  the former name of `{new}`" for old, (new, _) in ALIASES.items()]
     lines += ["", "Run `megatron-ba COMMAND --help` for the options of one command."]
     return "\n".join(lines)
 
@@ -94,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         print(_top_level_help())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if name in ALIASES:
+        new, why = ALIASES[name]
+        print(f"megatron-ba {name}: now `megatron-ba {new}` ({why})", file=sys.stderr)
+        name = new
     if name not in COMMANDS:
         print(f"megatron-ba: unknown command {name!r}\n\n{_top_level_help()}", file=sys.stderr)
         return 2

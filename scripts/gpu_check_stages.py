@@ -1,21 +1,21 @@
 """The stages of scripts/gpu_check.py after `env`: each runs one command under its budget and
 reads its figures (the driver's Check records them). GPU sizes, and the CPU dry run's tiny ones.
 
-  attention      `bench attention`: the SDPA core vs megatron-core's unfused core on the GPU's
+  attention      `perf attention`: the SDPA core vs megatron-core's unfused core on the GPU's
                  kernels, bf16 and fp32, error against float64 (criterion: no worse than twice
                  the unfused core's), and each core's memory and time at 8,192 tokens
-  train_0p5b     `bench train-lm`: a random Qwen2.5-0.5B-shaped model, SDPA core, 20 bf16 steps
+  train_0p5b     `perf train-lm`: a random Qwen2.5-0.5B-shaped model, SDPA core, 20 bf16 steps
                  through megatron-core's distributed optimiser on a fixed synthetic batch (8 x
                  4,096 tokens), then 6 fp32 steps from the same weights: loss fall, bf16 vs fp32
                  within 5 %, tokens/s, MFU (planning/flops.py) over the H200's 989 TFLOP/s
-  memory_1p5b    `bench step`: one GRPO step of a Qwen2.5-1.5B shape at 16,384 tokens (1,024
+  memory_1p5b    `perf step`: one GRPO step of a Qwen2.5-1.5B shape at 16,384 tokens (1,024
                  prompt), bf16, SDPA core, full recomputation, chunked log-probs: the measured
                  peak against planning.memory's estimate of that shape and layout
-  step           `bench step` BA vs token-mean, bf16 (goal: <= 1.02x)
-  aggregation    `bench aggregation`: the packed GRPO loss, balanced / token-mean, forward and
+  step           `perf step` BA vs token-mean, bf16 (goal: <= 1.02x)
+  aggregation    `perf aggregation`: the packed GRPO loss, balanced / token-mean, forward and
                  backward over 16.7M fp32 log-probs of 2,048 sequences (goal: <= 1.05x)
   train          `megatron-ba train recipes/tiny-cpu.yaml` in bf16, 2 GRPO steps
-  vocab_parallel `bench vocab-parallel` at T=16,384: time, peak vs the naive path
+  vocab_parallel `perf vocab-parallel` at T=16,384: time, peak vs the naive path
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def stage_attention(c, device: str) -> None:
         if c.cpu
         else _args("--dtypes bf16,fp32 --seq-len 2048 --batch 2 --memory-seq-len 8192")
     )
-    cmd = [*CLI, "bench", "attention", "--device", device, *size, "--json", str(path)]
+    cmd = [*CLI, "perf", "attention", "--device", device, *size, "--json", str(path)]
 
     def figures(_text: str) -> dict:
         d = json.loads(path.read_text())
@@ -70,7 +70,7 @@ def stage_train_lm(c) -> None:
             "--compare-steps 6 --sequences 8 --seq-len 4096 --micro-batches 4 --data-vocab 4096 "
             "--block 64 --lr 3e-4 --warmup-steps 3 --rel-tol 0.05 --min-drop 1.0"
         )
-    cmd = [*CLI, "bench", "train-lm", *size, "--attention", "sdpa", "--json", str(path)]
+    cmd = [*CLI, "perf", "train-lm", *size, "--attention", "sdpa", "--json", str(path)]
 
     def figures(_text: str) -> dict:
         d = json.loads(path.read_text())
@@ -122,9 +122,9 @@ def memory_comparison(step: dict, estimate: dict) -> dict:
 
 
 def _memory_setup(cpu: bool) -> tuple[list[str], ModelShape, int, bool, int]:
-    """(bench step arguments, the model's shape, tokens, recompute, chunk)."""
+    """(perf step arguments, the model's shape, tokens, recompute, chunk)."""
     shape = PRESETS["qwen2.5-1.5b"]
-    if cpu:  # plumbing: a 2-layer slice of small width, no recompute (bench step: CUDA only)
+    if cpu:  # plumbing: a 2-layer slice of small width, no recompute (perf step: CUDA only)
         shape = dataclasses.replace(
             shape,
             hidden_size=128,
@@ -169,7 +169,7 @@ def stage_memory_1p5b(c) -> None:
             "step": {k: v for k, v in step.items() if k != "args"},
         }
 
-    cmd = [*CLI, "bench", "step", *args, "--json", str(path)]
+    cmd = [*CLI, "perf", "step", *args, "--json", str(path)]
     c.run("memory_1p5b", cmd, figures=figures)
 
 
@@ -185,7 +185,7 @@ def stage_step(c, device: str) -> None:
             "--shape small --sequences 32 --group-size 8 --seq-len 2048 --prompt-len 256 "
             "--micro-batches 4 --repeats 5 --warmup 2 --dtype bf16 --logprob-chunk-size 1024"
         )
-    cmd = [*CLI, "bench", "step", "--device", device, *size, "--json", str(path)]
+    cmd = [*CLI, "perf", "step", "--device", device, *size, "--json", str(path)]
 
     def figures(_text: str) -> dict:
         d = json.loads(path.read_text())
@@ -201,12 +201,12 @@ def stage_aggregation(c, device: str) -> None:
         if c.cpu
         else _args("--sequences 2048 --max-length 16384 --repeats 9")
     )
-    cmd = [*CLI, "bench", "aggregation", "--device", device, *size, "--json"]
+    cmd = [*CLI, "perf", "aggregation", "--device", device, *size, "--json"]
 
     def figures(text: str) -> dict:
         lines = [x for x in text.splitlines() if x.startswith("{")]
         if not lines:
-            raise ValueError("bench aggregation printed no JSON line")
+            raise ValueError("perf aggregation printed no JSON line")
         return json.loads(lines[-1])
 
     c.run("aggregation", cmd, figures=figures)
@@ -261,7 +261,7 @@ def stage_vocab_parallel(c, device: str) -> None:
         if c.cpu
         else _args("--tokens 16384 --rounds 3 --chunk-sizes 256,1024")
     )
-    cmd = [*CLI, "bench", "vocab-parallel", "--device", device, *size, "--json", str(path)]
+    cmd = [*CLI, "perf", "vocab-parallel", "--device", device, *size, "--json", str(path)]
     keep = (
         "peak_extra_mib",
         "memory_ratio",

@@ -156,10 +156,10 @@ def run_probe(env: Path, checks: list[str], absent: list[str]) -> subprocess.Com
 
 
 def run_bench(env: Path) -> list[str]:
-    """`megatron-ba bench aggregation` (a small size) by the installed console script, from a
+    """`megatron-ba perf aggregation` (a small size) by the installed console script, from a
     folder outside the checkout: the performance benchmarks ship in the wheel (megatron_ba.perf).
     The failures as messages."""
-    argv = ["bench", "aggregation", "--sequences", "32", "--max-length", "64", "--repeats", "1"]
+    argv = ["perf", "aggregation", "--sequences", "32", "--max-length", "64", "--repeats", "1"]
     with tempfile.TemporaryDirectory(prefix="megatron-ba-bench-") as cwd:
         p = subprocess.run(
             [str(Path(env) / "bin" / "megatron-ba"), *argv, "--json"],
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheel", type=Path, help="a wheel built before (default: build one)")
     parser.add_argument(
         "checks", nargs="+", help="checks of tests/light_probe.py (verl, trl, ..., import:MODULE) "
-        "and `cli` (the console script's --help, and `megatron-ba bench` from the wheel)"
+        "and `cli` (the console script's --help, and `megatron-ba perf` from the wheel)"
     )  # fmt: skip
     args = parser.parse_args(argv)
     if not (args.venv / "bin" / "python").exists():

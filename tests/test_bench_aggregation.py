@@ -1,4 +1,4 @@
-"""`megatron-ba bench aggregation`: its token-mean GRPO loss is what grpo_loss computes under the
+"""`megatron-ba perf aggregation`: its token-mean GRPO loss is what grpo_loss computes under the
 token rule (so the two rules it times compute the same kind of thing), and it prints the ratio
 (figures: docs/performance.md)."""
 
@@ -12,7 +12,7 @@ import torch
 
 from megatron_ba.cli import main
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
-from megatron_ba.perf.aggregation import token_mean_grpo_loss
+from megatron_ba.perf.aggregation_perf import token_mean_grpo_loss
 from megatron_ba.rules import AggregationSettings
 
 
@@ -46,7 +46,7 @@ def test_token_mean_baseline_is_grpo_loss_under_the_token_rule(dual_clip):
 
 
 def test_bench_aggregation_prints_the_grpo_loss_ratio(capsys):
-    argv = "bench aggregation --sequences 32 --max-length 16 --repeats 2 --threads 1".split()
+    argv = "perf aggregation --sequences 32 --max-length 16 --repeats 2 --threads 1".split()
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(

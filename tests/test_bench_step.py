@@ -1,4 +1,4 @@
-"""`megatron-ba bench step` (perf/step.py) and `bench vocab-parallel --device`: they run,
+"""`megatron-ba perf step` (perf/step_perf.py) and `perf vocab-parallel --device`: they run,
 the two step variants differ in the plan, bad arguments get clear errors (figures: performance.md).
 """
 
@@ -18,7 +18,7 @@ pytest.importorskip("megatron.core")
 def test_bench_step_runs_both_plans(tmp_path, capsys):
     out = tmp_path / "step.json"
     argv = (
-        "bench step --device cpu --sequences 8 --group-size 4 --seq-len 24 --prompt-len 4 "
+        "perf step --device cpu --sequences 8 --group-size 4 --seq-len 24 --prompt-len 4 "
         f"--micro-batches 2 --repeats 2 --warmup 0 --threads 1 --json {out}"
     ).split()
     assert main(argv) == 0
@@ -49,13 +49,13 @@ def test_bench_step_runs_both_plans(tmp_path, capsys):
 )
 def test_bench_step_errors(extra, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
-        main(f"bench step --device cpu {extra}".split())
+        main(f"perf step --device cpu {extra}".split())
 
 
 def test_bench_vocab_parallel_device_flag(tmp_path):
     out = tmp_path / "vp.json"
     argv = (
-        "bench vocab-parallel --device cpu --tokens 32 --vocab 64 --tp 2 --rounds 1 "
+        "perf vocab-parallel --device cpu --tokens 32 --vocab 64 --tp 2 --rounds 1 "
         f"--chunk-sizes 8 --json {out}"
     ).split()
     assert main(argv) == 0
@@ -66,7 +66,7 @@ def test_bench_vocab_parallel_device_flag(tmp_path):
 
 
 def test_in_process_setup_leaves_no_rendezvous_for_children():
-    """A world of one set up in this process (as `bench step` does) and torn down must not
+    """A world of one set up in this process (as `perf step` does) and torn down must not
     leave RANK / MASTER_PORT behind: children launched later (the convert and train commands of
     other tests) would inherit a rendezvous whose port this process still holds (EADDRINUSE)."""
     import os

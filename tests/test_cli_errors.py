@@ -34,9 +34,9 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         raise ValueError("an internal invariant broke")
 
     fake = types.SimpleNamespace(add_arguments=lambda p: None, run=run)
-    monkeypatch.setitem(sys.modules, cli.COMMANDS["plan"][0], fake)
+    monkeypatch.setitem(sys.modules, cli.COMMANDS["weights"][0], fake)
     with pytest.raises(ValueError, match="internal invariant"):
-        cli.main(["plan"])
+        cli.main(["weights"])
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
@@ -62,7 +62,7 @@ def test_user_errors_from_real_commands(tmp_path):
             "source '/no/such.jsonl': no such file or folder (a hub id is 'org/name')",
         ),
         (
-            ["plan", "--lengths", "1,2", "--rewards", "1", "--groups", "0,0"],
+            ["weights", "--lengths", "1,2", "--rewards", "1", "--groups", "0,0"],
             "plan: --lengths, --rewards and --groups need one entry each per sequence, got "
             "--lengths 2, --rewards 1, --groups 2",
         ),

@@ -45,10 +45,10 @@ def test_help_imports_no_torch(command):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["plan", "--scope", "nope"],
+        ["weights", "--scope", "nope"],
         ["eval", "model", "--benchmarks", "gsm8k"],
         ["compare"],
-        ["bench", "nope"],
+        ["perf", "nope"],
         ["check-layout", "--rule", "nope"],
     ],
 )
@@ -59,5 +59,5 @@ def test_argument_errors_import_no_torch(argv):
 
 def test_the_probe_sees_torch():
     """The probe is not vacuous: a command that runs imports torch, and it says so."""
-    result, _ = _probe("plan")
+    result, _ = _probe("weights")
     assert result["code"] == 0 and "torch" in result["heavy"]

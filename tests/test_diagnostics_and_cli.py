@@ -1,4 +1,4 @@
-"""Batch diagnostics (the sign-length coupling made visible) and the `plan` command."""
+"""Batch diagnostics (the sign-length coupling made visible) and the `weights` command."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_diagnostics_with_reduce_reports_parts():
 
 def test_plan_command_prints_all_rules(capsys):
     assert (
-        main(["plan", "--lengths", "4,6,2,8", "--rewards", "1,0,1,0", "--groups", "0,0,0,0"]) == 0
+        main(["weights", "--lengths", "4,6,2,8", "--rewards", "1,0,1,0", "--groups", "0,0,0,0"])
+        == 0
     )
     out = capsys.readouterr().out
     for rule in ("token", "sequence", "dr_grpo", "balanced", "balanced_mass", "group_token_mean"):
@@ -49,7 +50,7 @@ def test_plan_command_prints_all_rules(capsys):
 
 
 def _plan_columns(out: str) -> dict[str, list[float]]:
-    """The weight table of `megatron-ba plan`'s output, by column name."""
+    """The weight table of `megatron-ba weights`' output, by column name."""
     lines = out.splitlines()
     head = lines[0].split()
     rows = [line.split() for line in lines[1 : lines.index("")]]
@@ -60,7 +61,7 @@ def test_plan_command_shows_group_token_mean_per_group_at_the_batch_scope(capsys
     """The worked example of docs/math.md at --scope batch: group_token_mean stays 1/(2*20) and
     1/(2*6); token, pooled, is 1/26 (the control: the same column code, another rule)."""
     args = ["--lengths", "4,6,2,8,3,3", "--rewards", "1,0,1,0,1,0", "--groups", "0,0,0,0,1,1"]
-    assert main(["plan", *args, "--scope", "batch"]) == 0
+    assert main(["weights", *args, "--scope", "batch"]) == 0
     columns = _plan_columns(capsys.readouterr().out)
     assert columns["group_token_mean"] == [round(1 / 40, 6)] * 4 + [round(1 / 12, 6)] * 2
     assert columns["token"] == [round(1 / 26, 6)] * 6
@@ -73,4 +74,17 @@ def test_console_entry_point_runs():
         text=True,
         check=True,
     ).stdout
-    assert "plan" in out
+    assert "weights" in out and "the former name of `weights`" in out
+
+
+def test_former_command_names_still_run_and_name_the_new_one(capsys):
+    args = ["--lengths", "4,6", "--rewards", "1,0", "--groups", "0,0"]
+    assert main(["plan", *args]) == 0
+    old = capsys.readouterr()
+    assert old.err.startswith("megatron-ba plan: now `megatron-ba weights`")
+    assert main(["weights", *args]) == 0
+    new = capsys.readouterr()
+    assert new.out == old.out and new.err == ""  # the same command, without the note
+    with pytest.raises(SystemExit):  # `bench` is `perf`: its measurement names, its errors
+        main(["bench", "nosuch"])
+    assert "megatron-ba bench: now `megatron-ba perf`" in capsys.readouterr().err

@@ -7,7 +7,7 @@ Pages: README.md, docs/*.md, slurm/README.md, and the comments of recipes/*.yaml
 - Every `megatron-ba ...` command line (and `-m megatron_ba.cli ...`) in a fenced or indented
   code block, an inline code span or a recipe comment (the `# layout:` lines included) names a
   subcommand of megatron_ba/cli.py, and every `--flag` it uses is an option string of that
-  subcommand's argparse parser, built as cli.py builds it (`megatron-ba bench NAME`: of the
+  subcommand's argparse parser, built as cli.py builds it (`megatron-ba perf NAME`: of the
   benchmark's own parser), and one that its `--help` lists (not argparse.SUPPRESS).
   Placeholders in capitals (`megatron-ba COMMAND --help`) stand for any subcommand, so they may
   use only `--help`. Abbreviated flags, which argparse would accept,
@@ -143,7 +143,7 @@ def table_row_flags(prose: str) -> list[str]:
             commands = commands_in(span)
             if commands:
                 words = commands[-1].split()
-                named = len(words) > 2 and words[1] == "bench" and not words[2].startswith("-")
+                named = len(words) > 2 and words[1] == "perf" and not words[2].startswith("-")
                 prefix = " ".join(words[: 3 if named else 2])
             elif prefix and span.startswith("--"):
                 found.append(f"{prefix} {span.replace(chr(92) + '|', '/')}")
@@ -198,9 +198,9 @@ class _Parsed(Exception):
 
 @functools.cache
 def benchmark_options(name: str) -> frozenset[str]:
-    """The option strings of `megatron-ba bench NAME`: the parser its module's main() builds,
+    """The option strings of `megatron-ba perf NAME`: the parser its module's main() builds,
     caught at its parse_args call (nothing runs)."""
-    from megatron_ba.commands.bench import PERF
+    from megatron_ba.commands.perf import PERF
 
     module = importlib.import_module(PERF[name][0])
 
@@ -235,16 +235,16 @@ def command_problems(command: str) -> list[str]:
         known, where = frozenset({"--help"}), "every subcommand"
     elif sub not in COMMANDS:
         return [f"{command!r}: unknown subcommand {sub!r} (megatron-ba has {sorted(COMMANDS)})"]
-    elif sub == "bench" and rest and not rest[0].startswith("-"):
-        from megatron_ba.commands.bench import PERF
+    elif sub == "perf" and rest and not rest[0].startswith("-"):
+        from megatron_ba.commands.perf import PERF
 
         name, flags = rest[0], FLAG.findall(" ".join(rest[1:]))
         if _placeholder(name):
             known, where = frozenset({"--help"}), "every benchmark"
         elif name not in PERF:
-            return [f"{command!r}: unknown benchmark {name!r} (bench has {sorted(PERF)})"]
+            return [f"{command!r}: unknown measurement {name!r} (perf has {sorted(PERF)})"]
         else:
-            known, where = benchmark_options(name), f"`megatron-ba bench {name}`"
+            known, where = benchmark_options(name), f"`megatron-ba perf {name}`"
     else:
         known = subcommand_options(sub)
     return [f"{command!r}: {f} is not an option of {where}" for f in flags if f not in known]
@@ -363,7 +363,7 @@ def test_recipe_comment_commands_parse(recipe):
 def test_the_pages_hold_commands_of_every_kind():
     """The extraction finds what is there: code blocks, indented blocks, spans, recipes."""
     found = {c.split()[1] for p in PAGES for c in markdown_commands(p.read_text())}
-    assert {"train", "layout", "convert", "check-layout", "compare", "eval", "bench"} <= found
+    assert {"train", "layout", "convert", "check-layout", "compare", "eval", "perf"} <= found
     slurm = markdown_commands((ROOT / "slurm/README.md").read_text())
     assert slurm == [c for c in slurm if c.startswith("megatron-ba ")]
     parallelism = markdown_commands((ROOT / "docs/parallelism.md").read_text())
@@ -423,8 +423,8 @@ megatron-ba check-layout --tp 2 \\
 
 - an item:
 
-      megatron-ba bench step --sequences 8 --no-such-flag
-      megatron-ba bench nonesuch
+      megatron-ba perf step --sequences 8 --no-such-flag
+      megatron-ba perf nonesuch
 
 | command | what |
 |---|---|
@@ -438,8 +438,8 @@ def test_extraction_finds_every_form():
         "megatron-ba trian recipes/tiny-cpu.yaml",
         "megatron-ba convert A B --to-hf",
         "megatron-ba check-layout --tp 2 --micro-batch 3",
-        "megatron-ba bench step --sequences 8 --no-such-flag",
-        "megatron-ba bench nonesuch",
+        "megatron-ba perf step --sequences 8 --no-such-flag",
+        "megatron-ba perf nonesuch",
         "megatron-ba layout --model qwen3-1.7b --gpu-memory 80",
         "megatron-ba train RECIPE --resume-from RUN_DIR",
         "megatron-ba convert HF_DIR OUT [--to megatron/hf] [--format x]",
@@ -462,8 +462,8 @@ def test_planted_unknown_flags_and_subcommands_are_caught():
         "unknown subcommand 'trian'",
         "--to-hf is not an option of `megatron-ba convert`",
         "--micro-batch is not an option of `megatron-ba check-layout`",  # an abbreviation
-        "--no-such-flag is not an option of `megatron-ba bench step`",
-        "unknown benchmark 'nonesuch'",
+        "--no-such-flag is not an option of `megatron-ba perf step`",
+        "unknown measurement 'nonesuch'",
         "--gpu-memory is not an option of `megatron-ba layout`",
         "--resume-from is not an option of `megatron-ba train`",
         "--format is not an option of `megatron-ba convert`",
@@ -475,7 +475,7 @@ def test_planted_unknown_flags_and_subcommands_are_caught():
     for good in (
         "megatron-ba convert A B --to hf",
         "megatron-ba check-layout --tp 2 --micro-batches 3",
-        "megatron-ba bench step --sequences 8 --json out.json",
+        "megatron-ba perf step --sequences 8 --json out.json",
         "megatron-ba layout --model qwen3-1.7b --gpu-mem 80",
         "megatron-ba train RECIPE --resume RUN_DIR",
         "megatron-ba COMMAND --help",
@@ -484,9 +484,9 @@ def test_planted_unknown_flags_and_subcommands_are_caught():
         assert command_problems(good) == [], good
     assert command_problems("megatron-ba COMMAND --json") != []
     # a flag the parser takes but --help hides (the benchmark's internal worker switch)
-    assert command_problems("megatron-ba bench vocab-parallel --worker memory") == [
-        "'megatron-ba bench vocab-parallel --worker memory': --worker is not an option of "
-        "`megatron-ba bench vocab-parallel`"
+    assert command_problems("megatron-ba perf vocab-parallel --worker memory") == [
+        "'megatron-ba perf vocab-parallel --worker memory': --worker is not an option of "
+        "`megatron-ba perf vocab-parallel`"
     ]
 
 

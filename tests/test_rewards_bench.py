@@ -1,4 +1,4 @@
-"""`megatron-ba bench rewards` runs and its synthetic pairs are scored as labelled."""
+"""`megatron-ba perf rewards` runs and its synthetic pairs are scored as labelled."""
 
 import json
 import subprocess
@@ -14,7 +14,7 @@ def cli(*args, timeout=180):
 
 def test_bench_rewards_small_run(tmp_path):
     out = tmp_path / "figures.json"
-    proc = cli("bench", "rewards", "--pairs", "60", "--workers", "2", "--json", str(out))
+    proc = cli("perf", "rewards", "--pairs", "60", "--workers", "2", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     figures = json.loads(out.read_text())
     assert figures["pairs"] == 60 and figures["workers"] == 2
@@ -24,7 +24,7 @@ def test_bench_rewards_small_run(tmp_path):
 
 
 def test_bench_lists_rewards_and_rejects_unknown_names():
-    listed = cli("bench", "--help")
+    listed = cli("perf", "--help")
     assert listed.returncode == 0 and "rewards" in listed.stdout
-    unknown = cli("bench", "nosuch")
+    unknown = cli("perf", "nosuch")
     assert unknown.returncode == 2 and "invalid choice" in unknown.stderr

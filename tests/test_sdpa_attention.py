@@ -249,13 +249,13 @@ def test_whole_model_equals_unfused(found, tp):
         assert c["loss"] > 1e-7 and c["step_grads"] > 1e-4, c
 
 
-# --- `megatron-ba bench attention` (the GPU check's accuracy criterion), on the CPU ---------------
+# --- `megatron-ba perf attention` (the GPU check's accuracy criterion), on the CPU ---------------
 
 BENCH_CONTROL = """
 import json, sys
 from types import SimpleNamespace
 import torch
-from megatron_ba.perf import attention as ba
+from megatron_ba.perf import attention_perf as ba
 from megatron_ba.megatron.batching import causal_mask
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.parallel.layout import ParallelLayout

@@ -1,4 +1,4 @@
-"""`megatron-ba bench train-lm` (perf/train_lm.py): the synthetic task, the two criteria by
+"""`megatron-ba perf train-lm` (perf/train_lm_perf.py): the synthetic task, the two criteria by
 hand, a CPU run whose second run starts from the first's weights (equal losses), and the
 comparison's control (the second run at 10 times the learning rate fails it).
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_ba.megatron.batching import CPView
-from megatron_ba.perf import train_lm
+from megatron_ba.perf import train_lm_perf as train_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = (
@@ -74,7 +74,7 @@ def test_bad_arguments_are_refused_by_name(extra, message):
 
 def _run(tmp_path, *extra: str):
     out = tmp_path / "lm.json"
-    cmd = [sys.executable, "-m", "megatron_ba.cli", "bench", "train-lm", *TINY_RUN, *extra]
+    cmd = [sys.executable, "-m", "megatron_ba.cli", "perf", "train-lm", *TINY_RUN, *extra]
     p = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
     return p, json.loads(out.read_text())
 

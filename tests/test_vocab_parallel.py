@@ -333,7 +333,7 @@ def test_bench_command_runs_the_vocab_parallel_benchmark(capsys):
     # a tiny size: checks the dispatch and every variant's code path, not the figures
     from megatron_ba.cli import main
 
-    argv = "bench vocab-parallel --tokens 48 --vocab 64 --tp 2 --rounds 1 --chunk-sizes 7"
+    argv = "perf vocab-parallel --tokens 48 --vocab 64 --tp 2 --rounds 1 --chunk-sizes 7"
     assert main(argv.split()) == 0
     out = capsys.readouterr().out
     for variant in ("naive", "unchunked", "chunked:7"):

@@ -1,1 +1,2 @@
-"""Benchmarks (`megatron-ba bench NAME`); results are recorded in docs/performance.md."""
+"""Speed and memory measurements (`megatron-ba perf NAME`); results in docs/performance.md.
+("Benchmarks" are the evaluation sets: megatron_ba.data.benchmarks.)"""

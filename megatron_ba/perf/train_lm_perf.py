@@ -1,8 +1,8 @@
 """Train a random Qwen2-shaped megatron-core model on a synthetic LM task: loss, speed, MFU.
 
-    megatron-ba bench train-lm --shape qwen2.5-0.5b --device cuda --dtype bf16 --steps 20 \
+    megatron-ba perf train-lm --shape qwen2.5-0.5b --device cuda --dtype bf16 --steps 20 \
         --compare-dtype fp32 --compare-steps 6 --sequences 8 --seq-len 4096 --micro-batches 4
-    megatron-ba bench train-lm --device cpu --dtype fp32 --compare-dtype fp32 --steps 6  # plumbing
+    megatron-ba perf train-lm --device cpu --dtype fp32 --compare-dtype fp32 --steps 6  # plumbing
 
 The model is built as the trainer builds it (build_options: precision, layer spec, `--attention`
 core; megatron-core's DDP; optimizer_choice.build_optimizer: megatron-core's distributed optimiser
@@ -61,7 +61,7 @@ GIB = 2**30
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
-    p = p or argparse.ArgumentParser(prog="megatron-ba bench train-lm")
+    p = p or argparse.ArgumentParser(prog="megatron-ba perf train-lm")
     add_shape_arguments(p)
     p.add_argument("--sequences", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")

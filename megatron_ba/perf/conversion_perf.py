@@ -1,7 +1,7 @@
 """Benchmark: HF -> megatron-core conversion speed and peak host memory (docs/performance.md).
 
-    megatron-ba bench conversion                       # Qwen2.5-0.5B shape, 24 layers, bfloat16
-    megatron-ba bench conversion --layers 6 --dtype float32 --keep /tmp/ck
+    megatron-ba perf conversion                       # Qwen2.5-0.5B shape, 24 layers, bfloat16
+    megatron-ba perf conversion --layers 6 --dtype float32 --keep /tmp/ck
 
 A random checkpoint of Qwen2.5-0.5B's shape (hidden 896, 14 heads, 2 kv groups, ffn 4864,
 vocab 151936, tied embeddings, QKV bias) is built with transformers and saved with
@@ -93,7 +93,7 @@ def measure(src: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-ba bench conversion", description=__doc__)
+    p = argparse.ArgumentParser(prog="megatron-ba perf conversion", description=__doc__)
     p.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B: 24)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--keep", help="build the checkpoint here and keep it (default: a temp dir)")

@@ -1,8 +1,8 @@
 """The plan-statistics all-reduce: payload bytes per step (and its time on gloo) vs groups.
 
-    megatron-ba bench stats-allreduce                       # 128 and 4,096 groups, DP 2
-    megatron-ba bench stats-allreduce --groups 128,4096,32768 --dp 2 --group-size 16
-    python megatron_ba/perf/stats_allreduce.py --help            # the same without the CLI
+    megatron-ba perf stats-allreduce                       # 128 and 4,096 groups, DP 2
+    megatron-ba perf stats-allreduce --groups 128,4096,32768 --dp 2 --group-size 16
+    python megatron_ba/perf/stats_allreduce_perf.py --help            # the same without the CLI
 
 Launches --dp gloo processes (one per data-parallel rank). For each number of groups, every rank
 holds its share of a GRPO batch (--group-size responses per group, each group split across the
@@ -84,7 +84,7 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-ba bench stats-allreduce", description=__doc__)
+    p = argparse.ArgumentParser(prog="megatron-ba perf stats-allreduce", description=__doc__)
     p.add_argument("--groups", default="128,4096", help="comma-separated numbers of groups")
     p.add_argument("--group-size", type=int, default=16, help="responses per group (G)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks (gloo processes)")

@@ -1,7 +1,7 @@
 """The SDPA core attention against megatron-core's unfused one on this device: error, memory, time.
 
-    megatron-ba bench attention --device cuda --dtypes bf16,fp32 --memory-seq-len 8192
-    megatron-ba bench attention --device cpu --seq-len 64 --memory-seq-len 128    # plumbing
+    megatron-ba perf attention --device cuda --dtypes bf16,fp32 --memory-seq-len 8192
+    megatron-ba perf attention --device cpu --seq-len 64 --memory-seq-len 128    # plumbing
 
 Accuracy: causal attention of --batch sequences of --seq-len tokens, --heads query heads in
 --groups key/value groups of --head-dim (default Qwen2.5-0.5B's 14 / 2 / 64), random q, k, v in
@@ -38,7 +38,7 @@ MIB = 2**20
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     cuda = torch.cuda.is_available()
-    p = p or argparse.ArgumentParser(prog="megatron-ba bench attention")
+    p = p or argparse.ArgumentParser(prog="megatron-ba perf attention")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (accuracy)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=14)

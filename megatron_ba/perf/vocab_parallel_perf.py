@@ -1,9 +1,9 @@
 """Chunked vocab-parallel log-prob + entropy against the naive fp32 path: peak memory and time.
 
-    megatron-ba bench vocab-parallel                  # T=16384, vocab 151936 / TP 8, bf16 shard
-    megatron-ba bench vocab-parallel --tokens 2048 --rounds 2 --chunk-sizes 256
-    megatron-ba bench vocab-parallel --device cuda --json vp.json    # a GPU (gpu_check.sh)
-    python megatron_ba/perf/vocab_parallel.py --help        # the same without the CLI
+    megatron-ba perf vocab-parallel                  # T=16384, vocab 151936 / TP 8, bf16 shard
+    megatron-ba perf vocab-parallel --tokens 2048 --rounds 2 --chunk-sizes 256
+    megatron-ba perf vocab-parallel --device cuda --json vp.json    # a GPU (gpu_check.sh)
+    python megatron_ba/perf/vocab_parallel_perf.py --help        # the same without the CLI
 
 Work measured: forward + backward of sum(w_lp * logprob) + sum(w_h * entropy) (random w) over
 one TP rank's logits shard [T, V/TP], with `tp_group=None`. That is a rank's whole [T, V/TP]
@@ -47,7 +47,7 @@ MIB = 2**20
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="megatron-ba bench vocab-parallel")
+    p = p or argparse.ArgumentParser(prog="megatron-ba perf vocab-parallel")
     p.add_argument("--tokens", type=int, default=16384, help="T, tokens per rank")
     p.add_argument("--vocab", type=int, default=151936, help="global vocabulary size")
     p.add_argument("--tp", type=int, default=8, help="TP size: the shard is vocab / tp")

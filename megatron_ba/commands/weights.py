@@ -1,8 +1,9 @@
-"""`megatron-ba plan`: the per-sequence weights of every rule for one GRPO batch, side by side.
+"""`megatron-ba weights`: the per-sequence weights of every rule for one GRPO batch, side by side
+(each rule's plan: megatron_ba.loss.LossPlan). `megatron-ba plan`, its former name, still runs it.
 
-    megatron-ba plan                                   # a synthetic batch, wrong answers longer
-    megatron-ba plan --lengths 4,6,2,8 --rewards 1,0,1,0 --groups 0,0,0,0
-    megatron-ba plan --scope batch --neutral-eps 0.1
+    megatron-ba weights                                # a synthetic batch, wrong answers longer
+    megatron-ba weights --lengths 4,6,2,8 --rewards 1,0,1,0 --groups 0,0,0,0
+    megatron-ba weights --scope batch --neutral-eps 0.1
 
 Shows how token aggregation shifts objective weight towards the longer sign while sequence and
 balanced aggregation give each sign its sequence share (the paper's sign-length coupling).

@@ -1,7 +1,7 @@
 """Math reward throughput: (response, answer) pairs per second through MathRewardPool.
 
-    megatron-ba bench rewards --pairs 10000 --workers 2 --timeout 5
-    python -m megatron_ba.perf.reward_throughput --pairs 2000          # same, without the CLI
+    megatron-ba perf rewards --pairs 10000 --workers 2 --timeout 5
+    python -m megatron_ba.perf.rewards_perf --pairs 2000          # same, without the CLI
 
 Synthetic but realistic pairs (seeded): a few hundred characters of reasoning, then the final
 answer as an "Answer:" line or a \\boxed{}, in forms that need math-verify (fractions vs
@@ -75,7 +75,7 @@ def make_pairs(n: int, seed: int, adversarial_share: float) -> list[tuple[str, s
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-ba bench rewards", description=__doc__)
+    p = argparse.ArgumentParser(prog="megatron-ba perf rewards", description=__doc__)
     p.add_argument("--pairs", type=int, default=10_000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--timeout", type=float, default=5.0, help="hard seconds per answer")

@@ -1,7 +1,7 @@
 """Benchmark: in-memory weight refit, megatron-core shards -> a vLLM engine (docs/performance.md).
 
-    megatron-ba bench refit                         # 8 layers, hidden 512, vocab 16,384 (~39M)
-    megatron-ba bench refit --layers 4 --repeats 5 --bucket-mb 64
+    megatron-ba perf refit                         # 8 layers, hidden 512, vocab 16,384 (~39M)
+    megatron-ba perf refit --layers 4 --repeats 5 --bucket-mb 64
 
 A random Qwen2-shaped checkpoint is built with transformers and saved; a world of one (TP=1,
 PP=1) loads it into megatron-core chunks and starts a vLLM engine on it (its own process, as in
@@ -54,7 +54,7 @@ def build_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-ba bench refit", description=__doc__)
+    p = argparse.ArgumentParser(prog="megatron-ba perf refit", description=__doc__)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--vocab", type=int, default=16384)

@@ -1,8 +1,8 @@
 """A whole megatron-core GRPO step with the BA plan vs the token-mean plan: time and peak memory.
 
-    megatron-ba bench step                                   # tiny shape on this machine's device
-    megatron-ba bench step --shape small --seq-len 2048 --sequences 32 --dtype bf16 --device cuda
-    python -m megatron_ba.perf.step --help
+    megatron-ba perf step                                   # tiny shape on this machine's device
+    megatron-ba perf step --shape small --seq-len 2048 --sequences 32 --dtype bf16 --device cuda
+    python -m megatron_ba.perf.step_perf --help
 
 One step = `megatron_ba.megatron.grpo_step.forward_backward` (megatron-core's schedule over
 --micro-batches micro-batches, the loss plan with its DP statistics all-reduce, the vocab-parallel
@@ -53,7 +53,7 @@ MIB = 2**20
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = p or argparse.ArgumentParser(prog="megatron-ba bench step")
+    p = p or argparse.ArgumentParser(prog="megatron-ba perf step")
     add_shape_arguments(p)
     p.add_argument("--sequences", type=int, default=16, help="sequences per step (N)")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")

