@@ -1,7 +1,7 @@
 """The shape of a Qwen-family decoder, and the named shapes every part of the project uses.
 
     shape = PRESETS["Qwen2.5-Math-7B"]          # or preset("qwen2.5-math-7b"), case-insensitive
-    shape.total_params(), shape.head_dim       # a layout against it: parallel.layout
+    shape.total_params(), shape.head_dim       # a layout against it: parallel_layout
     spec = ModelSpec.of(PRESETS["debug"])       # megatron_ba.megatron.model: + build options
 
 Pure Python (no torch), so the recipe, the planner, the benchmarks' argument parsers and

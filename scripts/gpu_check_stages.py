@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.planning.memory import GIB, MemorySettings, estimate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -327,8 +327,10 @@ mba_srun() {
 # What would run, exactly: the layout, the environment and the command (shell-quoted).
 mba_describe() {
     echo "# megatron-ba launch: recipe $MBA_RECIPE (layout read from $MBA_FIT_RECIPE)"
+    local experts=""
+    [[ ${RECIPE_EP:-1} == 1 ]] || experts=" ep=$RECIPE_EP"
     echo "# backend $RECIPE_BACKEND, $MBA_NODES node(s) x $MBA_GPUS process(es):" \
-        "tp=$RECIPE_TP pp=$RECIPE_PP cp=$RECIPE_CP dp=$RECIPE_DP ep=$RECIPE_EP (world $RECIPE_WORLD)"
+        "tp=$RECIPE_TP pp=$RECIPE_PP cp=$RECIPE_CP dp=$RECIPE_DP$experts (world $RECIPE_WORLD)"
     [[ -z ${RECIPE_MEMORY_GIB:-} ]] ||
         echo "# memory: the planner's estimate, $RECIPE_MEMORY_GIB GiB per GPU (megatron-ba layout)"
     echo "# nodes: ${MBA_HOSTS[*]}"

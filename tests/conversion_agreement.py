@@ -143,7 +143,7 @@ def run_megatron(
 
     from megatron_ba.conversion import spec_from_hf_dir
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     specs = {d: spec_from_hf_dir(d) for d in dirs}
     refs = {}

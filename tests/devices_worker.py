@@ -86,7 +86,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     from megatron_ba.megatron.build_options import resolve_build_options
     from megatron_ba.megatron.grpo_step import MicroBatchSpec
     from megatron_ba.parallel import full_shape
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     found: dict = {}
     spec = mm.tiny_qwen2_spec(num_layers=2)
@@ -178,7 +178,7 @@ def worker(rank: int, world: int, port: int, out: str, root: str) -> None:
     # --- a GRPO update through the device parameter: every tensor on ctx.device --------------
     from megatron_ba.generation.engine import Sample
     from megatron_ba.megatron.optimizer_choice import build_optimizer
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from megatron_ba.parallel.world import DistContext, rank_device
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train.experience import build_experience

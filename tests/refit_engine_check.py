@@ -39,7 +39,7 @@ def main(out: str, family: str) -> None:
     from megatron_ba.megatron.grpo_step import compute_logprobs
     from megatron_ba.megatron.model import build_model_chunks
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from megatron_ba.testing import tiny_hf
 
     folder = Path(tempfile.mkdtemp(prefix="refit-engine-"))

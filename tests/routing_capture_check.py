@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 
 def hf_topk(folder: Path, ids: list[int], k: int) -> torch.Tensor:

@@ -72,7 +72,7 @@ def test_in_process_setup_leaves_no_rendezvous_for_children():
     import os
 
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     if any(k in os.environ for k in keys):

@@ -23,7 +23,7 @@ FINAL = re.compile(r"^max_rel_grad_err=(\S+) loss_err=(\S+)$")
 @pytest.mark.distributed
 def test_truncating_and_rejecting_modes_pass_and_the_denominator_control_fails():
     from megatron_ba.layout_equivalence.check import Case, run_layout
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     cases = [
         Case("balanced", 3, rollout_correction="token_truncate"),

@@ -40,7 +40,7 @@ def save_worker(rank: int, port: int, hf_dir: str, run_dir: str, ref_dir: str) -
     from megatron_ba.megatron.cpu_optimizer import ShardedAdamW
     from megatron_ba.megatron.model import build_model_chunks
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from megatron_ba.train import checkpoint
 
     ctx = setup(ParallelLayout(dp=None), seed=0)

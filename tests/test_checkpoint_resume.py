@@ -46,7 +46,7 @@ def _setup(rank: int, world: int, port: int, tp: int):
         LOCAL_RANK=str(rank),
     )
     from megatron_ba.megatron.startup import setup
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     return setup(ParallelLayout(tp=tp, dp=None), seed=SEED)
 

@@ -16,7 +16,7 @@ import torch
 
 from megatron_ba.megatron import optimizer_choice as mo
 from megatron_ba.megatron.build_options import resolve_build_options
-from megatron_ba.parallel.layout import LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import LayoutError, ParallelLayout
 from megatron_ba.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from megatron_ba.layout_equivalence.check import (
     expected_reducer_calls,
     run_layout,
 )
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 CORE = [Case(rule, m) for rule in ("token", "sequence", "balanced") for m in (1, 3)]
 NEGATIVE_MB = Case("token", 3, normalization="per_microbatch")

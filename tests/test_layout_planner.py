@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS, ModelShape
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.planning.cluster_layout import (
     RECOMPUTE_COST,
     NoLayoutFits,

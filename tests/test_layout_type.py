@@ -1,4 +1,4 @@
-"""megatron_ba.parallel.layout.ParallelLayout: every rule of a parallel layout, once, by hand.
+"""ParallelLayout (megatron_ba.parallel.parallel_layout): every rule of a layout, once, by hand.
 
     python -m pytest tests/test_layout_type.py -q        # < 1 s, pure Python
 
@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megatron_ba.model_shape import PRESETS
-from megatron_ba.parallel.layout import FLAGS, RECIPE_KEYS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import FLAGS, RECIPE_KEYS, LayoutError, ParallelLayout
 
 MOE = PRESETS["tiny-moe"]  # 8 experts, moe_ffn 64, 4 heads, 2 KV heads, 2 layers
 DENSE = PRESETS["tiny"]

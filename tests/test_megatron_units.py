@@ -28,7 +28,7 @@ from megatron_ba.megatron.batching import (
 from megatron_ba.megatron.model import ModelSpec, full_parameter_shapes, tiny_qwen2_spec
 from megatron_ba.megatron.packing import fixed_count_microbatches
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.parallel.world import free_port
 
 

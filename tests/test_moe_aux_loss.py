@@ -63,7 +63,7 @@ def worker(rank: int, port: int, out: str) -> None:
     from megatron_ba.layout_equivalence.workers import _build
     from megatron_ba.megatron.grpo_step import compute_logprobs
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     setup(ParallelLayout(dp=None), seed=0, backend="gloo", rank=rank, world_size=1, port=port)
     batch = synthetic_batch(0, model="tiny-moe")

@@ -149,7 +149,7 @@ def tp2_worker(rank: int, port: int, hf_dir: str, out: str) -> None:
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.grpo_step import compute_logprobs
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from tests.conversion_agreement import fixed_sequence
 
     setup(ParallelLayout(tp=2, dp=None), seed=0, rank=rank, world_size=2, port=port)
@@ -192,7 +192,7 @@ def ep2_worker(rank: int, port: int, hf_dir: str, out: str) -> None:
     from megatron_ba.megatron import cpu_compat
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from tests.conversion_agreement import fixed_sequence
     from tests.test_moe_model import megatron_logits
 

@@ -36,7 +36,7 @@ from megatron_ba.layout_equivalence.check import (
     flag_layout,
     run_layout,
 )
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 MODEL = "tiny-moe"
 CORE = [Case(rule, 3) for rule in ("token", "sequence", "balanced")]

@@ -151,7 +151,7 @@ def worker(rank: int, port: int, dirs: dict, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     setup(ParallelLayout(dp=None), seed=0, rank=rank, world_size=1, port=port)
     ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(7))

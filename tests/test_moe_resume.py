@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.parallel.world import free_port, spawn
 from megatron_ba.rules import AggregationSettings
 

@@ -22,7 +22,7 @@ def chunks():
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     setup(ParallelLayout(dp=None), seed=0)
     try:

@@ -34,7 +34,7 @@ import json
 import statistics
 from pathlib import Path
 
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
 from megatron_ba.planning.memory import GIB, MemorySettings, VLLMShare, load_model
 from megatron_ba.planning.verdict import assess, gpu_memory_gib

@@ -110,7 +110,7 @@ def test_the_key_reader_catches_an_unread_key():
     keys = {**recipe_keys(Recipe), "grpo.unused_knob": "GRPOSection"}
     sources = {p: p.read_text() for p in sorted((ROOT / "megatron_ba").rglob("*.py"))}
     assert "grpo.unused_knob" not in keys_read(ROOT / "megatron_ba", keys, sources)
-    checks_py = ROOT / "megatron_ba" / "recipe" / "checks.py"
+    checks_py = ROOT / "megatron_ba" / "recipe" / "validation.py"
     sources[checks_py] += "\n\ndef validate_more(recipe):\n    return recipe.grpo.unused_knob\n"
     assert "grpo.unused_knob" not in keys_read(ROOT / "megatron_ba", keys, sources)
     sources[ROOT / "megatron_ba" / "x.py"] = "def f(r):\n    g = r.grpo\n    return g.unused_knob\n"

@@ -46,7 +46,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     from megatron_ba.megatron.build_options import expert_config_fields
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     setup(
         ParallelLayout(ep=2, dp=None),

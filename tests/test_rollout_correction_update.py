@@ -55,7 +55,7 @@ def _update(mode: str | None, delta: torch.Tensor | None = None, rule: str = "ba
     from megatron_ba.megatron.optimizer_choice import build_optimizer
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train import update
 
@@ -181,7 +181,7 @@ def _dp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from types import SimpleNamespace
 
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from megatron_ba.train import update
 
     torch.set_num_threads(1)

@@ -117,7 +117,7 @@ def worker(rank: int, port: int, root: str, out: str) -> None:
     from pathlib import Path
 
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
 
     dirs = build_checkpoints(Path(root))
     setup(ParallelLayout(dp=None), seed=0, rank=rank, world_size=1, port=port)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -258,7 +258,7 @@ import torch
 from megatron_ba.perf import attention_perf as ba
 from megatron_ba.megatron.batching import causal_mask
 from megatron_ba.megatron.startup import setup, teardown
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 args = ba.build_parser().parse_args("--device cpu --seq-len 48 --batch 2".split())
 cpu, mask = torch.device("cpu"), causal_mask(48)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.planning.launch import FitError, check_fit, expand_hostlist
 
 ROOT = Path(__file__).resolve().parents[1]

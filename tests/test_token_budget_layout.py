@@ -21,7 +21,7 @@ from megatron_ba.layout_equivalence.check import (
     expected_reducer_calls,
     run_layout,
 )
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 SEQUENCES = 13
 REAL = [

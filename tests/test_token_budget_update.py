@@ -22,7 +22,7 @@ def _update(overrides, *, cut_row: int | None = None):
     from megatron_ba.megatron.optimizer_choice import build_optimizer
     from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.parallel import full_shape
-    from megatron_ba.parallel.layout import ParallelLayout
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train import update
     from megatron_ba.train.experience import build_experience

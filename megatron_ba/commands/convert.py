@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ba.conversion.hf_config import dtype as config_dtype
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
+    from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
 
     t0 = time.perf_counter()
     src = _model_source(args)

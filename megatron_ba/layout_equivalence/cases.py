@@ -20,7 +20,7 @@ from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.model_shape import PRESETS
-from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.rules import (
     ROLLOUT_CORRECTION_MODES,
     AggregationSettings,

@@ -38,7 +38,7 @@ from megatron_ba.layout_equivalence.cases import (  # re-exported: the check's p
     expected_reducer_calls,
     flag_layout,
 )
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.parallel.world import free_port, spawn
 
 __all__ = [

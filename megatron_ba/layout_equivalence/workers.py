@@ -32,7 +32,7 @@ from megatron_ba.megatron.startup import setup
 from megatron_ba.parallel import collectives, full_shape
 from megatron_ba.parallel.collectives import StatisticsReducer
 from megatron_ba.parallel.full_shape import gather_full_state_dict
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.parallel.sharding import cp_shard
 from megatron_ba.rollout_correction import correct_rows, correction_diagnostics
 

@@ -26,7 +26,7 @@ naming the key. What runs where (megatron-core 0.16.1):
   unfused on the CPU, where sequences are short and the suite's figures were recorded with it
   (they stay bit-for-bit unchanged). A Transformer Engine build has TE's own attention: naming
   sdpa or unfused there is an error.
-* Sequence parallelism (the layout's; it needs TP > 1: megatron_ba.parallel.layout) needs
+* Sequence parallelism (the layout's; it needs TP > 1: megatron_ba.parallel.parallel_layout) needs
   Transformer Engine on CUDA: there the local spec's
   norms refuse it (megatron-core's WrappedTorchNorm asserts `not config.sequence_parallel`).
   On the CPU the local spec runs it (cpu_compat shim 6 marks its norms' weights for the TP
@@ -50,7 +50,7 @@ from megatron_ba.megatron.model import (
     model_pg_collection_without_cp,
     moe_layer_spec,
 )
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 ATTENTIONS = ("auto", "sdpa", "unfused")

@@ -35,7 +35,7 @@ from megatron_ba.megatron import cpu_compat, rope
 from megatron_ba.model_shape import PRESETS, ModelShape
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.full_shape import unwrap
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True)

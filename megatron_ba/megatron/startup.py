@@ -20,7 +20,7 @@ import torch
 from megatron_ba.errors import UserError
 from megatron_ba.megatron import cpu_compat
 from megatron_ba.parallel import world
-from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.parallel.world import DistContext
 
 
@@ -38,7 +38,7 @@ def setup(
     spawned worker with rank / world_size / port), put `layout` on it (its dp: None, or what
     the world leaves), initialise megatron-core's parallel state and seed its model-parallel
     RNG; with CUDA, this process is bound to its GPU first. A layout the world cannot hold is a
-    UserError naming the key as `names` spells it (parallel.layout.RECIPE_KEYS for a recipe;
+    UserError naming the key as `names` spells it (parallel_layout.RECIPE_KEYS for a recipe;
     the commands' FLAGS by default)."""
     device = world.join_world(backend, rank=rank, world_size=world_size, port=port)
     try:

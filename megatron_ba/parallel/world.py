@@ -6,7 +6,7 @@ spawned on this host.
     spawn(worker, nprocs=4, args=(port, ...))     # worker(rank, port, ...) in 4 new processes
     device = join_world()                         # torchrun's RANK/WORLD_SIZE, else a world of one
     device = join_world("gloo", rank=r, world_size=4, port=port)   # in a spawned worker
-    layout = joined_layout(ParallelLayout(tp=2))  # dp from the joined world (parallel.layout)
+    layout = joined_layout(ParallelLayout(tp=2))  # dp from the joined world
     init_model_parallel(layout)                   # megatron-core's parallel_state
     ctx = world_context(layout, device)           # ctx.is_main, ctx.dp, ctx.broadcast(obj), ...
     leave_world()
@@ -19,8 +19,8 @@ megatron-core's `torch.cuda.current_device()` buffers land there too) when CUDA 
 else the CPU. It is the one place a device is chosen; everything else takes it from `ctx.device`
 or from its input tensors.
 
-The world is tp x pp x cp x dp ranks (megatron_ba.parallel.layout.ParallelLayout, which holds
-every rule of the split); dp is what is left of the world size. Rank 0 (the main rank)
+The world is tp x pp x cp x dp ranks (parallel_layout.ParallelLayout, which holds every rule of
+the split); dp is what is left of the world size. Rank 0 (the main rank)
 owns the rollout engine, the reward workers and the run folder; every rank trains. No
 torch.distributed here: joining the world is collectives.init_process_group. megatron-core is
 imported inside the functions that need its parallel_state.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ba.parallel import collectives
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 
 from megatron_ba.megatron.batching import causal_mask
 from megatron_ba.megatron.startup import setup, teardown
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIB = 2**20

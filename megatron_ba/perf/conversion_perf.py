@@ -35,7 +35,7 @@ from megatron_ba.conversion import (
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.model_shape import PRESETS
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 QWEN = PRESETS["qwen2.5-0.5b"]
 

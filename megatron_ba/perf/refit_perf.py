@@ -32,7 +32,7 @@ from megatron_ba.generation.vllm_engine import VLLMEngine
 from megatron_ba.megatron.grpo_step import compute_logprobs
 from megatron_ba.megatron.model import build_model_chunks
 from megatron_ba.megatron.startup import setup, teardown
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 
 def build_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> None:

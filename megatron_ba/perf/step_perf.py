@@ -41,7 +41,7 @@ from megatron_ba.megatron.grpo_step import (
 )
 from megatron_ba.megatron.optimizer_choice import build_optimizer, ddp_overrides
 from megatron_ba.megatron.startup import setup, teardown
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.recipe import OptimizerSection
 from megatron_ba.rules import AggregationSettings

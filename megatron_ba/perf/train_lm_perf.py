@@ -50,7 +50,7 @@ from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optim
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel import full_shape
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.planning import flops
 from megatron_ba.recipe import OptimizerSection

@@ -7,7 +7,7 @@
 
 Search: every tp dividing the GPUs of a node (TP stays inside a node, on NVLink), every pp dividing
 the layers, cp a power of two, dp what is left of the world, each a ParallelLayout the model can
-train on (parallel.layout: tp divides the heads and KV heads, expert parallelism fits; a mixture of
+train on (parallel_layout: tp divides the heads and KV heads, expert parallelism fits; a mixture of
 experts at ep=1 unless pinned, its experts whole on each GPU (etp 1) unless pinned, with sequence
 parallelism wherever tp > 1); for each, the largest micro-batch (whole sequences of
 prompt_len + max_response_len tokens, padded) whose estimate leaves `headroom` of the GPU free,
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from megatron_ba.errors import UserError
 from megatron_ba.model_shape import ModelShape
-from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.planning.memory import (
     GIB,
     MemoryEstimate,

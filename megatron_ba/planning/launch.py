@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 from megatron_ba.model_shape import ModelShape
-from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.planning.memory import MemorySettings, VLLMShare, load_model, padded_seq_len
 from megatron_ba.planning.verdict import Verdict, assess, remedies
 from megatron_ba.recipe import RecipeError, load_recipe

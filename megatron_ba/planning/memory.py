@@ -5,9 +5,10 @@
                    MemorySettings(micro_batch_tokens=8192), gpu_mem_gib=80)
     est.peak_gib, est.breakdown_gib()
 
-The layout is megatron_ba.parallel.layout.ParallelLayout (its rules are checked there, against the
-model too); what the step keeps in memory besides it (the micro-batch, recomputation, the
-log-prob path, the optimiser's placement, offload, a reference policy) is MemorySettings.
+The layout is megatron_ba.parallel.parallel_layout.ParallelLayout (its rules are checked there,
+against the model too); what the step keeps in memory besides it (the micro-batch,
+recomputation, the log-prob path, the optimiser's placement, offload, a reference policy) is
+MemorySettings.
 
 The model is the megatron-core mixed-precision recipe the local backend and NeMo use: bf16
 weights, fp32 gradient buffers (grads are reduced in fp32), and the distributed optimiser's fp32
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
-from megatron_ba.parallel.layout import FLAGS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron_ba.model_shape import ModelShape
-from megatron_ba.parallel.layout import LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import LayoutError, ParallelLayout
 from megatron_ba.planning.memory import (
     GIB,
     PRECISION,

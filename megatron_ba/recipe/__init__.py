@@ -4,11 +4,10 @@
     recipe.loss.rule, recipe.parallel.layout(), recipe.to_dict(), recipe.dump(path)
 
 The package: `schema` (the sections and the Recipe: docs/recipes.md lists every key), `loading`
-(YAML, overrides, strict types), `checks` (the cross-field rules). Loading a recipe imports no
+(YAML, overrides, strict types), `validation` (the cross-field rules). Loading a recipe imports no
 torch, no framework and no data code.
 """
 
-from megatron_ba.recipe.checks import BENCHMARK_NAMES, MATH_TEMPLATE_NAMES, validate
 from megatron_ba.recipe.loading import NOT_IMPLEMENTED, apply_overrides, load_recipe, parse_override
 from megatron_ba.recipe.schema import (
     TINY_SHAPE,
@@ -31,6 +30,7 @@ from megatron_ba.recipe.schema import (
     WandbSection,
     WarmstartSection,
 )
+from megatron_ba.recipe.validation import BENCHMARK_NAMES, MATH_TEMPLATE_NAMES, validate
 
 __all__ = [
     "BENCHMARK_NAMES",

@@ -4,7 +4,7 @@
 
 An unknown key fails with its dotted path named (and the closest known key suggested), a value of
 the wrong type fails with the key and the expected type; override values are parsed as YAML
-(`x=null`, `x=[1,2]`, `x=1e-4`). The cross-field checks run last (megatron_ba.recipe.checks).
+(`x=null`, `x=[1,2]`, `x=1e-4`). The cross-field checks run last (megatron_ba.recipe.validation).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ba.errors import SettingError
-from megatron_ba.recipe.checks import validate
 from megatron_ba.recipe.schema import Recipe, RecipeError
+from megatron_ba.recipe.validation import validate
 
 # Keys a user may expect that no code reads yet: setting one is an error that says so, rather
 # than a setting that is silently ignored. Each is added to the schema with the code that reads it.

@@ -1,7 +1,7 @@
 """The recipe's schema: one dataclass per section, the Recipe that holds them (docs/recipes.md
 lists every key). A section that checks its own values (the loss: its aggregation settings; the
 parallel keys: their ParallelLayout) raises naming the key; the cross-field checks are
-megatron_ba.recipe.checks'.
+megatron_ba.recipe.validation'.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from megatron_ba.errors import SettingError, UserError
 from megatron_ba.model_shape import PRESETS, ModelShape
-from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.rules import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
 from megatron_ba.step_settings import MicroBatching, StepSettings
 
@@ -196,8 +196,8 @@ class LossSection(GRPOLossConfig, AggregationSettings):
 @dataclass
 class ParallelSection:
     """The parallel layout's keys (tp, pp, cp, ep, etp, sequence_parallel: `layout()` builds the
-    megatron_ba.parallel.layout.ParallelLayout they describe, which holds every rule they must
-    keep; dp is what the world leaves), then the step's micro-batching and memory keys."""
+    megatron_ba.parallel.parallel_layout.ParallelLayout they describe, which holds every rule they
+    must keep; dp is what the world leaves), then the step's micro-batching and memory keys."""
 
     tp: int = 1
     pp: int = 1

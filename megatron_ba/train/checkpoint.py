@@ -39,7 +39,7 @@ import torch
 
 from megatron_ba.conversion import dist_checkpoint as dc
 from megatron_ba.megatron.cpu_compat import seed_model_parallel_rng
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 DIST = "dist"
 RNG = "rng"

@@ -25,7 +25,7 @@ import torch
 
 from megatron_ba.diagnostics import batch_diagnostics
 from megatron_ba.megatron.startup import setup, teardown
-from megatron_ba.parallel.layout import RECIPE_KEYS
+from megatron_ba.parallel.parallel_layout import RECIPE_KEYS
 from megatron_ba.recipe import Recipe
 from megatron_ba.tasks import build_task
 from megatron_ba.tokenization import load_hf_tokenizer, load_tokenizer

@@ -31,7 +31,7 @@ from megatron_ba.megatron.build_options import expert_config_fields, resolve_bui
 from megatron_ba.megatron.model import build_model_chunks, transformer_config
 from megatron_ba.megatron.optimizer_choice import apply_lr_schedule, build_optimizer, ddp_overrides
 from megatron_ba.megatron.routing_replay import routing_replay_fields
-from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.recipe import Recipe
 
 

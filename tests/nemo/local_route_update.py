@@ -30,7 +30,7 @@ from megatron_ba.megatron.grpo_step import (
 )
 from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.parallel.full_shape import gather_full_state_dict
-from megatron_ba.parallel.layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.recipe import load_recipe
 from megatron_ba.rules import AggregationSettings, GRPOLossConfig
 from megatron_ba.step_settings import StepSettings

@@ -7,7 +7,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from megatron_ba.parallel.layout import RECIPE_KEYS, LayoutError
+from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError
 from megatron_ba.recipe.schema import ModelSection, ParallelSection, Recipe, RecipeError
 
 BACKENDS = ("local", "nemo_aligner", "verl", "nemo_rl")
