@@ -101,45 +101,13 @@ def plan_statistics(
     if bool((ids < 0).any()):
         raise ValueError(f"group_ids: must be >= 0, got min {ids.min().item()}")
 
-    if reduce is not None:
-        if num_groups is None:
-            raise ValueError(
-                "num_groups: required with reduce, so that every rank builds a statistics "
-                "table of the same shape (group ids must be global, in [0, num_groups))"
-            )
-        if ids.numel() and int(ids.max()) >= num_groups:
-            raise ValueError(
-                f"group_ids: must be < num_groups={num_groups} with reduce, got {int(ids.max())}"
-            )
-        row, num_rows = ids, int(num_groups)
-    elif num_groups is not None:
-        if ids.numel() and int(ids.max()) >= num_groups:
-            raise ValueError(f"group_ids: must be < num_groups={num_groups}, got {int(ids.max())}")
-        row, num_rows = ids, int(num_groups)
-    else:
-        uniq, row = torch.unique(ids, return_inverse=True)
-        num_rows = int(uniq.numel())
+    row, num_rows = _table_rows(ids, num_groups, reduce is not None)
 
     live = lengths_ > 0
     pos = live & (advantages_ > neutral_eps)
     neg = live & (advantages_ < -neutral_eps)
     abs_adv = advantages_.abs()
-    zero = torch.zeros_like(lengths_)
-    columns = torch.stack(
-        [
-            live.double(),
-            lengths_,
-            pos.double(),
-            neg.double(),
-            torch.where(pos, lengths_, zero),
-            torch.where(neg, lengths_, zero),
-            torch.where(pos, abs_adv, zero),
-            torch.where(neg, abs_adv, zero),
-            torch.where(pos, abs_adv * lengths_, zero),
-            torch.where(neg, abs_adv * lengths_, zero),
-        ],
-        dim=1,
-    )
+    columns = _statistic_columns(lengths_, abs_adv, live, pos, neg)
     table = torch.zeros(num_rows, NUM_COLUMNS, dtype=torch.float64, device=lengths_.device)
     table.index_add_(0, row, columns)
     if reduce is not None:
@@ -157,6 +125,46 @@ def plan_statistics(
         else torch.float32
     )
     return PlanStatistics(table, row, lengths_, sign, abs_adv, out_dtype)
+
+
+def _table_rows(ids: torch.Tensor, num_groups: int | None, reduced: bool):
+    """(each sequence's row of the statistics table, the table's rows): the global group ids
+    under a reduction (num_groups required, so every rank's table has one shape), else ids
+    below num_groups, else the ids relabelled densely."""
+    if reduced and num_groups is None:
+        raise ValueError(
+            "num_groups: required with reduce, so that every rank builds a statistics "
+            "table of the same shape (group ids must be global, in [0, num_groups))"
+        )
+    if num_groups is None:
+        uniq, row = torch.unique(ids, return_inverse=True)
+        return row, int(uniq.numel())
+    if ids.numel() and int(ids.max()) >= num_groups:
+        with_reduce = " with reduce" if reduced else ""
+        raise ValueError(
+            f"group_ids: must be < num_groups={num_groups}{with_reduce}, got {int(ids.max())}"
+        )
+    return ids, int(num_groups)
+
+
+def _statistic_columns(lengths, abs_adv, live, pos, neg) -> torch.Tensor:
+    """[N, NUM_COLUMNS] per-sequence contributions (the table's columns, in order)."""
+    zero = torch.zeros_like(lengths)
+    return torch.stack(
+        [
+            live.double(),
+            lengths,
+            pos.double(),
+            neg.double(),
+            torch.where(pos, lengths, zero),
+            torch.where(neg, lengths, zero),
+            torch.where(pos, abs_adv, zero),
+            torch.where(neg, abs_adv, zero),
+            torch.where(pos, abs_adv * lengths, zero),
+            torch.where(neg, abs_adv * lengths, zero),
+        ],
+        dim=1,
+    )
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,13 @@ from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RULES, SCOPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _layout_arguments(p)
+    _case_arguments(p)
+    _control_arguments(p)
+
+
+def _layout_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout and the checked model."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (loss level on CPU)")
@@ -81,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="parallel.sequence_parallel: the sequence split over the TP ranks outside the "
         "attention and MLP (needs --tp > 1; required for tiny-moe at --tp > 1)",
     )
+
+
+def _case_arguments(p: argparse.ArgumentParser) -> None:
+    """The checked step: its micro-batches, batch, rule, attention, rollout correction."""
     p.add_argument(
         "--micro-batches",
         type=int,
@@ -123,6 +134,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="build the model with megatron-core's calculate_per_token_loss=True",
     )
+
+
+def _control_arguments(p: argparse.ArgumentParser) -> None:
+    """The negative controls: the same check of a step broken on purpose."""
     # Listed in --help: the docs tell users to run it to see the check fail on a wrong loss.
     p.add_argument(
         "--negative-control",
@@ -165,21 +180,30 @@ def unsupported_megatron_core() -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     # torch: imported on use, so that --help imports none
-    from megatron_ba.layout_equivalence.check import (
-        TOLERANCE,
-        Case,
-        check_layout_possible,
-        describe,
-        expected_reducer_calls,
-        flag_layout,
-        run_layout,
-    )
+    from megatron_ba.layout_equivalence.check import describe, run_layout
 
     unsupported = unsupported_megatron_core()
     if unsupported:
         print(f"check-layout: {unsupported}", file=sys.stderr)
         return 2
     build = dict(model=args.model, attention=args.attention)
+    try:
+        layout, case = _layout_and_case(args, build)
+    except ValueError as e:
+        print(f"check-layout: cannot build layout: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"check-layout: {describe(layout, **build)} ({layout.world} gloo processes), {case}, "
+        f"seed {args.seed}, {args.sequences} sequences"
+    )
+    report = run_layout(layout, [case], seed=args.seed, sequences=args.sequences, **build)
+    return _verdict(layout, case, report)
+
+
+def _layout_and_case(args: argparse.Namespace, build: dict):
+    """(the ParallelLayout, the Case) of the flags; ValueError naming the flag at fault."""
+    from megatron_ba.layout_equivalence.check import Case, check_layout_possible, flag_layout
+
     case = Case(
         rule=args.rule,
         num_microbatches=args.micro_batches,
@@ -191,34 +215,32 @@ def run(args: argparse.Namespace) -> int:
         expert_grads_unreduced=args.negative_control_experts,
         sequence_parallel_grads_unreduced=args.negative_control_sequence_parallel,
     )
-    try:
-        layout = flag_layout(
-            tp=args.tp,
-            pp=args.pp,
-            cp=args.cp,
-            dp=args.dp,
-            ep=args.ep,
-            etp=args.etp,
-            sequence_parallel=args.sequence_parallel,
-        )
-        if args.negative_control_experts and args.model == "debug":
-            raise ValueError("--negative-control-experts: needs --model tiny-moe")
-        if not (isinstance(args.micro_batches, int) and args.micro_batches >= 1):
-            raise ValueError(f"--micro-batches: must be >= 1, got {args.micro_batches}")
-        if args.token_budget is not None and args.micro_batches != 1:
-            raise ValueError(
-                "--micro-batches: the token budget decides the micro-batches; give one of "
-                "--micro-batches and --token-budget"
-            )
-        check_layout_possible(layout, [case], sequences=args.sequences, **build)
-    except ValueError as e:
-        print(f"check-layout: cannot build layout: {e}", file=sys.stderr)
-        return 2
-    print(
-        f"check-layout: {describe(layout, **build)} ({layout.world} gloo processes), {case}, "
-        f"seed {args.seed}, {args.sequences} sequences"
+    layout = flag_layout(
+        tp=args.tp,
+        pp=args.pp,
+        cp=args.cp,
+        dp=args.dp,
+        ep=args.ep,
+        etp=args.etp,
+        sequence_parallel=args.sequence_parallel,
     )
-    report = run_layout(layout, [case], seed=args.seed, sequences=args.sequences, **build)
+    if args.negative_control_experts and args.model == "debug":
+        raise ValueError("--negative-control-experts: needs --model tiny-moe")
+    if not (isinstance(args.micro_batches, int) and args.micro_batches >= 1):
+        raise ValueError(f"--micro-batches: must be >= 1, got {args.micro_batches}")
+    if args.token_budget is not None and args.micro_batches != 1:
+        raise ValueError(
+            "--micro-batches: the token budget decides the micro-batches; give one of "
+            "--micro-batches and --token-budget"
+        )
+    check_layout_possible(layout, [case], sequences=args.sequences, **build)
+    return layout, case
+
+
+def _verdict(layout, case, report) -> int:
+    """Print what the launch found and its verdict; 0 when it passed, 1 when it did not."""
+    from megatron_ba.layout_equivalence.check import TOLERANCE, expected_reducer_calls
+
     (result,) = report.cases
     print(f"loss {result.loss:.9g} (single process {result.loss_ref:.9g})")
     print(f"statistics all-reduces per rank: {result.reducer_calls}")
@@ -233,13 +255,14 @@ def run(args: argparse.Namespace) -> int:
         f"{report.cp_layout_matches_megatron}; AdamW step: grad-norm rel err "
         f"{report.grad_norm_rel_err:.2e}, update rel err {report.update_rel_err:.2e}"
     )
-    calls_ok = result.reducer_calls == expected_reducer_calls(layout, case)
+    expected = expected_reducer_calls(layout, case)
+    calls_ok = result.reducer_calls == expected
     ok = result.ok and calls_ok and report.cp_layout_matches_megatron
     if not calls_ok:
         print(
             f"FAIL: statistics all-reduces per rank {result.reducer_calls}, expected "
-            f"{expected_reducer_calls(layout, case)} (once on each rank computing the loss; none "
-            "for the per-micro-batch control)"
+            f"{expected} (once on each rank computing the loss; none for the per-micro-batch "
+            "control)"
         )
     if not report.cp_layout_matches_megatron:
         print("FAIL: our CP shards differ from megatron-core's get_batch_on_this_cp_rank")

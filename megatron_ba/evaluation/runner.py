@@ -112,6 +112,18 @@ def _score(
     return correct, timeouts
 
 
+def _check_request(benchmarks: dict, samples: int, max_tokens: int) -> None:
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not benchmarks:
+        raise ValueError("benchmarks is empty: give at least one name -> problems")
+    for name, problems in benchmarks.items():
+        if not problems:
+            raise ValueError(f"benchmark {name!r} has no problems")
+
+
 def evaluate(
     generate: GenerateFn,
     benchmarks: dict[str, list[Problem]],
@@ -143,15 +155,7 @@ def evaluate(
     (`skipped_too_long`); a benchmark left with no problem is an error raised before anything
     is generated.
     """
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1, got {samples}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    if not benchmarks:
-        raise ValueError("benchmarks is empty: give at least one name -> problems")
-    for name, problems in benchmarks.items():
-        if not problems:
-            raise ValueError(f"benchmark {name!r} has no problems")
+    _check_request(benchmarks, samples, max_tokens)
     prompts_of: dict[str, list[str]] = {}
     kept: dict[str, list[Problem]] = {}  # the caller's dict stays as it was
     for name, problems in benchmarks.items():

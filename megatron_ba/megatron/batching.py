@@ -327,12 +327,30 @@ def prepare_microbatches(
     [1, total] row each with PackedSeqParams and the budget bounding the sum of the sequences'
     tokens (megatron_ba.megatron.thd; what has run where: docs/status.md).
     """
-    n, s = batch.tokens.shape
-    multiple = view.length_multiple
     if batch.routed_experts is not None:
         routing_replay.check_replayable(thd=thd, cp_sharded=view.mode == "model" and view.cp > 1)
     if thd:  # GPU (Transformer Engine) only: see megatron_ba.megatron.thd
         return _thd_microbatches(batch, view, max_tokens, seq_tokens, uniform)
+    groups, widths = _row_groups(batch, view, num_microbatches, max_tokens, seq_tokens, uniform)
+    rows_per = [len(g) for g in groups]
+    if uniform:
+        widths = [max(widths)] * len(groups)
+        rows_per = [max(rows_per)] * len(groups)
+    data = [
+        _microbatch(batch, view, g, width, b)
+        for g, width, b in zip(groups, widths, rows_per, strict=True)
+    ]
+    # The schedule's p2p shape is (seq_length // CP, mbs, hidden) (schedules.get_tensor_shapes):
+    # in "loss" mode the activations are whole sequences, so announce S_pad x CP. Only the
+    # pipeline schedules read it, and there every micro-batch has this shape (`uniform`).
+    seq_len = max(widths) * view.cp if view.mode == "loss" else max(widths)
+    return data, seq_len, max(rows_per)
+
+
+def _row_groups(batch: GRPOBatch, view: CPView, num_microbatches, max_tokens, seq_tokens, uniform):
+    """(each micro-batch's rows, its width padded for the CP view): prepare_microbatches'
+    fixed count, or its token budget."""
+    n, s = batch.tokens.shape
     if max_tokens is None:
         groups = fixed_count_microbatches(n, num_microbatches)
         widths = [s] * len(groups)
@@ -346,43 +364,38 @@ def prepare_microbatches(
         # Uniform shapes make every micro-batch as wide as the longest sequence: plan with that
         # width for all, so that rows x width stays within the budget after the padding.
         plan = [max(seq_tokens)] * n if uniform else seq_tokens
+        multiple = view.length_multiple
         groups = token_budget_microbatches(plan, max_tokens, cost="padded", multiple=multiple)
         widths = [max(seq_tokens[i] for i in g) for g in groups]
-    widths = [view.padded_length(w) for w in widths]
-    rows_per = [len(g) for g in groups]
-    if uniform:
-        widths = [max(widths)] * len(groups)
-        rows_per = [max(rows_per)] * len(groups)
-    data = []
-    for g, width, b in zip(groups, widths, rows_per, strict=True):
-        rows = torch.tensor(g, dtype=torch.long, device=batch.tokens.device)
-        # Padding rows (uniform only) repeat row g[0] with an all-False mask: they run through
-        # the model like any row and add exactly 0 to the loss and its gradient.
-        idx = torch.cat([rows, rows[:1].expand(b - len(g))])
-        live = (torch.arange(b, device=rows.device) < len(g))[:, None]
-        tokens = pad_to(batch.tokens[idx].long(), max(width, s), 0)[:, :width]
-        mask = pad_to(batch.response_mask[idx], max(width, s), False)[:, :width] & live
-        per_pos = {
-            "targets": label_aligned(tokens, 0),
-            "mask": label_aligned(mask, False),
-            "old": label_aligned(_cut(batch.old_logprobs[idx].float(), width, s), 0.0),
-        }
-        if batch.ref_logprobs is not None:
-            per_pos["ref"] = label_aligned(_cut(batch.ref_logprobs[idx].float(), width, s), 0.0)
-        if batch.is_weights is not None:
-            per_pos["is"] = label_aligned(_cut(batch.is_weights[idx].float(), width, s), 0.0)
-        ids, pos, attn = model_inputs(tokens, view)
-        mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn}
-        mb.update({k: view.shard(v) for k, v in per_pos.items()})
-        mb.update(rows=rows, num_rows=len(g), plan_rows=b, width=width)
-        if batch.routed_experts is not None:
-            mb["routing"] = routing_replay.microbatch_routing(batch.routed_experts[idx], width)
-        data.append(mb)
-    # The schedule's p2p shape is (seq_length // CP, mbs, hidden) (schedules.get_tensor_shapes):
-    # in "loss" mode the activations are whole sequences, so announce S_pad x CP. Only the
-    # pipeline schedules read it, and there every micro-batch has this shape (`uniform`).
-    seq_len = max(widths) * view.cp if view.mode == "loss" else max(widths)
-    return data, seq_len, max(rows_per)
+    return groups, [view.padded_length(w) for w in widths]
+
+
+def _microbatch(batch: GRPOBatch, view: CPView, g: list[int], width: int, b: int) -> dict:
+    """One micro-batch of rows `g`, `width` positions, `b` rows (padding rows past len(g))."""
+    s = batch.tokens.shape[1]
+    rows = torch.tensor(g, dtype=torch.long, device=batch.tokens.device)
+    # Padding rows (uniform only) repeat row g[0] with an all-False mask: they run through the
+    # model like any row and add exactly 0 to the loss and its gradient.
+    idx = torch.cat([rows, rows[:1].expand(b - len(g))])
+    live = (torch.arange(b, device=rows.device) < len(g))[:, None]
+    tokens = pad_to(batch.tokens[idx].long(), max(width, s), 0)[:, :width]
+    mask = pad_to(batch.response_mask[idx], max(width, s), False)[:, :width] & live
+    per_pos = {
+        "targets": label_aligned(tokens, 0),
+        "mask": label_aligned(mask, False),
+        "old": label_aligned(_cut(batch.old_logprobs[idx].float(), width, s), 0.0),
+    }
+    if batch.ref_logprobs is not None:
+        per_pos["ref"] = label_aligned(_cut(batch.ref_logprobs[idx].float(), width, s), 0.0)
+    if batch.is_weights is not None:
+        per_pos["is"] = label_aligned(_cut(batch.is_weights[idx].float(), width, s), 0.0)
+    ids, pos, attn = model_inputs(tokens, view)
+    mb = {"input_ids": ids, "position_ids": pos, "attention_mask": attn}
+    mb.update({k: view.shard(v) for k, v in per_pos.items()})
+    mb.update(rows=rows, num_rows=len(g), plan_rows=b, width=width)
+    if batch.routed_experts is not None:
+        mb["routing"] = routing_replay.microbatch_routing(batch.routed_experts[idx], width)
+    return mb
 
 
 def _thd_microbatches(batch, view: CPView, max_tokens, seq_tokens, uniform: bool):

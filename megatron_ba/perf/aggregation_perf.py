@@ -114,6 +114,8 @@ def _time(fn, repeats: int, device: torch.device) -> list[float]:
 def run_benchmark(n, max_length, group_size, repeats, seed=0, device="cpu") -> dict:
     """Median ms of every variant; the batch is drawn on the CPU (the same numbers on any device)
     and moved to `device`."""
+    # Long on purpose: the timed variants are closures over one batch, side by side, so that
+    # what is compared reads in one place (a measurement script, not a library function).
     device = torch.device(device)
     lengths, adv, ids = (t.to(device) for t in _batch(n, max_length, group_size, seed))
     T = int(lengths.max())

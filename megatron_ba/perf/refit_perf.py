@@ -54,6 +54,8 @@ def build_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Long on purpose: the arguments, the one-process world, the timed refits and the figures are
+    # one measurement script, read top to bottom.
     p = argparse.ArgumentParser(prog="megatron-ba perf refit", description=__doc__)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)

@@ -180,6 +180,8 @@ class _Meter:
 
 
 def run_benchmark(args) -> dict:
+    # Long on purpose: set-up, the timed loop over the rules and the figures are one measurement
+    # (a script's body, not a library function); its pieces would pass a dozen locals around.
     _check_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
