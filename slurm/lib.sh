@@ -477,10 +477,15 @@ mba_plan_ray() {
 # its Slurm node name as a resource (slurm-node/HOST), so that the wait names a node that did not
 # join by its Slurm name even where the node's host name differs (ray_cluster.py).
 mba_ray_node_resource() { printf '{"slurm-node/%s": 1}' "$1"; }
+# The head runs without Ray's dashboard unless MBA_RAY_DASHBOARD=1: nothing here reads it, and
+# on a busy node its metrics module is what failed to come up in time (the head never started).
 mba_ray_head_cmd() {
     mba_srun --overlap --nodes=1 --ntasks=1 -w "${MBA_HOSTS[0]}" --output="$MBA_LOG_DIR/ray-head.log"
+    local dashboard=--include-dashboard=false
+    [[ ${MBA_RAY_DASHBOARD:-0} == 1 ]] && dashboard=--include-dashboard=true
     MBA_SRUN+=("${MBA_RAY[@]}" start --head --port="$MBA_PORT" --num-gpus="$MBA_GPUS"
-        --resources="$(mba_ray_node_resource "${MBA_HOSTS[0]}")" --disable-usage-stats --block)
+        --resources="$(mba_ray_node_resource "${MBA_HOSTS[0]}")" "$dashboard"
+        --disable-usage-stats --block)
 }
 mba_ray_worker_cmd() { # HOST
     mba_srun --overlap --nodes=1 --ntasks=1 -w "$1" --output="$MBA_LOG_DIR/ray-worker-$1.log"

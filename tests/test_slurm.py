@@ -195,6 +195,19 @@ def _ray_steps(out: str) -> dict[str, list[str]]:
     return steps
 
 
+def test_ray_dashboard_only_when_asked(tmp_path):
+    """The head starts without Ray's dashboard (above); MBA_RAY_DASHBOARD=1 turns it on, and
+    only on the head."""
+    env = dict(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_JOB_ID=77, GPUS_PER_NODE=8,
+               CONTAINER="nvcr.io/nvidia/nemo-rl:v0.7.0", MBA_RAY_DASHBOARD="1")  # fmt: skip
+    p = _dry(BATCH, str(QWEN), *RAY_ARGS["verl"], cwd=tmp_path, **env)
+    assert p.returncode == 0, p.stderr
+    steps = _ray_steps(p.stdout)
+    (head,) = steps["head"]
+    assert "--include-dashboard=true" in head and "--include-dashboard=false" not in head
+    assert all("--include-dashboard" not in w for w in steps["worker"])
+
+
 @pytest.mark.parametrize("nodes", [1, 4, 16])
 @pytest.mark.parametrize("backend", ["verl", "nemo_rl"])
 def test_dry_run_forms_a_ray_cluster(tmp_path, nodes, backend):
@@ -212,9 +225,10 @@ def test_dry_run_forms_a_ray_cluster(tmp_path, nodes, backend):
     (head,) = steps["head"]
     # each Ray node carries its Slurm node name (the wait names a missing node by it)
     assert " -w gpu01 " in head and head.endswith(" &")
-    assert shlex.split(head[:-2])[-8:] == [
+    assert shlex.split(head[:-2])[-9:] == [
         "ray", "start", "--head", "--port=20077", "--num-gpus=8",
-        '--resources={"slurm-node/gpu01": 1}', "--disable-usage-stats", "--block"
+        '--resources={"slurm-node/gpu01": 1}', "--include-dashboard=false",
+        "--disable-usage-stats", "--block"
     ]  # fmt: skip
     assert [w.split(" -w ")[1].split()[0] for w in steps["worker"]] == hosts[1:]
     logs = "runs/qwen3-1.7b-dapo17k-balanced/logs/job-77-restart-0"
