@@ -15,6 +15,11 @@ from megatron_ba.cli import main
 pytest.importorskip("megatron.core")
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def test_bench_step_runs_both_plans(tmp_path, capsys):
     out = tmp_path / "step.json"
     argv = (

@@ -19,6 +19,11 @@ import pytest
 FINAL = re.compile(r"^max_rel_grad_err=(\S+) loss_err=(\S+)$")
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_truncating_and_rejecting_modes_pass_and_the_denominator_control_fails():

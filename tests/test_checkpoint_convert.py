@@ -27,7 +27,7 @@ pytest.importorskip("transformers")
 from megatron_ba.parallel.world import free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.stack]
 
 
 def save_worker(rank: int, port: int, hf_dir: str, run_dir: str, ref_dir: str) -> None:

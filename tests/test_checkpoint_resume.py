@@ -31,7 +31,7 @@ from megatron_ba.rules import AggregationSettings
 SEED = 11
 INIT_SEED = 3
 SAVED_STEP = 2
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.stack]
 
 
 # -- process bodies -----------------------------------------------------------------------

@@ -9,6 +9,11 @@ import pytest
 pytest.importorskip("megatron.core")
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def test_a_failing_rng_tracker_save_raises(monkeypatch):
     from megatron.core import tensor_parallel
 

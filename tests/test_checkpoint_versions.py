@@ -22,6 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHONS = {"0.16": ROOT / ".venv/bin/python", "0.19": ROOT / ".venv-current/bin/python"}
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _mcore_version(python: Path) -> str:
     code = "from megatron.core import package_info; print(package_info.__version__)"
     out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)

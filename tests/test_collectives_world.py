@@ -18,6 +18,10 @@ import torch
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.world import free_port, spawn
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
 
 def test_world_of_one_without_a_process_group():
     assert not collectives.is_initialized()

@@ -29,6 +29,11 @@ from megatron_ba.megatron.model import ModelSpec, full_parameter_shapes
 VARIANTS = ("qwen2-tied", "qwen2-untied", "qwen3")
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def build_tiny(root, name: str, dtype=torch.float32):
     """A tiny random HF checkpoint of one variant, saved with save_pretrained (norms and biases
     perturbed so that a swapped tensor changes the model)."""

@@ -31,7 +31,7 @@ pytest.importorskip("megatron.core")
 from tests.test_conversion import VARIANTS, build_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.stack]
 AGREE = 1e-5  # two float32 implementations of the same model: measured ~5e-7
 DISAGREE = 1e-3  # a wrong conversion: measured >= 1e-2
 

@@ -29,6 +29,11 @@ OPT = SimpleNamespace(
 # --- the optimiser by device and precision --------------------------------------------------
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def test_optimizer_choice_by_device_and_precision():
     assert mo.choose_optimizer(CPU, "fp32") == mo.SHARDED_ADAMW
     assert mo.choose_optimizer(GPU, "fp32") == mo.MEGATRON_CORE

@@ -15,7 +15,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.slow  # one 2-rank spawn: ~35 s idle, ~110 s on a loaded machine
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.stack,
+]  # one 2-rank spawn: ~35 s idle, ~110 s on a loaded machine
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _driver():
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts/gpu_check.py")
     module = importlib.util.module_from_spec(spec)

@@ -75,6 +75,11 @@ LAYOUTS: dict[str, tuple[ParallelLayout, list[Case]]] = {
 }
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _must_fail(case: Case, layout: ParallelLayout) -> bool:
     """A negative control whose difference from the real loss shows on this layout."""
     if case.assume_megatron_version is not None:

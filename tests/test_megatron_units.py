@@ -31,6 +31,10 @@ from megatron_ba.parallel.collectives import StatisticsReducer, statistics_paylo
 from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.parallel.world import free_port
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
 
 @pytest.mark.parametrize(
     ("version", "per_token", "expected"),

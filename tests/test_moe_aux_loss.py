@@ -22,7 +22,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.stack]
 
 FACTORS = (1.0, 1.0 / 3.0, 10.0)
 

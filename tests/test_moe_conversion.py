@@ -50,6 +50,11 @@ from tests.test_moe_model import VARIANTS, build_variant
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-hf")

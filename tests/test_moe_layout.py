@@ -58,6 +58,11 @@ LAYOUTS: dict[str, tuple[ParallelLayout, list[Case]]] = {
 }
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 @pytest.fixture(scope="session")
 def moe_reference(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("moe-layout") / "reference.pt")

@@ -35,7 +35,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.stack]
 
 AGREE64 = 1e-6
 AGREE32 = 1e-5

@@ -41,6 +41,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 # -- process bodies -----------------------------------------------------------------------
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _setup(rank: int, world: int, port: int, ep: int):
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     torch.set_num_threads(1)

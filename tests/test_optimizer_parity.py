@@ -17,6 +17,11 @@ pytest.importorskip("megatron.core")
 LR, WD = 0.1, 0.1
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 @pytest.fixture
 def chunks():
     from megatron_ba.megatron import model as mm

@@ -15,6 +15,10 @@ import torch
 
 from megatron_ba.aggregation import apply_weights, apply_weights_packed, token_weights
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
 
 def _pack(lengths: list[int], padding: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

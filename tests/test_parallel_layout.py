@@ -26,6 +26,10 @@ from megatron_ba.parallel.sharding import (
 )
 from megatron_ba.rules import AggregationSettings
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
 
 def test_cp_positions_hand_computed():
     # S = 8, CP = 2: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.

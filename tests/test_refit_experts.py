@@ -27,6 +27,11 @@ SEED = 3
 BUCKET_BYTES = 50_000
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _stream(refit, engine: bool) -> list:
     buckets: list = []
 

@@ -8,6 +8,10 @@ from megatron_ba.data import load_livecodebench
 from megatron_ba.rewards import code_score, extract_code, run_tests
 from megatron_ba.rewards.code import result_matches, stdout_matches
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
 
 def fenced(code: str, lang: str = "python") -> str:
     return f"Here is my solution.\n```{lang}\n{code}\n```\nDone."

@@ -23,6 +23,11 @@ from megatron_ba.rewards.sandbox import UID_RANGE
 IS_ROOT = os.geteuid() == 0
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def fenced(code: str) -> str:
     return f"```python\n{code}\n```"
 

@@ -21,6 +21,11 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 REWARDS = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _samples(with_logprobs: bool):
     g = torch.Generator().manual_seed(3)
     out = []

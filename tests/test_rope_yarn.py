@@ -35,7 +35,7 @@ for _name in ("megatron.core", "transformers"):
     if importlib.util.find_spec(_name.split(".")[0]) is None:
         pytest.skip(f"{_name} is not installed", allow_module_level=True)
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.stack]
 
 AGREE32 = 1e-5
 DISAGREE = 1e-3

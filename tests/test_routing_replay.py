@@ -34,6 +34,11 @@ from megatron_ba.parallel.parallel_layout import ParallelLayout
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def test_experience_places_each_samples_experts_at_its_fed_tokens():
     from megatron_ba.generation.engine import Sample
     from megatron_ba.train.experience import build_experience

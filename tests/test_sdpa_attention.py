@@ -34,6 +34,11 @@ TP1 = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))  # a process-group col
 FLOAT64_TOL = 1e-12  # measured differences are <= 2.1e-15 (relative to each tensor's max)
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _config(heads=1, groups=1, kv=1, **changes):
     return sdpa_worker._config(heads, groups, tp=1, kv_channels=kv, **changes)
 

@@ -11,6 +11,10 @@ from megatron_ba.megatron.batching import CPView, GRPOBatch, prepare_microbatche
 from megatron_ba.megatron.thd import thd_microbatch, thd_scatter
 from megatron_ba.rules import AggregationSettings
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
 
 def _batch(seed: int = 0) -> GRPOBatch:
     g = torch.Generator().manual_seed(seed)

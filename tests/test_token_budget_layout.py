@@ -34,6 +34,11 @@ REAL = [
 CONTROL = Case("token", normalization="per_microbatch", token_budget=40)
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("budget") / "reference.pt")

@@ -16,6 +16,11 @@ pytest.importorskip("megatron.core")
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def _update(overrides, *, cut_row: int | None = None):
     from megatron_ba.generation.engine import Sample
     from megatron_ba.megatron import model as mm

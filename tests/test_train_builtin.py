@@ -32,7 +32,7 @@ KEYS = (
     "warmstart.steps=150",
     "logging.plots=false",
 )
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
 
 def _train(*args: str) -> None:

@@ -28,6 +28,11 @@ TINY_RUN = (
 ).split()
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def test_synthetic_tokens_repeat_one_block_per_row():
     args = SimpleNamespace(sequences=3, seq_len=10, block=4, data_vocab=7, seed=0)
     tokens = train_lm.synthetic_tokens(args, vocab_size=100)

@@ -26,6 +26,11 @@ from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 TOL32 = 2e-5  # fp32 arithmetic against a float64 reference, relative to max(1, |reference|)
 
 
+# `stack`: what a release of megatron-core, torch or Python changes; run again on the current
+# stack by scripts/run_current_tests.sh (pyproject.toml's markers).
+pytestmark = pytest.mark.stack
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max(1, max |b|): one number every comparison here uses."""
     a, b = a.detach().double(), b.detach().double()
