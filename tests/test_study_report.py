@@ -64,8 +64,9 @@ def test_cells_pairs_and_diagnostics_are_the_hand_computed_values(runs):
     report = write_report(runs, KEYS)
     got = json.loads((runs / "report.json").read_text())
     assert got["swept"] == KEYS and len(got["cells"]) == 4
-    cell = {"loss.rule": "token", "grpo.max_new_tokens": 32}
+    cell = {"loss.rule": "token", "loss.scope": "group", "grpo.max_new_tokens": 32}
     token32 = next(c for c in got["cells"] if c["values"] == cell)
+    assert token32["label"] == "token (per-group mean), grpo.max_new_tokens=32"
     assert token32["seeds"] == [0, 1, 2]
     last = token32["average"]["acc_last"]
     assert last["values"] == pytest.approx([0.5, 0.6, 0.7])
@@ -81,14 +82,15 @@ def test_cells_pairs_and_diagnostics_are_the_hand_computed_values(runs):
     assert d["balanced/weight_share_pos"] == pytest.approx(0.5)
     assert (d["length_var"], d["length_gap_pos_minus_neg"]) == pytest.approx((32.0, -16.0))
     (pair32,) = [p for p in got["pairs"] if p["others"] == [32]]
-    assert pair32["rules"] == ["balanced", "token"] and pair32["seeds"] == [0, 1, 2]
+    assert [pair32[x]["loss.rule"] for x in "ab"] == ["balanced", "token"]
+    assert pair32["b"]["label"] == "token (per-group mean)" and pair32["seeds"] == [0, 1, 2]
     c = pair32["columns"]["acc_last"]
     half = 4.303 * 0.1 / math.sqrt(3)  # t(0.975, 2 df) x sd / sqrt(n)
     assert c["diffs"] == pytest.approx([0.1, 0.2, 0.3])
     assert (c["mean"], c["low"], c["high"]) == pytest.approx((0.2, 0.2 - half, 0.2 + half))
     text = report.read_text()
-    row = "| average | loss.rule=token, grpo.max_new_tokens=32 | 3 | 0.6500 ± 0.1000 | 0.6000 ± "
-    assert row + "0.1000 | 0.8500 ± 0.1000 | 0.8000 ± 0.1000 | -0.0500 ± 0.0000 |" in text
+    row = "| average | token (per-group mean), grpo.max_new_tokens=32 | 3 | 0.6500 ± 0.1000 | "
+    assert row + "0.6000 ± 0.1000 | 0.8500 ± 0.1000 | 0.8000 ± 0.1000 | -0.0500 ± 0.0000 |" in text
     assert "dr_grpo/weight_share_pos" not in text  # no run logs it: no column
     assert "### Against grpo.max_new_tokens" in text
     for name in ("pg_loss_mean", "neg_over_pos_length", "length_var", "length_gap_pos_minus_neg"):
@@ -130,8 +132,8 @@ def test_a_study_folder_reports_its_elements_with_its_axes(tmp_path):
     got = json.loads((study.folder / "report.json").read_text())
     assert got["swept"] == ["loss.rule", "seed"]
     assert [c["values"] for c in got["cells"]] == [
-        {"loss.rule": "token"},
-        {"loss.rule": "balanced"},
+        {"loss.rule": "token", "loss.scope": "group"},
+        {"loss.rule": "balanced", "loss.scope": "group"},
     ]
 
 
@@ -150,9 +152,12 @@ def test_compare_reports_group_token_mean_against_token(tmp_path, capsys):
     cmd = ["compare", str(TINY), *shared, "--rules", ",".join(rules), "--seeds", "2"]
     assert main([*cmd, "--out", str(out), "--report-only"]) == 0
     got = json.loads((out / "report.json").read_text())
-    assert [c["values"] for c in got["cells"]] == [{"loss.rule": r} for r in rules]
+    assert [c["values"] for c in got["cells"]] == [
+        {"loss.rule": r, "loss.scope": "group"} for r in rules
+    ]
     (pair,) = got["pairs"]
-    assert pair["rules"] == ["group_token_mean", "token"]
+    labels = [pair["a"]["label"], pair["b"]["label"]]
+    assert labels == ["group_token_mean", "token (per-group mean)"]
     assert pair["columns"]["acc_last"]["diffs"] == pytest.approx(
         [0.1 + 0.1 * seed, 0.2 + 0.1 * seed]
     )
@@ -175,7 +180,8 @@ def test_the_report_states_the_plan_and_its_comparison(tmp_path):
     half = 4.303 * 0.1 / math.sqrt(3)  # balanced - token on acc_last: 0.1, 0.2, 0.3
     (row,) = got["decision"]
     assert (row["mean"], row["low"], row["high"]) == pytest.approx((0.2, 0.2 - half, 0.2 + half))
-    assert f"- balanced - token, acc_last: +0.2000 [{0.2 - half:+.4f}, {0.2 + half:+.4f}]" in text
+    shown = f"+0.2000 [{0.2 - half:+.4f}, {0.2 + half:+.4f}]"
+    assert f"- balanced (per-group mean) - token (per-group mean), acc_last: {shown}" in text
     assert (
         "Acc@4 / Best@4 (4 samples per prompt; heldout: 128 prompts)" in text
     )  # data.eval_prompts

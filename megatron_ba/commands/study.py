@@ -7,12 +7,17 @@
         --sbatch-args "--nodes=4 --gpus-per-node=8 --time=24:00:00"     # one Slurm job array
     megatron-ba study ... --dry-run                            # the elements and the submission
     megatron-ba study ... --compare balanced,token --metric acc_last --plan-only   # declare it
+    megatron-ba study recipes/tiny-cpu.yaml --grid loss.rule=token@group,token@batch \
+        --grid seed=0,1 --out runs/token-means --compare token@batch,token@group   # both means
+
+A loss.rule value is RULE (at the recipe's loss.scope) or RULE@SCOPE (`token@batch`: the pooled
+token mean, run as loss.rule=token loss.scope=batch, in `token-scopebatch-...`).
 
 The plan (train/study_plan.py) is written to DIR/study.json before anything runs: the recipe's
 hashes, the grid, the seeds and the comparison that decides (--compare A,B: rule A - rule B,
-paired by seed, on --metric; balanced,token and acc_last by default). --plan-only writes it and
-stops; the same command without the flag then runs what was declared, and refuses to run if the
-recipe has changed since. The report says whether the runs are the planned ones.
+paired by seed, on --metric; balanced against token and acc_last by default). --plan-only writes
+it and stops; the same command without the flag then runs what was declared, and refuses to run
+if the recipe has changed since. The report says whether the runs are the planned ones.
 
 One run folder per element of the cross product under DIR (train/study_grid.py has the names), and
 DIR/study.json. Re-running the same command keeps finished elements and resumes interrupted ones;
