@@ -20,7 +20,10 @@ from megatron_ba.train.study_grid import Study
 from megatron_ba.train.study_report import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDIES = sorted(p.parent for p in (ROOT / "docs").rglob("study.json"))
+# A study.json alone is a plan declared before its runs (committed first); with report.md it ships.
+STUDIES = sorted(
+    p.parent for p in (ROOT / "docs").rglob("study.json") if (p.parent / "report.md").is_file()
+)
 SHIPPED = ("report.md", "report.json")
 
 
