@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
 def train_and_report(study, *, train: bool = True) -> int:
     """Run the study's unfinished elements here (unless `train` is false), then write its
-    report; the exit status (1: an element failed). `megatron-ba compare` ends here too."""
+    report; the exit status (1: an element failed; 2: no report, said why). `megatron-ba
+    compare` ends here too."""
     from megatron_ba.train.study_grid import run_locally
     from megatron_ba.train.study_report import write_report
 
@@ -139,5 +140,9 @@ def train_and_report(study, *, train: bool = True) -> int:
         except RuntimeError as e:
             print(str(e), file=sys.stderr)
             return 1
-    print(f"report: {write_report(study.folder)}")
+    try:
+        print(f"report: {write_report(study.folder)}")
+    except ValueError as e:  # no finished run yet, runs of another recipe
+        print(f"report: {e}", file=sys.stderr)
+        return 2
     return 0

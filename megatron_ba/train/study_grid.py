@@ -202,8 +202,8 @@ class Study:
                 raise type(err)(f"element {e.name}: {err}") from None
             twin = seen.setdefault(study_plan.recipe_sha256(resolved), e.name)
             if twin != e.name:
-                raise ValueError(f"--grid: elements {twin} and {e.name} are the same recipe "
-                                 "(the same run twice); drop one of the values")  # fmt: skip
+                raise ValueError(f"elements {twin} and {e.name} are the same recipe (the same "
+                                 "run twice); drop one of the values")  # fmt: skip
 
     def _check_same(self, saved: dict, folder: Path) -> None:
         mine = self.manifest()

@@ -6,18 +6,21 @@ The runs are the study's elements (study.json) or, in a folder without one, ever
 holding recipe.yaml and metrics.jsonl (runs copied from anywhere; metrics.jsonl.gz, as published
 studies ship it, reads the same). Their recipes may differ only in the swept keys (the study's
 axes; else `keys`, default loss.rule and seed): any other difference is refused, naming the keys.
-A cell is one value of every swept key but the seed; its runs are its seeds. The report first
+A cell is one value of every swept key but the seed; its runs are its seeds. Where the rule is
+swept, a cell's aggregation is its rule and scope, named by each run's own recipe.yaml
+(rules.aggregation_label: "token (per-group mean)", "token (pooled batch mean)"). The report first
 states the study's plan (train/study_plan.py: whether the runs are the planned ones, and the
 declared comparison's result), then holds, per cell, the mean and standard deviation over seeds
 (n - 1 in the denominator) of Acc@k / Best@k at the peak and the last evaluation, per benchmark
 and averaged (run_log.eval_table: the paper's layout), and how far the last is below the peak;
-for every two rules, the difference per seed (same seed, same other values) with its mean and
-95% interval (Student's t over seeds); against each swept numeric key, the paper's diagnostics
-averaged over steps and seeds: the PG-loss drift at rho = 1 (the mean PG loss, and its mean
-absolute value, at the first use of each batch), the sign-length coupling (mean negative length /
-mean positive length, and the positive subset's weight share under each rule), the
-response-length variance and the positive-negative length gap; and the per-step curves of each
-cell (train/study_figures.py). report.md and report.json depend on the runs and the folder's
+for every two aggregations, the difference per seed (same seed, same other values) with its
+mean and 95% interval (Student's t over seeds); the paper's diagnostics averaged over steps and
+seeds, and at the first step (against each swept numeric key in figures): the PG-loss drift at
+rho = 1 (the mean PG loss, and its mean absolute value, at the first use of each batch), the
+sign-length coupling (mean negative length / mean positive length, the positive subset's weight
+share under each rule, and under the pooled token mean and by count), the response-length
+variance and the positive-negative length gap; and the per-step curves of each cell
+(train/study_figures.py). report.md and report.json depend on the runs and the folder's
 name (the title) alone: the same runs give the same bytes (tests/test_shipped_reports.py holds
 the published studies to that).
 """
@@ -184,7 +187,8 @@ class _Runs:
     A run's aggregation is its rule and scope: where loss.rule is swept, loss.scope is part of
     every cell (a study may run token at both scopes; the label names the scope where it changes
     the weights). A key that some runs' recipe.yaml lacks (written before the key existed) is read
-    at its default, as the recipe loader reads such a file, and the report lists it."""
+    at its default, as the recipe loader reads such a file, and the report lists it (loss.rule
+    and loss.scope even where no run holds them: the cells' names rest on them)."""
 
     def __init__(self, folder: Path, keys: list[str] | None) -> None:
         self.paths = find_runs(folder)
@@ -195,7 +199,7 @@ class _Runs:
         self.swept = swept_keys(folder, keys)
         self.resolved = {r: yaml.safe_load((r / "recipe.yaml").read_text()) for r in self.paths}
         own = {r: _flat(self.resolved[r]) for r in self.paths}
-        every = set().union(*own.values())
+        every = set().union(*own.values(), RULE_KEYS)  # the label needs the rule and scope
         defaults = _flat(Recipe().to_dict())
         self.defaulted = sorted(k for k in every if any(k not in o for o in own.values()))
         self.recipes = {r: {k: o.get(k, defaults.get(k)) for k in sorted(every)} | o
@@ -493,8 +497,9 @@ def write_report(folder: Path, keys: list[str] | None = None, *, figures: bool =
         _rule_values(folder, runs),
     )
     defaulted = (
-        [f"Keys some runs' recipe.yaml lacks (written before the key existed), read at their "
-         f"defaults: {', '.join(runs.defaulted)}.", ""] if runs.defaulted else []
+        [f"Keys that runs' recipe.yaml lacks (written before the key existed), read at their "
+         f"defaults as the recipe loader reads such a file: {', '.join(runs.defaulted)}.", ""]
+        if runs.defaulted else []
     )  # fmt: skip
     lines = [
         f"# Study report: {folder.name}",
