@@ -20,7 +20,12 @@ from megatron_ba.commands.compare import DEFAULT_RULES
 from megatron_ba.recipe import load_recipe
 from megatron_ba.train import study_figures
 from megatron_ba.train.study_grid import Axis, Study, parse_grid
-from megatron_ba.train.study_report import paired_interval, write_report
+from megatron_ba.train.study_report import (
+    paired_interval,
+    read_metrics,
+    signed_shares,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes/tiny-cpu.yaml"
@@ -345,3 +350,30 @@ def test_compare_runs_both_token_means_by_default(tmp_path, capsys):
     assert main(twice) == 2
     said = "compare: elements token-seed0 and token-scopegroup-seed0 are the same recipe"
     assert said in capsys.readouterr().err
+
+
+TOKEN_MEANS = sorted(
+    p for p in (ROOT / "docs/testbed").glob("*-token-means") if (p / "report.md").is_file()
+)
+
+
+@pytest.mark.parametrize("study", TOKEN_MEANS, ids=lambda p: p.name)
+def test_the_pooled_share_from_counts_is_what_a_pooled_run_logs(study):
+    """The report's pooled token share and count share, from each step's logged counts and mean
+    lengths, against the trainer's own: a pooled run logs the pooled token mean's share (to
+    rounding), every run of equal groups BA's = the count share; a per-group run's logged token
+    share is another number (the control: this comparison can fail)."""
+    gaps = []
+    for run in sorted(study.glob("token-scope*")):
+        scope = yaml.safe_load((run / "recipe.yaml").read_text())["loss"]["scope"]
+        for record in read_metrics(run):
+            got = signed_shares(record) if "pg_loss" in record else {}
+            if not got or math.isnan(record["token/weight_share_pos"]):
+                continue
+            assert got["count_share_pos"] == pytest.approx(
+                record["balanced/weight_share_pos"], abs=1e-12
+            )
+            gap = abs(got["token_pooled/weight_share_pos"] - record["token/weight_share_pos"])
+            (gaps if scope == "group" else [0.0]).append(gap)
+            assert scope == "group" or gap < 1e-12, (run.name, record["step"])
+    assert len(gaps) > 100 and max(gaps) > 1e-3

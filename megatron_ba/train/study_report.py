@@ -124,7 +124,7 @@ def _over_steps(records: list[dict], key: str) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def _signed_shares(record: dict) -> dict:
+def signed_shares(record: dict) -> dict:
     """The positive side's weight share under the pooled token mean, N+ / (N+ + N-), and its
     share of the responses with a sign, k / (k + n), from a step's logged counts and mean
     lengths: the same at any loss.scope of the run (the trainer logs each rule's share at the
@@ -140,12 +140,12 @@ def _signed_shares(record: dict) -> dict:
     }
 
 
-SHARES = ("token_pooled/weight_share_pos", "count_share_pos")  # _signed_shares' keys
+SHARES = ("token_pooled/weight_share_pos", "count_share_pos")  # signed_shares' keys
 
 
 def diagnostics(records: list[dict]) -> dict:
     """One run's diagnostics, averaged over its training steps (those in `records`)."""
-    records = [{**r, **_signed_shares(r)} if "pg_loss" in r else r for r in records]
+    records = [{**r, **signed_shares(r)} if "pg_loss" in r else r for r in records]
     neg, pos = _over_steps(records, "length_mean_neg"), _over_steps(records, "length_mean_pos")
     return {
         "pg_loss_mean": _over_steps(records, "pg_loss"),
