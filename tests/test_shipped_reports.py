@@ -42,6 +42,7 @@ def test_the_published_studies_are_found():
         "docs/testbed/gap",
         "docs/testbed/gap-token-means",
         "docs/testbed/variance",
+        "docs/testbed/variance-token-means",
     ]
 
 
