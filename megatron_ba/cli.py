@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "compare": (
         "megatron_ba.commands.compare",
-        "train token / sequence / balanced on one recipe and write report.md with figures",
+        "train token (per-group and pooled) / sequence / balanced on one recipe, with a report",
     ),
     "study": (
         "megatron_ba.commands.study",

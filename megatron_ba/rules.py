@@ -21,6 +21,38 @@ from megatron_ba.errors import SettingError
 
 RULES = ("token", "sequence", "dr_grpo", "balanced", "balanced_mass", "group_token_mean")
 SCOPES = ("group", "batch")
+# The rules whose weights the scope does not change (docs/math.md, section 1): dr_grpo divides
+# by a constant, group_token_mean is per prompt group by definition.
+SCOPE_FREE_RULES = ("dr_grpo", "group_token_mean")
+# How a report names each scope: the mean over prompt groups of each group's objective (the
+# paper's formula), or the whole batch pooled as one group (verl's, DAPO's, SkyRL's token-mean).
+SCOPE_NAMES = {"group": "per-group mean", "batch": "pooled batch mean"}
+
+
+def aggregation_label(rule: str, scope: str) -> str:
+    """A run's aggregation as a report names it: the rule, and which mean where the scope
+    changes its weights. aggregation_label("token", "batch") == "token (pooled batch mean)";
+    aggregation_label("dr_grpo", "batch") == "dr_grpo"."""
+    if rule in SCOPE_FREE_RULES:
+        return rule
+    return f"{rule} ({SCOPE_NAMES.get(scope, f'scope {scope}')})"
+
+
+def split_rule_value(value: str) -> tuple[str, str | None]:
+    """A rule as a study's grid or `compare --rules` takes it: RULE (the recipe's loss.scope) or
+    RULE@SCOPE (that scope): "token@batch" -> ("token", "batch"), "token" -> ("token", None).
+    ValueError naming the value for an unknown rule or scope, or a scope on a rule it does not
+    change (SCOPE_FREE_RULES)."""
+    rule, sep, scope = value.partition("@")
+    if rule not in RULES:
+        raise ValueError(f"{value!r}: unknown rule {rule!r}; choose from {', '.join(RULES)}")
+    if not sep:
+        return rule, None
+    if scope not in SCOPES:
+        raise ValueError(f"{value!r}: unknown scope {scope!r}; choose from {', '.join(SCOPES)}")
+    if rule in SCOPE_FREE_RULES:
+        raise ValueError(f"{value!r}: the scope does not change {rule}'s weights; give {rule}")
+    return rule, scope
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ TINY = str(ROOT / "recipes/tiny-cpu.yaml")
         (["seed=0,,1"], r"no empty value"),
         (["seed=0,1,0"], r"a value is listed twice"),
         (["seed=0,1", "seed=2"], r"seed is swept twice"),
+        (["loss.rule=token@pooled"], r"--grid loss\.rule: 'token@pooled': unknown scope 'pooled'"),
+        (["loss.rule=tokens@batch"], r"unknown rule 'tokens'"),
+        (["loss.rule=dr_grpo@batch"], r"the scope does not change dr_grpo's weights"),
+        (["loss.rule=token@batch", "loss.scope=group,batch"], r"sets loss\.scope, which is swept"),
     ],
 )
 def test_a_bad_grid_names_the_flag(specs, message):
@@ -48,6 +52,25 @@ def test_the_cross_product_in_axis_order_with_the_rule_first_in_each_name():
     assert [e.index for e in got] == list(range(8))
     odd = elements([Axis("data.path", ("a/b.parquet", "c d.parquet"))])
     assert [e.name for e in odd] == ["patha_b.parquet", "pathc_d.parquet"]  # one path part
+
+
+def test_a_rule_at_a_scope_sets_both_keys_and_its_name_says_the_scope():
+    got = elements(parse_grid(["seed=0,1", "loss.rule=token@group,token@batch,balanced"]))
+    assert [e.name for e in got[:3]] == [
+        "token-scopegroup-seed0",
+        "token-scopebatch-seed0",
+        "balanced-seed0",
+    ]
+    assert got[1].overrides == ("seed=0", "loss.rule=token", "loss.scope=batch")
+    assert got[2].overrides == ("seed=0", "loss.rule=balanced")  # the recipe's scope
+
+
+def test_two_elements_of_the_same_recipe_are_refused(tmp_path):
+    ok = Study.open(tmp_path / "ok", TINY, [], parse_grid(["loss.rule=token@group,token@batch"]))
+    assert [e.name for e in ok.elements] == ["token-scopegroup", "token-scopebatch"]
+    with pytest.raises(ValueError, match=r"^elements token and token-scopegroup are the same"):
+        Study.open(tmp_path / "s", TINY, [], parse_grid(["loss.rule=token,token@group"]))
+    assert not (tmp_path / "s").exists()  # tiny-cpu.yaml's scope is group: the same run twice
 
 
 def test_the_manifest_is_written_once_and_another_study_is_refused(tmp_path):

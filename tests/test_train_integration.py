@@ -199,8 +199,9 @@ def test_compare_writes_the_report(cache_dir, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = (out / "report.md").read_text()
-    rows = [line for line in report.splitlines() if line.startswith("| average | loss.rule=")]
-    assert [r.split(" | ")[1] for r in rows] == ["loss.rule=token", "loss.rule=balanced"]
+    rows = [line for line in report.splitlines() if line.startswith("| average | ")]
+    labels = [r.split(" | ")[1] for r in rows]
+    assert labels == ["token (per-group mean)", "balanced (per-group mean)"]  # the recipe's scope
     for name in ("pg_loss.png", "eval_accuracy.png", "length_var.png", "length_gap.png"):
         assert (out / "figures" / name).stat().st_size > 1000
     cells = json.loads((out / "report.json").read_text())["cells"]

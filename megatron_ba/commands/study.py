@@ -7,12 +7,17 @@
         --sbatch-args "--nodes=4 --gpus-per-node=8 --time=24:00:00"     # one Slurm job array
     megatron-ba study ... --dry-run                            # the elements and the submission
     megatron-ba study ... --compare balanced,token --metric acc_last --plan-only   # declare it
+    megatron-ba study recipes/tiny-cpu.yaml --grid loss.rule=token@group,token@batch \
+        --grid seed=0,1 --out runs/token-means --compare token@batch,token@group   # both means
+
+A loss.rule value is RULE (at the recipe's loss.scope) or RULE@SCOPE (`token@batch`: the pooled
+token mean, run as loss.rule=token loss.scope=batch, in `token-scopebatch-...`).
 
 The plan (train/study_plan.py) is written to DIR/study.json before anything runs: the recipe's
 hashes, the grid, the seeds and the comparison that decides (--compare A,B: rule A - rule B,
-paired by seed, on --metric; balanced,token and acc_last by default). --plan-only writes it and
-stops; the same command without the flag then runs what was declared, and refuses to run if the
-recipe has changed since. The report says whether the runs are the planned ones.
+paired by seed, on --metric; balanced against token and acc_last by default). --plan-only writes
+it and stops; the same command without the flag then runs what was declared, and refuses to run
+if the recipe has changed since. The report says whether the runs are the planned ones.
 
 One run folder per element of the cross product under DIR (train/study_grid.py has the names), and
 DIR/study.json. Re-running the same command keeps finished elements and resumes interrupted ones;
@@ -124,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
 def train_and_report(study, *, train: bool = True) -> int:
     """Run the study's unfinished elements here (unless `train` is false), then write its
-    report; the exit status (1: an element failed). `megatron-ba compare` ends here too."""
+    report; the exit status (1: an element failed; 2: no report, said why). `megatron-ba
+    compare` ends here too."""
     from megatron_ba.train.study_grid import run_locally
     from megatron_ba.train.study_report import write_report
 
@@ -134,5 +140,9 @@ def train_and_report(study, *, train: bool = True) -> int:
         except RuntimeError as e:
             print(str(e), file=sys.stderr)
             return 1
-    print(f"report: {write_report(study.folder)}")
+    try:
+        print(f"report: {write_report(study.folder)}")
+    except ValueError as e:  # no finished run yet, runs of another recipe
+        print(f"report: {e}", file=sys.stderr)
+        return 2
     return 0

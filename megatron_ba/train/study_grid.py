@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_ba.recipe import load_recipe
+from megatron_ba.rules import split_rule_value
 from megatron_ba.train import study_plan
 
 MANIFEST = "study.json"
@@ -67,7 +68,26 @@ def parse_grid(specs: list[str]) -> list[Axis]:
         axes.append(Axis(key.strip(), parts))
     if not axes:
         raise ValueError("--grid: give at least one KEY=V1,V2,...")
+    rules = next((a for a in axes if a.key == "loss.rule"), None)
+    scoped = [v for v in rules.values if "@" in v] if rules else []
+    for value in scoped:
+        try:
+            split_rule_value(value)
+        except ValueError as e:
+            raise ValueError(f"--grid loss.rule: {e}") from None
+    if scoped and any(a.key == "loss.scope" for a in axes):
+        raise ValueError(f"--grid loss.rule: {scoped[0]} sets loss.scope, which is swept too; "
+                         "give the scope in one place")  # fmt: skip
     return axes
+
+
+def _overrides(key: str, value: str) -> list[tuple[str, str]]:
+    """The recipe keys one grid value sets: a rule value RULE@SCOPE sets loss.rule and
+    loss.scope (rules.split_rule_value); any other value its own key."""
+    if key == "loss.rule" and "@" in value:
+        rule, scope = value.split("@", 1)
+        return [("loss.rule", rule), ("loss.scope", scope)]
+    return [(key, value)]
 
 
 def _label(key: str, value: str) -> str:
@@ -77,16 +97,17 @@ def _label(key: str, value: str) -> str:
 
 def elements(axes: list[Axis]) -> list[Element]:
     """The cross product in the order of the axes (the last one varies fastest); the rule comes
-    first in every name so that a rule's runs sort together."""
+    first in every name so that a rule's runs sort together, then its scope where the value
+    names one (`token@batch` at seed 0: `token-scopebatch-seed0`)."""
     out = []
     for i, values in enumerate(itertools.product(*(a.values for a in axes))):
-        pairs = list(zip((a.key for a in axes), values, strict=True))
-        named = sorted(pairs, key=lambda kv: kv[0] != "loss.rule")
+        sets = [_overrides(a.key, v) for a, v in zip(axes, values, strict=True)]
+        named = sorted(sets, key=lambda kvs: kvs[0][0] != "loss.rule")
         out.append(
             Element(
                 index=i,
-                name="-".join(_label(k, v) for k, v in named),
-                overrides=tuple(f"{k}={v}" for k, v in pairs),
+                name="-".join(_label(k, v) for kvs in named for k, v in kvs),
+                overrides=tuple(f"{k}={v}" for kvs in sets for k, v in kvs),
             )
         )
     if len({e.name for e in out}) != len(out):
@@ -110,6 +131,14 @@ class Study:
 
     def run_dir(self, element: Element) -> Path:
         return self.folder / element.name
+
+    def element_values(self) -> dict[str, dict[str, str]]:
+        """Each element's value of every axis, as the grid gives it (`token@batch`), by name."""
+        product = itertools.product(*(a.values for a in self.axes))
+        return {
+            e.name: dict(zip((a.key for a in self.axes), values, strict=True))
+            for e, values in zip(self.elements, product, strict=True)
+        }
 
     def manifest(self) -> dict:
         return {
@@ -136,16 +165,13 @@ class Study:
         `write` is false), or, if there, the same one again.
 
         Every element's recipe is loaded first, so a bad value fails before anything runs
-        (RecipeError naming the element and the key). compare / metric: the plan's deciding
-        comparison (study_plan.make_plan; None: balanced - token on acc_last); a study already
-        declared keeps its own, and refuses others or a recipe changed since (ValueError)."""
+        (RecipeError naming the element and the key); two elements of the same recipe are
+        refused. compare / metric: the plan's deciding comparison (study_plan.make_plan; None:
+        balanced against token on acc_last); a study already declared keeps its own, and refuses
+        others or a recipe changed since (ValueError)."""
         recipe = str(Path(recipe).resolve())  # array tasks and reports run from anywhere
         study = cls(Path(folder), recipe, tuple(overrides), tuple(axes))
-        for e in study.elements:
-            try:
-                load_recipe(recipe, [*overrides, *e.overrides])
-            except ValueError as err:
-                raise type(err)(f"element {e.name}: {err}") from None
+        study._load_elements()
         path = study.folder / MANIFEST
         if path.is_file():
             saved = json.loads(path.read_text())
@@ -163,6 +189,21 @@ class Study:
         study.folder.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(study.manifest(), indent=2) + "\n")
         return study
+
+    def _load_elements(self) -> None:
+        """Load every element's recipe: RecipeError naming the element with a bad value,
+        ValueError naming two elements that would be the same run (`token` and `token@group`
+        where the recipe's scope is group)."""
+        seen: dict[str, str] = {}
+        for e in self.elements:
+            try:
+                resolved = load_recipe(self.recipe, [*self.overrides, *e.overrides]).to_dict()
+            except ValueError as err:
+                raise type(err)(f"element {e.name}: {err}") from None
+            twin = seen.setdefault(study_plan.recipe_sha256(resolved), e.name)
+            if twin != e.name:
+                raise ValueError(f"elements {twin} and {e.name} are the same recipe (the same "
+                                 "run twice); drop one of the values")  # fmt: skip
 
     def _check_same(self, saved: dict, folder: Path) -> None:
         mine = self.manifest()

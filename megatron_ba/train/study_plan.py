@@ -49,8 +49,12 @@ def _commit(where: Path) -> dict:
 
 
 def default_compare(rules: list[str]) -> tuple[str, str] | None:
-    """balanced against token when the study sweeps both, else no declared comparison."""
-    return ("balanced", "token") if {"balanced", "token"} <= set(rules) else None
+    """balanced against token when the study sweeps both, else no declared comparison. Where
+    the grid holds several token means (`token`, `token@group`, `token@batch`), balanced is
+    compared with the pooled one, `token@batch`: the token-mean of verl, whose runs the paper
+    reports."""
+    tokens = [t for t in ("token@batch", "token", "token@group") if t in rules]
+    return ("balanced", tokens[0]) if "balanced" in rules and tokens else None
 
 
 def make_plan(study, compare: tuple[str, str] | None, metric: str, *, clock=time.time) -> dict:
@@ -123,26 +127,49 @@ def plan_differences(plan: dict, runs: dict[str, dict]) -> list[str]:
     return out
 
 
-def decision_rows(plan: dict, pairs: list[dict]) -> list[dict]:
-    """The declared comparison's result, one row per value of the other swept keys: the paired
+def _aggregation(side: dict) -> tuple[str, str]:
+    return side["loss.rule"], side["loss.scope"]
+
+
+def decision_rows(decision: dict, pairs: list[dict], resolve: dict[str, set]) -> list[dict]:
+    """One declared comparison's result, one row per value of the other swept keys: the paired
     difference a - b on the declared metric, its mean and 95% interval (study_report's pairs,
-    turned round where the report ordered the two rules the other way)."""
-    compare, metric = plan["decision"]["compare"], plan["decision"]["metric"]
+    turned round where the report ordered the two the other way). resolve: each loss.rule value
+    of the grid -> the (rule, scope) pairs its runs ran (`token` -> the recipe's scope); where
+    both values ran at several scopes (loss.scope swept too) each scope is compared with its own."""
+    compare, metric = decision["compare"], decision["metric"]
+    if compare is None:
+        return []
+    want_a, want_b = (resolve.get(v, set()) for v in compare)
     rows = []
     for p in pairs:
         col = p["columns"].get(metric)
-        if compare is None or sorted(p["rules"]) != sorted(compare) or col is None:
+        a, b = _aggregation(p["a"]), _aggregation(p["b"])
+        if a in want_a and b in want_b:
+            sign, first, second = 1.0, p["a"], p["b"]
+        elif b in want_a and a in want_b:
+            sign, first, second = -1.0, p["b"], p["a"]
+        else:
             continue
-        sign = 1.0 if p["rules"] == compare else -1.0
+        if col is None or (len(want_a) > 1 and len(want_b) > 1 and a[1] != b[1]):
+            continue
         low, high = sorted((sign * col["low"], sign * col["high"]))
-        rows.append({"others": p["others"], "seeds": p["seeds"], "mean": sign * col["mean"],
-                     "low": low, "high": high})  # fmt: skip
+        rows.append({"labels": [first["label"], second["label"]], "others": p["others"],
+                     "seeds": p["seeds"], "mean": sign * col["mean"], "low": low,
+                     "high": high})  # fmt: skip
     return rows
 
 
-def plan_section(plan: dict | None, runs: dict[str, dict], pairs: list[dict], others: list[str]):
+def plan_section(
+    plan: dict | None,
+    runs: dict[str, dict],
+    pairs: list[dict],
+    others: list[str],
+    resolve: dict[str, set],
+):
     """The report's plan section: markdown lines and report.json's "plan". runs: element name ->
-    its recipe.yaml as read; others: the swept keys besides the rule and the seed."""
+    its recipe.yaml as read; others: the swept keys besides the rule, its scope and the seed;
+    resolve: as decision_rows takes it."""
     if plan is None:
         text = "No plan was declared: the folder has no study.json with a plan (a study made "
         text += "before studies declared plans, or run folders gathered by hand)."
@@ -168,11 +195,11 @@ def plan_section(plan: dict | None, runs: dict[str, dict], pairs: list[dict], ot
     else:
         lines += ["The runs are the declared plan: one run per element, each run's recipe.yaml "
                   "the planned recipe (sha256), the planned seeds.", ""]  # fmt: skip
-    rows = decision_rows(plan, pairs)
+    rows = decision_rows(d, pairs, resolve)
     for r in rows:
         where = "".join(f", {k}={v}" for k, v in zip(others, r["others"], strict=True))
         lines.append(
-            f"- {d['compare'][0]} - {d['compare'][1]}, {d['metric']}{where}: "
+            f"- {r['labels'][0]} - {r['labels'][1]}, {d['metric']}{where}: "
             f"{r['mean']:+.4f} [{r['low']:+.4f}, {r['high']:+.4f}], {len(r['seeds'])} seeds"
         )
     if rows:
