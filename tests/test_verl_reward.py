@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_module
 from verl import DataProto
 from verl.trainer.ppo.reward import load_reward_manager
 
-from megatron_ba.integrations.verl_recipe import recipe_to_verl_overrides
+from megatron_ba.integrations.engines.verl import recipe_to_verl_overrides
 from megatron_ba.recipe import load_recipe
 from megatron_ba.testing.tiny_hf import build_tokenizer
 
