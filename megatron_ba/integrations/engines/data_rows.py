@@ -16,7 +16,6 @@ from megatron_ba.integrations.engines.model_rows import warm_start
 # verl loads its custom reward function by file path: this project's rewards (verl/reward.py)
 REWARD_FUNCTION = Path(__file__).resolve().parents[1] / "verl" / "reward.py"
 DAPO_HUB_ID = "BytedTsinghua-SIA/DAPO-Math-17k"  # what NeMo-RL's DAPOMath17K data set loads
-GEN = "policy.generation"
 ARITHMETIC = "the arithmetic task's ({} trains on {})"
 PROMPT_FILES = "the prompt files (RUN_DIR/data/*.jsonl: the local backend's prompt stream)"
 

@@ -9,8 +9,7 @@ held-out prompts (the validation prompt file).
 from __future__ import annotations
 
 from megatron_ba.integrations.engines.cells import Absent, Dropped, Need, Put, Row, Set, put
-from megatron_ba.integrations.engines.data_rows import GEN
-from megatron_ba.integrations.engines.model_rows import R
+from megatron_ba.integrations.engines.model_rows import GEN, R
 
 EVAL_PROMPT_FILE = "data/nemo_rl_eval_prompt.txt"  # in the run folder
 # grpo.max_val_samples: NeMo-RL validates max_val_samples // val_batch_size batches (stock 256 //

@@ -9,9 +9,9 @@ own layout, so the local backend's vLLM settings have no counterpart there.
 from __future__ import annotations
 
 from megatron_ba.integrations.engines.cells import Absent, Dropped, Need, Put, Row, Set, put
-from megatron_ba.integrations.engines.data_rows import GEN, data_parallel
+from megatron_ba.integrations.engines.data_rows import data_parallel
 from megatron_ba.integrations.engines.loss_rows import step_sequences
-from megatron_ba.integrations.engines.model_rows import MC, A, M, R
+from megatron_ba.integrations.engines.model_rows import GEN, MC, A, M, R
 
 VLLM = f"{GEN}.vllm_cfg"
 OVER = f"{M}.override_transformer_config"  # verl's transformer config settings

@@ -12,7 +12,7 @@ from megatron_ba.integrations.engines.cells import Absent, Dropped, Need, Put, R
 # verl's actor and its megatron section; NeMo-RL's policy's megatron section
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
 R = "actor_rollout_ref.rollout"
-MC = "policy.megatron_cfg"
+MC, GEN = "policy.megatron_cfg", "policy.generation"
 # The model keys a checkpoint's own config decides under an engine (the .nemo file's under
 # NeMo-Aligner, whose RoPE scaling is refused there: it would be silently the file's).
 SHAPE_KEYS = tuple(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from megatron_ba.integrations.engines import table
 from megatron_ba.integrations.engines.cells import Job
-from megatron_ba.integrations.engines.data_rows import DAPO_HUB_ID, GEN
+from megatron_ba.integrations.engines.data_rows import DAPO_HUB_ID
 from megatron_ba.integrations.engines.engine import OTHER_ABSENT_KEYS, Engine
 from megatron_ba.integrations.engines.eval_rows import (
     ALL_VAL_SAMPLES,
@@ -32,7 +32,7 @@ from megatron_ba.integrations.engines.eval_rows import (
     eval_prompt_path,
 )
 from megatron_ba.integrations.engines.layout_rows import VLLM
-from megatron_ba.integrations.engines.model_rows import MC
+from megatron_ba.integrations.engines.model_rows import GEN, MC
 from megatron_ba.integrations.engines.run_rows import OPT, SCHED
 
 ENTRY = ["-m", "megatron_ba.integrations.nemo_rl.run_grpo_balanced"]
