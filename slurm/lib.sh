@@ -257,8 +257,8 @@ mba_plan() {
         # One task per GPU (gloo processes on CPU), as Lightning's SLURM environment expects (it
         # takes its ranks from srun), each running `megatron-ba train` with the recipe: it
         # writes the recipe's prompts (RUN_DIR/data/), then becomes NeMo-Aligner's entry
-        # (exec) with the recipe as ++key=value overrides (megatron_ba.integrations.nemo_aligner.
-        # overrides). NeMo logs, checkpoints and resumes in the run folder. The translation runs
+        # (exec) with the recipe as ++key=value overrides (megatron_ba.integrations.engines.
+        # nemo_aligner). NeMo logs, checkpoints and resumes in the run folder. The translation runs
         # here first, so that a recipe it refuses launches nothing; DRY_RUN shows it.
         local accelerator=gpu
         ((gpus > 0)) || accelerator=cpu

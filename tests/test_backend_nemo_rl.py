@@ -14,19 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ba.integrations.hydra_values import hydra_value
-from megatron_ba.integrations.nemo_rl_recipe import (
-    recipe_to_nemo_rl_overrides,
-    refuse_unsupported,
-    translation_notes,
-)
-from megatron_ba.integrations.nemo_rl_recipe_keys import (
+from megatron_ba.integrations.engines.nemo_rl import (
     DISPLAY_ONLY,
     LOCAL_ONLY,
     TRANSLATED,
     markdown_table,
+    recipe_to_nemo_rl_overrides,
+    refuse_unsupported,
+    translation_notes,
 )
-from megatron_ba.integrations.verl_recipe_keys import schema_keys
+from megatron_ba.integrations.engines.table import schema_keys
+from megatron_ba.integrations.hydra_values import hydra_value
 from megatron_ba.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

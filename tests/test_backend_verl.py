@@ -28,22 +28,20 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from verl_test_env import no_ba_environment  # noqa: F401 (autouse fixture)
 
-from megatron_ba.integrations.verl import check_config
-from megatron_ba.integrations.verl.checks import steps_per_batch
-from megatron_ba.integrations.verl_recipe import (
-    ENTRY,
-    NO_DUAL_CLIP,
-    recipe_to_verl_overrides,
-    refuse_unsupported,
-    verl_environment,
-)
-from megatron_ba.integrations.verl_recipe_keys import (
+from megatron_ba.integrations.engines.verl import (
     DISPLAY_ONLY,
+    ENTRY,
     LOCAL_ONLY,
+    NO_DUAL_CLIP,
     TRANSLATED,
     markdown_table,
+    recipe_to_verl_overrides,
+    refuse_unsupported,
     schema_keys,
+    verl_environment,
 )
+from megatron_ba.integrations.verl import check_config
+from megatron_ba.integrations.verl.checks import steps_per_batch
 from megatron_ba.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -328,7 +328,7 @@ def test_the_moe_recipe_loads_and_the_build_refuses_tp_and_bad_etp_by_key():
 
 
 def test_nemo_aligner_backend_refuses_expert_parallelism_by_key():
-    from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
+    from megatron_ba.integrations.engines.nemo_aligner import recipe_to_nemo_overrides
     from megatron_ba.recipe import load_recipe
 
     for override, key in (("parallel.ep=2", "parallel.ep"), ("parallel.etp=1", "parallel.etp")):

@@ -29,8 +29,8 @@ pytest.importorskip("verl", reason="verl 0.9.1 lives in .venv-verl: bash scripts
 from verl_run_files import BATCH, LINE, RECIPE, dapo_rows, write_parquet, write_run_files
 from verl_test_env import no_ba_environment  # noqa: F401 (autouse fixture)
 
+from megatron_ba.integrations.engines.verl import ENTRY, recipe_to_verl_overrides
 from megatron_ba.integrations.verl.preflight import NEEDS_GPU, PREFIX
-from megatron_ba.integrations.verl_recipe import ENTRY, recipe_to_verl_overrides
 from megatron_ba.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

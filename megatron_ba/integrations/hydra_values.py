@@ -1,6 +1,5 @@
 """A recipe value as it goes on a Hydra command line (`key=VALUE`), for the overrides the recipe
-backends print: NeMo-Aligner's (nemo_aligner/overrides.py), verl's (verl_recipe.py) and NeMo-RL's
-(nemo_rl_recipe.py)."""
+backends print: verl's, NeMo-RL's and NeMo-Aligner's (integrations/engines/)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, needs_nemo
 
-from megatron_ba.integrations.nemo_aligner.overrides import recipe_to_nemo_overrides
+from megatron_ba.integrations.engines.nemo_aligner import recipe_to_nemo_overrides
 from megatron_ba.recipe import RopeScalingSection, load_recipe
 
 CONF = REPO / "megatron_ba/integrations/nemo_aligner/conf/gpt_grpo_balanced.yaml"

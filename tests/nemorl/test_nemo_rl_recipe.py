@@ -29,15 +29,15 @@ from omegaconf import OmegaConf
 from pydantic import ValidationError
 
 from megatron_ba.data.templates import render_prompt
-from megatron_ba.integrations.nemo_rl import BalancedPGLossFn, run_grpo_balanced
-from megatron_ba.integrations.nemo_rl_recipe import (
+from megatron_ba.integrations.engines.nemo_rl import (
     ENTRY,
     STOCK_CONFIG,
+    TRANSLATED,
     recipe_to_nemo_rl_overrides,
     stock_config_path,
 )
-from megatron_ba.integrations.nemo_rl_recipe_keys import TRANSLATED
-from megatron_ba.integrations.verl_recipe_keys import schema_keys
+from megatron_ba.integrations.engines.table import schema_keys
+from megatron_ba.integrations.nemo_rl import BalancedPGLossFn, run_grpo_balanced
 from megatron_ba.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

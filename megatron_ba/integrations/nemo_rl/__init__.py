@@ -8,7 +8,7 @@
 
 `python -m megatron_ba.integrations.nemo_rl.run_grpo_balanced --config ...` does the swap inside
 NeMo-RL's own GRPO script; `megatron-ba train RECIPE backend=nemo_rl` writes its arguments from a
-recipe (megatron_ba/integrations/nemo_rl_recipe.py). This package imports without NeMo-RL (and
+recipe (megatron_ba/integrations/engines/nemo_rl.py). This package imports without NeMo-RL (and
 without megatron-core); BalancedPGLossFn needs NeMo-RL when it is made. Tested against NeMo-RL
 v0.7.0's own code in tests/nemorl/ (scripts/run_nemorl_tests.sh).
 """

@@ -48,13 +48,11 @@ from megatron_ba.advantages import group_advantages
 from megatron_ba.aggregation import sequence_weights
 from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_advantages, sequence_lengths
+
+# The rules registered as estimator + policy loss pairs (the engines' table: loss.rule's verl cell)
+from megatron_ba.integrations.engines.loss_rows import PLAN_RULES
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
 from megatron_ba.rules import AggregationSettings
-
-# The rules registered as estimator + policy loss pairs: the plan rules verl cannot express
-# (per group and sign), and the per-group token mean (verl's token-mean pools the mini-batch).
-PLAN_RULES = ("balanced", "balanced_mass", "group_token_mean")
-
 
 # AggregationSettings field -> the environment variable that sets it
 ENV_KEYS = {"scope": "MEGATRON_BA_SCOPE", "neutral_eps": "MEGATRON_BA_NEUTRAL_EPS"}
