@@ -489,3 +489,33 @@ def test_unused_module_finder_sees_a_test_only_module(tmp_path):
         root, package="pkg", users=("pkg",), scripts=("sh",), entry_points={"pkg.user_run": ""}
     )
     assert found == ["pkg.a", "pkg.helper", "pkg.only_tests"]
+
+
+# --- one name, one module ------------------------------------------------------------------------
+
+
+def shared_module_names(root: Path, package: str = PACKAGE) -> dict[str, list[str]]:
+    """Module names (file stems; a folder's __init__ aside) that two modules of `package` share."""
+    by_name: dict[str, list[str]] = {}
+    for path in _python_files(root, (package,)):
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, []).append(str(path.relative_to(root)))
+    return {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+def test_no_two_package_modules_share_a_name():
+    """A module's name says what it holds, once: `loss` is the core's, not also an adapter's."""
+    assert shared_module_names(ROOT) == {}
+
+
+def test_shared_name_finder_sees_a_planted_twin(tmp_path):
+    root = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/loss.py": "",
+            "pkg/sub/__init__.py": "",
+            "pkg/sub/loss.py": "",
+        },
+    )
+    assert shared_module_names(root, "pkg") == {"loss": ["pkg/loss.py", "pkg/sub/loss.py"]}

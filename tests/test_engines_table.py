@@ -17,10 +17,10 @@ import pytest
 
 from megatron_ba.integrations.engines import model_rows, table
 from megatron_ba.integrations.engines.cells import Put, Set
-from megatron_ba.integrations.engines.engine import Engine
 from megatron_ba.integrations.engines.nemo_aligner import NEMO_ALIGNER
 from megatron_ba.integrations.engines.nemo_aligner import markdown_table as nemo_aligner_table
 from megatron_ba.integrations.engines.nemo_rl import NEMO_RL
+from megatron_ba.integrations.engines.translation import Engine
 from megatron_ba.integrations.engines.verl import VERL
 
 ROOT = Path(__file__).resolve().parents[1]

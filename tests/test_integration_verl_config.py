@@ -56,7 +56,7 @@ def no_preflight(monkeypatch):
     """These configs name no model folder or data file, and these tests are about what reaches
     verl's main: main_ppo's preflight (which reads them) is replaced by a pass here; its own tests
     are tests/test_verl_preflight.py."""
-    from megatron_ba.integrations.verl import preflight
+    from megatron_ba.integrations.verl import verl_preflight as preflight
 
     monkeypatch.setattr(preflight, "run", lambda config: "[megatron-ba] verl: preflight passed")
 

@@ -1,9 +1,9 @@
-"""The verl entry's preflight on CPU (megatron_ba/integrations/verl/preflight.py): a paper recipe
-translated for verl and pointed at a tiny local Hugging Face model and DAPO-Math / MATH-500 rows
-in verl's parquet layout (tests/verl_run_files.py) runs through the real entry,
-`python -m megatron_ba.integrations.verl.main_ppo`, which checks verl's config, reads the files
-and one batch with verl's RLHFDataset and collate_fn, scores the batch with verl's reward manager
-and, with no CUDA GPU, ends with its one line and exit status NEEDS_GPU.
+"""The verl entry's preflight on CPU (megatron_ba/integrations/verl/verl_preflight.py): a paper
+recipe translated for verl and pointed at a tiny local Hugging Face model and DAPO-Math / MATH-500
+rows in verl's parquet layout (tests/verl_run_files.py) runs through the real entry, `python -m
+megatron_ba.integrations.verl.main_ppo`, which checks verl's config, reads the files and one batch
+with verl's RLHFDataset and collate_fn, scores the batch with verl's reward manager and, with no
+CUDA GPU, ends with its one line and exit status NEEDS_GPU.
 
 The negative controls, through the same entry: a training file with no rows, verl's own DAPO
 reward in place of this project's (it scores a wrong answer -1, not 0: the reward disagrees with
@@ -30,7 +30,7 @@ from verl_run_files import BATCH, LINE, RECIPE, dapo_rows, write_parquet, write_
 from verl_test_env import no_ba_environment  # noqa: F401 (autouse fixture)
 
 from megatron_ba.integrations.engines.verl import ENTRY, recipe_to_verl_overrides
-from megatron_ba.integrations.verl.preflight import NEEDS_GPU, PREFIX
+from megatron_ba.integrations.verl.verl_preflight import NEEDS_GPU, PREFIX
 from megatron_ba.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

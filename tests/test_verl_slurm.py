@@ -3,11 +3,11 @@ backend=verl` on the Slurm that tests/slurm_cluster.py starts or finds (scripts/
 .venv-verl's Python and Ray, the launcher's own import check of verl, and the translated entry
 (`megatron-ba train` exec'ing `python -m megatron_ba.integrations.verl.main_ppo`): no stand-in.
 
-One job: Ray forms; the entry's preflight starts (its log appears) and is preempted
-(`scancel --signal=USR1 --batch`: the launcher ends the entry, stops Ray and requeues the job);
-the second run (restart 1) forms Ray again and its entry reads the config, the data and the
-reward through verl's own code and stops with the documented line (preflight.py) and exit status
-NEEDS_GPU, which is the job's exit code. The tiny model and data files: tests/verl_run_files.py.
+One job: Ray forms; the entry's preflight starts (its log appears) and is preempted (`scancel
+--signal=USR1 --batch`: the launcher ends the entry, stops Ray and requeues the job); the second run
+(restart 1) forms Ray again and its entry reads the config, the data and the reward through verl's
+own code and stops with the documented line (verl_preflight.py) and exit status NEEDS_GPU, which is
+the job's exit code. The tiny model and data files: tests/verl_run_files.py.
 
 Runs in .venv-verl (bash scripts/run_verl_tests.sh); skips where no Slurm can be started.
 """
@@ -27,7 +27,7 @@ pytest.importorskip("verl", reason="verl 0.9.1 lives in .venv-verl: bash scripts
 import slurm_cluster
 from verl_run_files import LINE, RECIPE, write_run_files
 
-from megatron_ba.integrations.verl.preflight import NEEDS_GPU
+from megatron_ba.integrations.verl.verl_preflight import NEEDS_GPU
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH_SCRIPT = ROOT / "slurm/grpo_balanced.sh"

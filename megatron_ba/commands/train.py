@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from megatron_ba.data.templates import render_prompt
-from megatron_ba.integrations.engines.launch import LaunchOptions, RunFiles, launch
+from megatron_ba.integrations.engines.run_engine import LaunchOptions, RunFiles, launch
 from megatron_ba.recipe import RecipeError, load_recipe
 from megatron_ba.train.console import Console
 from megatron_ba.train.prompt_files import prompt_file_paths, write_prompt_files

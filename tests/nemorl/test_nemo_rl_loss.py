@@ -25,7 +25,7 @@ from nemo_rl.algorithms.loss import ClippedPGLossConfig, ClippedPGLossFn
 from reference import importance_weights, plan_weights, reference_loss
 
 from megatron_ba.integrations.nemo_rl import BalancedPGLossFn
-from megatron_ba.integrations.nemo_rl.loss import REFUSED
+from megatron_ba.integrations.nemo_rl.pg_loss import REFUSED
 
 G, PROMPT, SEQ = 4, 3, 12
 STOCK = {  # examples/configs/grpo_math_1B.yaml's loss_fn: KL 0.01, k3, clamps 20 / 10

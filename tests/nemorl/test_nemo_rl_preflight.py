@@ -1,9 +1,9 @@
-"""The preflight of run_grpo_balanced (megatron_ba/integrations/nemo_rl/preflight.py) through the
-real entry, as `megatron-ba train RECIPE backend=nemo_rl` execs it, on CPU: the tokenizer of a
-tiny local model, DAPO-Math-17k rows and benchmark files through NeMo-RL's data processors, the
-math environment's dapo_math_verify on the first batch, then the documented line and exit status
-NEEDS_GPU. Negative controls: a benchmark file with no rows, and a training row whose ground truth
-the verifier cannot match, each fail naming the cause and never reach the line.
+"""The preflight of run_grpo_balanced (megatron_ba/integrations/nemo_rl/nemo_rl_preflight.py)
+through the real entry, as `megatron-ba train RECIPE backend=nemo_rl` execs it, on CPU: the
+tokenizer of a tiny local model, DAPO-Math-17k rows and benchmark files through NeMo-RL's data
+processors, the math environment's dapo_math_verify on the first batch, then the documented line and
+exit status NEEDS_GPU. Negative controls: a benchmark file with no rows, and a training row whose
+ground truth the verifier cannot match, each fail naming the cause and never reach the line.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from preflight_inputs import (
     write_train,
 )
 
-from megatron_ba.integrations.nemo_rl.preflight import NEEDS_GPU
+from megatron_ba.integrations.nemo_rl.nemo_rl_preflight import NEEDS_GPU
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,7 @@ from preflight_inputs import (
 sys.path.append(str(ROOT / "tests"))  # appended: `conftest` stays tests/nemorl's
 import slurm_cluster
 
-from megatron_ba.integrations.nemo_rl.preflight import NEEDS_GPU
+from megatron_ba.integrations.nemo_rl.nemo_rl_preflight import NEEDS_GPU
 
 pytestmark = pytest.mark.slow
 BATCH = ROOT / "slurm/grpo_balanced.sh"

@@ -43,6 +43,12 @@ class Job:
     def __getattr__(self, name: str):  # job.grpo -> recipe.grpo (only for names not above)
         return getattr(self.recipe, name)
 
+    @property
+    def layout(self):
+        """The recipe's ParallelLayout (megatron_ba.parallel.parallel_layout): its sizes, and
+        what they imply (the experts' tensor parallelism), decided there once."""
+        return self.recipe.parallel.layout()
+
     def value(self, key: str):
         """The recipe's value of a dotted key, or the option's (`--nodes` -> nodes)."""
         if key.startswith("--"):

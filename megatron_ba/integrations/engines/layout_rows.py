@@ -86,7 +86,7 @@ ROWS: dict[str, Row] = {
         put(
             Set(
                 f"{MC}.expert_tensor_parallel_size",
-                lambda j: j.parallel.tp if j.parallel.etp is None else j.parallel.etp,
+                lambda j: j.layout.expert_tp,
             ),
             note="null: parallel.tp, megatron-core's default; NeMo-RL's own default is 1",
         ),

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from megatron_ba.integrations.engines import table
 from megatron_ba.integrations.engines.cells import Job
-from megatron_ba.integrations.engines.engine import Engine
 from megatron_ba.integrations.engines.run_rows import APEX_ADAM_KEYS
+from megatron_ba.integrations.engines.translation import Engine
 
 ENTRY = ["-m", "megatron_ba.integrations.nemo_aligner.train_grpo"]
 _RF, _TR, _G = "model.reinforce", "trainer.reinforce", "model.grpo"

@@ -25,7 +25,6 @@ from pathlib import Path
 from megatron_ba.integrations.engines import table
 from megatron_ba.integrations.engines.cells import Job
 from megatron_ba.integrations.engines.data_rows import DAPO_HUB_ID
-from megatron_ba.integrations.engines.engine import OTHER_ABSENT_KEYS, Engine
 from megatron_ba.integrations.engines.eval_rows import (
     ALL_VAL_SAMPLES,
     EVAL_PROMPT_FILE,
@@ -34,6 +33,7 @@ from megatron_ba.integrations.engines.eval_rows import (
 from megatron_ba.integrations.engines.layout_rows import VLLM
 from megatron_ba.integrations.engines.model_rows import GEN, MC
 from megatron_ba.integrations.engines.run_rows import OPT, SCHED
+from megatron_ba.integrations.engines.translation import OTHER_ABSENT_KEYS, Engine
 
 ENTRY = ["-m", "megatron_ba.integrations.nemo_rl.run_grpo_balanced"]
 STOCK_CONFIG = "examples/configs/grpo_math_1B_megatron.yaml"  # in a NeMo-RL checkout

@@ -19,10 +19,10 @@ import shlex
 from megatron_ba.integrations.engines import table
 from megatron_ba.integrations.engines.cells import Job
 from megatron_ba.integrations.engines.data_rows import REWARD_FUNCTION
-from megatron_ba.integrations.engines.engine import OTHER_ABSENT_KEYS, Engine
 from megatron_ba.integrations.engines.layout_rows import OVER
 from megatron_ba.integrations.engines.loss_rows import NO_DUAL_CLIP, PLAN_RULES
 from megatron_ba.integrations.engines.model_rows import A, M, R
+from megatron_ba.integrations.engines.translation import OTHER_ABSENT_KEYS, Engine
 
 ENTRY = ["-m", "megatron_ba.integrations.verl.main_ppo", "--config-name", "ppo_megatron_trainer"]
 _CF = "reward.custom_reward_function"

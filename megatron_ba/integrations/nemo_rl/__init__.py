@@ -13,6 +13,6 @@ without megatron-core); BalancedPGLossFn needs NeMo-RL when it is made. Tested a
 v0.7.0's own code in tests/nemorl/ (scripts/run_nemorl_tests.sh).
 """
 
-from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn
+from megatron_ba.integrations.nemo_rl.pg_loss import BalancedPGLossFn
 
 __all__ = ["BalancedPGLossFn"]

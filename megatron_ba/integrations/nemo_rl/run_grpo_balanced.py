@@ -7,7 +7,7 @@ Run it in NeMo-RL's environment (from a NeMo-RL checkout: `uv run python -m ...`
 NeMo-RL's own: they go to its examples/run_grpo.py, found from NEMO_RL_ROOT or next to the installed
 `nemo_rl` package. First the config is built as run_grpo.py builds it and checked
 (`check_master_config`, and the loss settings BalancedPGLossFn refuses): a refusal stops the run
-before Ray or any model starts; `--check` stops after the check. Then preflight.py puts the
+before Ray or any model starts; `--check` stops after the check. Then nemo_rl_preflight.py puts the
 tokenizer, the data and the math reward through NeMo-RL's own code; without a CUDA GPU it prints
 one line (`[megatron-ba] nemo_rl: checked MasterConfig, ...: stopping before training`) and exits
 with status NEEDS_GPU (69, integrations/exit_status.py). With a GPU, NeMo-RL's
@@ -26,8 +26,8 @@ import os
 import runpy
 import sys
 
-from megatron_ba.integrations.nemo_rl import preflight
-from megatron_ba.integrations.nemo_rl.loss import BalancedPGLossFn
+from megatron_ba.integrations.nemo_rl import nemo_rl_preflight as preflight
+from megatron_ba.integrations.nemo_rl.pg_loss import BalancedPGLossFn
 
 # Indices in the tuple grpo.setup returns (NeMo-RL v0.7.0: policy, policy_generation, nemo_gym,
 # clusters, dataloader, val_dataloader, loss_fn, logger, checkpointer, grpo_save_state,
@@ -147,7 +147,7 @@ def main() -> None:
     if "--check" in sys.argv[1:]:
         return
     # The tokenizer, data and reward through NeMo-RL's own code; without a GPU, the one line and
-    # exit status NEEDS_GPU (preflight.py), before grpo.setup starts any worker.
+    # exit status NEEDS_GPU (nemo_rl_preflight.py), before grpo.setup starts any worker.
     preflight.check_or_stop(master_config)
     grpo.setup = balanced_setup(grpo.setup)
     sys.argv = [path, *argv]

@@ -6,7 +6,7 @@
 
 Composes the same config as `python -m verl.trainer.main_ppo` (verl's own config package and
 default `ppo_trainer`, the same Hydra overrides), calls `check_config` on it, runs the preflight
-(preflight.py: verl's validate_config, the model folder, the data files and one batch through
+(verl_preflight.py: verl's validate_config, the model folder, the data files and one batch through
 verl's RLHFDataset and collate_fn, the reward on that batch through verl's reward manager), then
 hands it to verl's own `main` (its `hydra.main` wrapper is skipped: the config is already
 composed).
@@ -42,7 +42,7 @@ import hydra
 from omegaconf import OmegaConf
 from verl.trainer import main_ppo as verl_main_ppo
 
-from megatron_ba.integrations.verl import preflight
+from megatron_ba.integrations.verl import verl_preflight as preflight
 from megatron_ba.integrations.verl.checks import (
     RUNTIME_ENV_VARS,
     SETTINGS_ENV,
