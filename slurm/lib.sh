@@ -121,7 +121,7 @@ mba_study_element() {
     mba_find_python "$(mba_home)"
     local words
     words=$(PYTHONPATH="$(mba_home)${PYTHONPATH:+:$PYTHONPATH}" "${MBA_PYTHON[@]}" \
-        -m megatron_ba.train.study_grid element "$MBA_STUDY" "$SLURM_ARRAY_TASK_ID") ||
+        -m megatron_ba.studies.grid element "$MBA_STUDY" "$SLURM_ARRAY_TASK_ID") ||
         mba_die "MBA_STUDY=$MBA_STUDY: element $SLURM_ARRAY_TASK_ID could not be read (above)"
     eval "MBA_ARGS=($words)" # shell words printed by shlex.join
     RUN_DIR=${MBA_ARGS[0]}

@@ -266,11 +266,13 @@ ALLOWED: dict[str, frozenset[str]] = {
     | {"parallel", "megatron", "conversion", "generation", "recipe", "tokenization"}
     | {"data", "tasks", "rewards", "evaluation"},
     "layout_equivalence": CORE | SHAPE | {"parallel", "megatron"},
+    # a study runs `megatron-ba train` as a child and reads its run folders (train.run_log)
+    "studies": frozenset({"errors", "rules", "recipe", "train"}),
     "commands": CORE
     | SHAPE
     | {"parallel", "megatron", "conversion", "generation", "recipe", "tokenization"}
     | {"data", "tasks", "rewards", "evaluation", "planning", "integrations", "testing", "train"}
-    | {"layout_equivalence"},
+    | {"layout_equivalence", "studies"},
     "cli": frozenset({"errors"}),  # the commands are imported by name (importlib)
     "perf": CORE
     | SHAPE
@@ -283,6 +285,7 @@ PARTS: dict[str, frozenset[str]] = {
     "Parallel": frozenset({"parallel"}),
     "Megatron": frozenset({"megatron"}),
     "Equivalence": frozenset({"layout_equivalence"}),
+    "Studies": frozenset({"studies"}),
     "Conversion": frozenset({"conversion"}),
     "Generation": frozenset({"generation"}),
     "Recipe": frozenset({"recipe"}),

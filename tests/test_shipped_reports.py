@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ba.train.study_grid import Study
-from megatron_ba.train.study_report import write_report
+from megatron_ba.studies.grid import Study
+from megatron_ba.studies.reporting import write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 # A study.json alone is a plan declared before its runs (committed first); with report.md it ships.

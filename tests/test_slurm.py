@@ -493,7 +493,7 @@ def test_ray_launch_order_and_exit_status_with_shims(tmp_path):
         'ray ended: start --address=n1:20123 --num-gpus=8 --resources={"slurm-node/n3": 1} '
         "--disable-usage-stats --block",
         'ray ended: start --head --port=20123 --num-gpus=8 --resources={"slurm-node/n1": 1} '
-        "--disable-usage-stats --block",
+        "--include-dashboard=false --disable-usage-stats --block",
     ]  # every Ray step ended at the stop, after the entry
     assert lines.index(ordered[-1]) < min(i for i, line in enumerate(lines)
                                           if line.startswith("ray ended"))  # fmt: skip

@@ -1,4 +1,4 @@
-"""Studies (train/study_grid.py, commands/study.py): the grid, the manifest, the element folders,
+"""Studies (studies/grid.py, commands/study.py): the grid, the manifest, the element folders,
 the local runner's bookkeeping and the Slurm submission, without training (tests/test_slurm.py runs
 a real array)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from megatron_ba.recipe import RecipeError
-from megatron_ba.train import study_grid as study_mod
-from megatron_ba.train.study_grid import Axis, Study, elements, parse_grid, run_locally
+from megatron_ba.studies import grid as study_mod
+from megatron_ba.studies.grid import Axis, Study, elements, parse_grid, run_locally
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes/tiny-cpu.yaml")
@@ -173,7 +173,7 @@ def test_an_array_task_reads_its_element(tmp_path):
     element = [
         sys.executable,
         "-m",
-        "megatron_ba.train.study_grid",
+        "megatron_ba.studies.grid",
         "element",
         str(tmp_path / "s"),
         "1",

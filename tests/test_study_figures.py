@@ -1,4 +1,4 @@
-"""The report's figures (train/study_figures.py) read back from the matplotlib objects: units on
+"""The report's figures (studies/figures.py) read back from the matplotlib objects: units on
 the y axis, the seeds' spread drawn and counted, legends outside the axes, swept values drawn as
 categories (points with bars at their own ticks, no line through values nobody ran)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pytest
 
-from megatron_ba.train import study_figures
+from megatron_ba.studies import figures as study_figures
 
 ACC = ("held-out Acc@4 (4 samples per prompt; heldout: 64 prompts)", "Acc@4 (fraction correct)")
 

@@ -1,4 +1,4 @@
-"""A study's plan (train/study_plan.py, `megatron-ba study --plan-only`): declared in study.json
+"""A study's plan (studies/design.py, `megatron-ba study --plan-only`): declared in study.json
 before anything runs, refused when the recipe or the decision changes afterwards, and checked
 against the runs' own recipe.yaml files."""
 
@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from megatron_ba.recipe import load_recipe
-from megatron_ba.train.study_grid import Study, parse_grid
-from megatron_ba.train.study_plan import plan_differences, recipe_sha256
+from megatron_ba.studies.design import plan_differences, recipe_sha256
+from megatron_ba.studies.grid import Study, parse_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes/tiny-cpu.yaml"

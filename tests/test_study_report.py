@@ -1,4 +1,4 @@
-"""`megatron-ba report` (train/study_report.py) on run folders written here with hand-chosen
+"""`megatron-ba report` (studies/reporting.py) on run folders written here with hand-chosen
 metrics: cell means and standard deviations, the paired rule differences with their 95% intervals,
 the diagnostics against a swept length, and the refusal of runs of different recipes."""
 
@@ -18,9 +18,9 @@ import yaml
 from megatron_ba.cli import main
 from megatron_ba.commands.compare import DEFAULT_RULES
 from megatron_ba.recipe import load_recipe
-from megatron_ba.train import study_figures
-from megatron_ba.train.study_grid import Axis, Study, parse_grid
-from megatron_ba.train.study_report import (
+from megatron_ba.studies import figures as study_figures
+from megatron_ba.studies.grid import Axis, Study, parse_grid
+from megatron_ba.studies.reporting import (
     paired_interval,
     read_metrics,
     signed_shares,

@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_ba.commands.study import train_and_report
-    from megatron_ba.train.study_grid import Axis, Study
+    from megatron_ba.studies.grid import Axis, Study
 
     rules = [r.strip() for r in args.rules.split(",") if r.strip()]
     bad = [r for r in rules if r.partition("@")[0] not in RULES]

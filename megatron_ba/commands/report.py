@@ -5,7 +5,7 @@
 
 DIR is a study's folder, or any folder whose subfolders are run folders (recipe.yaml and
 metrics.jsonl) of one recipe: their recipes may differ only in the swept keys (the study's; else
---keys, default loss.rule,seed). train/study_report.py says what the report holds.
+--keys, default loss.rule,seed). studies/reporting.py says what the report holds.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.train.study_report import write_report
+    from megatron_ba.studies.reporting import write_report
 
     if not args.folder.is_dir():
         print(f"report: {args.folder}: not a folder", file=sys.stderr)

@@ -13,13 +13,13 @@
 A loss.rule value is RULE (at the recipe's loss.scope) or RULE@SCOPE (`token@batch`: the pooled
 token mean, run as loss.rule=token loss.scope=batch, in `token-scopebatch-...`).
 
-The plan (train/study_plan.py) is written to DIR/study.json before anything runs: the recipe's
+The plan (studies/design.py) is written to DIR/study.json before anything runs: the recipe's
 hashes, the grid, the seeds and the comparison that decides (--compare A,B: rule A - rule B,
 paired by seed, on --metric; balanced against token and acc_last by default). --plan-only writes
 it and stops; the same command without the flag then runs what was declared, and refuses to run
 if the recipe has changed since. The report says whether the runs are the planned ones.
 
-One run folder per element of the cross product under DIR (train/study_grid.py has the names), and
+One run folder per element of the cross product under DIR (studies/grid.py has the names), and
 DIR/study.json. Re-running the same command keeps finished elements and resumes interrupted ones;
 other arguments on the same DIR are refused. After local runs DIR/report.md is written
 (`megatron-ba report DIR`); a Slurm study's report is written by `megatron-ba report DIR` once
@@ -74,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ba.train.study_grid import Study, parse_grid
-    from megatron_ba.train.study_slurm import array_submission, parse_sbatch_args
+    from megatron_ba.studies.grid import Study, parse_grid
+    from megatron_ba.studies.slurm_array import array_submission, parse_sbatch_args
 
     try:
         axes = parse_grid(args.grid)
@@ -131,8 +131,8 @@ def train_and_report(study, *, train: bool = True) -> int:
     """Run the study's unfinished elements here (unless `train` is false), then write its
     report; the exit status (1: an element failed; 2: no report, said why). `megatron-ba
     compare` ends here too."""
-    from megatron_ba.train.study_grid import run_locally
-    from megatron_ba.train.study_report import write_report
+    from megatron_ba.studies.grid import run_locally
+    from megatron_ba.studies.reporting import write_report
 
     if train:
         try:

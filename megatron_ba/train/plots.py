@@ -1,4 +1,4 @@
-"""PNG plots of one run from its metrics.jsonl (a study's figures: train/study_figures.py).
+"""PNG plots of one run from its metrics.jsonl (a study's figures: studies/figures.py).
 
 megatron_ba.train.plots.plot_run(RUN_DIR)            # RUN_DIR/plots/*.png
 

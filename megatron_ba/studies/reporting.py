@@ -9,7 +9,7 @@ axes; else `keys`, default loss.rule and seed): any other difference is refused,
 A cell is one value of every swept key but the seed; its runs are its seeds. Where the rule is
 swept, a cell's aggregation is its rule and scope, named by each run's own recipe.yaml
 (rules.aggregation_label: "token (per-group mean)", "token (pooled batch mean)"). The report first
-states the study's plan (train/study_plan.py: whether the runs are the planned ones, and the
+states the study's plan (studies/design.py: whether the runs are the planned ones, and the
 declared comparison's result), then holds, per cell, the mean and standard deviation over seeds
 (n - 1 in the denominator) of Acc@k / Best@k at the peak and the last evaluation, per benchmark
 and averaged (run_log.eval_table: the paper's layout), and how far the last is below the peak;
@@ -20,7 +20,7 @@ rho = 1 (the mean PG loss, and its mean absolute value, at the first use of each
 sign-length coupling (mean negative length / mean positive length, the positive subset's weight
 share under each rule, and under the pooled token mean and by count), the response-length
 variance and the positive-negative length gap; and the per-step curves of each cell
-(train/study_figures.py). report.md and report.json depend on the runs and the folder's
+(studies/figures.py). report.md and report.json depend on the runs and the folder's
 name (the title) alone: the same runs give the same bytes (tests/test_shipped_reports.py holds
 the published studies to that).
 """
@@ -37,9 +37,10 @@ import yaml
 
 from megatron_ba.recipe import Recipe
 from megatron_ba.rules import RULES, aggregation_label
-from megatron_ba.train import study_figures, study_plan
+from megatron_ba.studies import design
+from megatron_ba.studies import figures as study_figures
+from megatron_ba.studies.grid import MANIFEST, Study
 from megatron_ba.train.run_log import eval_table
-from megatron_ba.train.study_grid import MANIFEST, Study
 
 # The last column is late-training behaviour: how far each run ends below its own peak.
 COLUMNS = ("acc_peak", "acc_last", "best_peak", "best_last", "acc_last_minus_peak")
@@ -341,7 +342,7 @@ def _diagnostic_table(runs: _Runs, of: dict) -> tuple[list[str], dict[str, dict]
 
 
 def _against_key_points(runs: _Runs, key: str) -> dict:
-    """points[aggregation][value of key][diagnostic]: one value per run (study_figures draws
+    """points[aggregation][value of key][diagnostic]: one value per run (figures.py draws
     them); the aggregation as the cells name it ("runs" where the rule is not swept)."""
     at = runs.cell_keys.index(key)
     points: dict = {}
@@ -489,7 +490,7 @@ def write_report(folder: Path, keys: list[str] | None = None, *, figures: bool =
     benches = sorted({n for t in runs.tables.values() if t for n in t["benchmarks"]})
     pairs = paired_differences(runs)
     plan = Study.load(folder).plan if (folder / MANIFEST).is_file() else None
-    plan_lines, plan_json = study_plan.plan_section(
+    plan_lines, plan_json = design.plan_section(
         plan,
         {r.name: runs.resolved[r] for r in runs.paths},
         pairs,

@@ -1,4 +1,4 @@
-"""The figures of a study's report (train/study_report.py): what a reader needs to judge them.
+"""The figures of a study's report (studies/reporting.py): what a reader needs to judge them.
 
     figs = curve_figures(cells, ("held-out Acc@4 (4 samples per prompt, 64 prompts)",
                                  "Acc@4 (fraction of samples correct)"))

@@ -5,14 +5,14 @@
     run_locally(study)                    # element after element; a re-run keeps finished ones
 
 The folder holds study.json (the recipe, the shared overrides, the axes, the elements and the
-plan of train/study_plan.py: what the study is and what decides it, written once, before any
+plan of studies/design.py: what the study is and what decides it, written once, before any
 run; opening it again with other arguments, or after the recipe changed, is refused, naming what
 differs) and one run folder per element, named by its values (`token-seed0`,
 `balanced-max_new_tokens64-seed1`: a rule by its name, other keys by their last part). An element
 is finished when its run folder holds summary.json; one with a checkpoint resumes from it; any
-other starts afresh. On Slurm each element is one task of a job array (study_slurm.py) running
+other starts afresh. On Slurm each element is one task of a job array (slurm_array.py) running
 slurm/grpo_balanced.sh, which reads its element from study.json (`python -m
-megatron_ba.train.study_grid element DIR INDEX`).
+megatron_ba.studies.grid element DIR INDEX`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from megatron_ba.recipe import load_recipe
 from megatron_ba.rules import split_rule_value
-from megatron_ba.train import study_plan
+from megatron_ba.studies import design
 
 MANIFEST = "study.json"
 
@@ -166,7 +166,7 @@ class Study:
 
         Every element's recipe is loaded first, so a bad value fails before anything runs
         (RecipeError naming the element and the key); two elements of the same recipe are
-        refused. compare / metric: the plan's deciding comparison (study_plan.make_plan; None:
+        refused. compare / metric: the plan's deciding comparison (design.make_plan; None:
         balanced against token on acc_last); a study already declared keeps its own, and refuses
         others or a recipe changed since (ValueError)."""
         recipe = str(Path(recipe).resolve())  # array tasks and reports run from anywhere
@@ -179,11 +179,11 @@ class Study:
             if saved.get("plan") is not None:
                 study.plan = saved["plan"]
                 _check_decision(study.plan, compare, metric)
-                study_plan.check_unchanged(study.plan, study)
+                design.check_unchanged(study.plan, study)
             return study
         rules = next((list(a.values) for a in axes if a.key == "loss.rule"), [])
-        compare = compare or study_plan.default_compare(rules)
-        study.plan = study_plan.make_plan(study, compare, metric or "acc_last")
+        compare = compare or design.default_compare(rules)
+        study.plan = design.make_plan(study, compare, metric or "acc_last")
         if not write:
             return study
         study.folder.mkdir(parents=True, exist_ok=True)
@@ -200,7 +200,7 @@ class Study:
                 resolved = load_recipe(self.recipe, [*self.overrides, *e.overrides]).to_dict()
             except ValueError as err:
                 raise type(err)(f"element {e.name}: {err}") from None
-            twin = seen.setdefault(study_plan.recipe_sha256(resolved), e.name)
+            twin = seen.setdefault(design.recipe_sha256(resolved), e.name)
             if twin != e.name:
                 raise ValueError(f"elements {twin} and {e.name} are the same recipe (the same "
                                  "run twice); drop one of the values")  # fmt: skip
@@ -289,7 +289,7 @@ def run_locally(study: Study, log=print, clock=time.monotonic) -> None:
 
 
 def _element_main(folder: str, index: str) -> int:
-    """`python -m megatron_ba.train.study_grid element DIR INDEX`: the element's run folder and
+    """`python -m megatron_ba.studies.grid element DIR INDEX`: the element's run folder and
     overrides as shell words (slurm/lib.sh reads them for an array task)."""
     study = Study.load(Path(folder))
     e = study.elements[int(index)]
@@ -299,5 +299,5 @@ def _element_main(folder: str, index: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "element":
-        sys.exit("usage: python -m megatron_ba.train.study_grid element STUDY_DIR INDEX")
+        sys.exit("usage: python -m megatron_ba.studies.grid element STUDY_DIR INDEX")
     sys.exit(_element_main(sys.argv[2], sys.argv[3]))

@@ -8,7 +8,7 @@ command without the flag runs it (a plain `megatron-ba study` declares the plan 
 The plan holds when it was declared and from which commit, the recipe file's sha256, every
 element's resolved recipe as a sha256 (the run folder's recipe.yaml hashes to it), the seeds,
 and the comparison that decides the study: rule a minus rule b on one report column, paired by
-seed. The report (train/study_report.py) states whether the runs are the planned ones and prints
+seed. The report (studies/reporting.py) states whether the runs are the planned ones and prints
 the declared comparison first. The resolved hashes, not the file's, are what a run can be checked
 against: a comment edited in the recipe changes the file and no run.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from megatron_ba.recipe import load_recipe
 
-# The report's columns a plan may name as the deciding metric (study_report.COLUMNS).
+# The report's columns a plan may name as the deciding metric (reporting.COLUMNS).
 METRICS = ("acc_peak", "acc_last", "best_peak", "best_last", "acc_last_minus_peak")
 
 
@@ -133,7 +133,7 @@ def _aggregation(side: dict) -> tuple[str, str]:
 
 def decision_rows(decision: dict, pairs: list[dict], resolve: dict[str, set]) -> list[dict]:
     """One declared comparison's result, one row per value of the other swept keys: the paired
-    difference a - b on the declared metric, its mean and 95% interval (study_report's pairs,
+    difference a - b on the declared metric, its mean and 95% interval (reporting.py's pairs,
     turned round where the report ordered the two the other way). resolve: each loss.rule value
     of the grid -> the (rule, scope) pairs its runs ran (`token` -> the recipe's scope); where
     both values ran at several scopes (loss.scope swept too) each scope is compared with its own."""

@@ -6,7 +6,7 @@ slurm/grpo_balanced.sh (its own fit check, preemption, requeue and resume).
 
 The tasks get MBA_STUDY (the study folder) and CACHE_DIR (its warm-start cache) in their
 environment; slurm/grpo_balanced.sh then reads the task's run folder and overrides from
-study.json (`python -m megatron_ba.train.study_grid element DIR $SLURM_ARRAY_TASK_ID`).
+study.json (`python -m megatron_ba.studies.grid element DIR $SLURM_ARRAY_TASK_ID`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from megatron_ba.train.study_grid import Study
+from megatron_ba.studies.grid import Study
 
 BATCH = Path(__file__).resolve().parents[2] / "slurm" / "grpo_balanced.sh"
 
