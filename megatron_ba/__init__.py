@@ -31,7 +31,7 @@ _EXPORTS = {
     "GRPOLossConfig": "megatron_ba.loss",
     "LossPlan": "megatron_ba.loss",
     "grpo_loss": "megatron_ba.loss",
-    "AggregationSettings": "megatron_ba.rules",
+    "AggregationSettings": "megatron_ba.loss_settings",
 }
 
 __all__ = [
@@ -64,7 +64,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below import
         weights_from_statistics,
     )
     from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
-    from megatron_ba.rules import AggregationSettings
+    from megatron_ba.loss_settings import AggregationSettings
 
 
 def __getattr__(name: str):

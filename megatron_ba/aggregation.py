@@ -45,7 +45,7 @@ from megatron_ba._checks import (
     check_integer_1d,
     check_same_length,
 )
-from megatron_ba.rules import RULES, SCOPES  # the names, kept where torch is not needed
+from megatron_ba.loss_settings import RULES, SCOPES  # the names, kept where torch is not needed
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 

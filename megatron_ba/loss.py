@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ba.aggregation import Reduce, plan_statistics, weights_from_statistics
-from megatron_ba.rules import AggregationSettings, GRPOLossConfig
+from megatron_ba.loss_settings import AggregationSettings, GRPOLossConfig
 
 # exp() of a log-ratio beyond this is a broken rollout, not a policy update; bounding it keeps a
 # single bad token from producing inf (and then NaN through 0 * inf in the gradient).

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ba.loss import MAX_LOG_RATIO
-from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
+from megatron_ba.loss_settings import ROLLOUT_CORRECTION_MODES, RolloutCorrectionSettings
 
 __all__ = [
     "ROLLOUT_CORRECTION_MODES",

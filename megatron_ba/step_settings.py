@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_ba.errors import SettingError
-from megatron_ba.rules import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
+from megatron_ba.loss_settings import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
 
 # `logprob_chunk_size: None` (auto): a micro-batch above AUTO_CHUNK_ABOVE tokens walks its
 # vocab-parallel log-softmax AUTO_CHUNK tokens at a time, so the fp32 softmax buffers stay

@@ -135,13 +135,13 @@ def test_cli_help_check_sees_an_import(light):
 
 def test_probe_refuses_an_environment_with_megatron_core():
     """Control: the probe run in .venv itself (megatron-core installed) fails on its first guard."""
-    p = li.run_probe(MAIN_VENV, ["import:megatron_ba.rules"], ["megatron"])
+    p = li.run_probe(MAIN_VENV, ["import:megatron_ba.loss_settings"], ["megatron"])
     assert p.returncode != 0 and "megatron can be imported here" in p.stderr, p.stderr
 
 
 def test_probe_refuses_megatron_ba_from_the_checkout():
     """Control: in .venv megatron_ba is an editable install of a checkout, not the wheel's."""
-    p = li.run_probe(MAIN_VENV, ["import:megatron_ba.rules"], [])
+    p = li.run_probe(MAIN_VENV, ["import:megatron_ba.loss_settings"], [])
     assert p.returncode != 0, p.stdout
     assert re.search(r"megatron_ba[\w.]* was loaded from \S+, not from", p.stderr), p.stderr
 

@@ -18,7 +18,7 @@ from rule_reference import (
 from megatron_ba import group_advantages, sequence_weights
 from megatron_ba.aggregation import RULES, SCOPES, apply_weights, plan_statistics
 from megatron_ba.loss import LossPlan, grpo_loss
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.loss_settings import AggregationSettings
 
 
 @st.composite

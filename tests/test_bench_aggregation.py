@@ -12,8 +12,8 @@ import torch
 
 from megatron_ba.cli import main
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.perf.aggregation_perf import token_mean_grpo_loss
-from megatron_ba.rules import AggregationSettings
 
 
 @pytest.mark.parametrize("dual_clip", [None, 3.0])

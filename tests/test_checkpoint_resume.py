@@ -25,8 +25,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.parallel.world import free_port, spawn
-from megatron_ba.rules import AggregationSettings
 
 SEED = 11
 INIT_SEED = 3

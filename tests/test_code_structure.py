@@ -226,7 +226,7 @@ def test_cycle_finder_sees_a_lazy_cycle_and_relative_imports(tmp_path):
 
 # The math: pure torch, no framework, no process group (reduce is passed in).
 CORE = frozenset(
-    {"errors", "rules", "_checks", "aggregation", "advantages", "loss", "diagnostics"}
+    {"errors", "loss_settings", "_checks", "aggregation", "advantages", "loss", "diagnostics"}
     | {"rollout_correction", "step_settings"}
 )
 # The model's shape, its presets and its RoPE scaling settings: pure Python that every layer
@@ -237,18 +237,18 @@ SHAPE = frozenset({"model_shape", "rope_scaling"})
 # train <- commands; recipe/ is the schema the others read and imports none of them.
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
-    "rules": frozenset({"errors"}),
+    "loss_settings": frozenset({"errors"}),
     "_checks": frozenset(),
-    "aggregation": frozenset({"_checks", "rules"}),
+    "aggregation": frozenset({"_checks", "loss_settings"}),
     "advantages": frozenset({"_checks"}),
-    "loss": frozenset({"_checks", "aggregation", "rules"}),
+    "loss": frozenset({"_checks", "aggregation", "loss_settings"}),
     "diagnostics": frozenset({"_checks", "aggregation"}),
-    "rollout_correction": frozenset({"loss", "rules"}),
-    "step_settings": frozenset({"errors", "rules"}),
-    "megatron_ba": frozenset({"rules", "aggregation", "advantages", "loss", "diagnostics"}),
+    "rollout_correction": frozenset({"loss", "loss_settings"}),
+    "step_settings": frozenset({"errors", "loss_settings"}),
+    "megatron_ba": frozenset({"loss_settings", "aggregation", "advantages", "loss", "diagnostics"}),
     "model_shape": frozenset({"rope_scaling"}),
     "rope_scaling": frozenset(),
-    "recipe": frozenset({"errors", "rules", "step_settings", "parallel"}) | SHAPE,
+    "recipe": frozenset({"errors", "loss_settings", "step_settings", "parallel"}) | SHAPE,
     "tokenization": frozenset({"errors"}),
     "rewards": frozenset({"errors"}),
     "data": frozenset({"errors", "rewards"}),
@@ -267,7 +267,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     | {"data", "tasks", "rewards", "evaluation"},
     "layout_equivalence": CORE | SHAPE | {"parallel", "megatron"},
     # a study runs `megatron-ba train` as a child and reads its run folders (train.run_log)
-    "studies": frozenset({"errors", "rules", "recipe", "train"}),
+    "studies": frozenset({"errors", "loss_settings", "recipe", "train"}),
     "commands": CORE
     | SHAPE
     | {"parallel", "megatron", "conversion", "generation", "recipe", "tokenization"}

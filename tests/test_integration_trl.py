@@ -39,8 +39,8 @@ from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict  # noqa: 
 
 from megatron_ba.aggregation import sequence_weights  # noqa: E402
 from megatron_ba.integrations.trl import BalancedGRPOTrainer  # noqa: E402
+from megatron_ba.loss_settings import AggregationSettings  # noqa: E402
 from megatron_ba.parallel.collectives import StatisticsReducer  # noqa: E402
-from megatron_ba.rules import AggregationSettings  # noqa: E402
 from megatron_ba.testing.tiny_hf import build_tiny_qwen2  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

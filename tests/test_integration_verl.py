@@ -51,7 +51,7 @@ import megatron_ba.integrations.verl  # noqa: E402, F401
 from megatron_ba.advantages import group_advantages  # noqa: E402
 from megatron_ba.aggregation import apply_weights, sequence_weights  # noqa: E402
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss  # noqa: E402
-from megatron_ba.rules import AggregationSettings  # noqa: E402
+from megatron_ba.loss_settings import AggregationSettings  # noqa: E402
 
 T_MAX, DP = 12, 2
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.loss_settings import AggregationSettings
 
 
 def t64(x):

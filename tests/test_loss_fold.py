@@ -19,7 +19,7 @@ from megatron_ba import group_advantages
 from megatron_ba import loss as loss_module
 from megatron_ba.aggregation import NEG_COUNT, POS_COUNT, RULES, SCOPES
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.loss_settings import AggregationSettings
 
 METRICS = (
     "pg_loss",

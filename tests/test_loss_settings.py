@@ -12,8 +12,8 @@ import pytest
 
 from megatron_ba.errors import SettingError
 from megatron_ba.integrations.nemo_aligner.config import GRPOSettings, grpo_settings
+from megatron_ba.loss_settings import AggregationSettings, GRPOLossConfig
 from megatron_ba.recipe import LossSection, RecipeError, load_recipe
-from megatron_ba.rules import AggregationSettings, GRPOLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 COEFFICIENTS = [f.name for f in fields(GRPOLossConfig)]

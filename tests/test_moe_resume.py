@@ -29,9 +29,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.parallel.world import free_port, spawn
-from megatron_ba.rules import AggregationSettings
 
 SEED = 5
 INIT_SEED = 3

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 from megatron_ba.parallel.sharding import (
     cp_positions,
@@ -24,7 +25,6 @@ from megatron_ba.parallel.sharding import (
     tp_shard,
     tp_unshard,
 )
-from megatron_ba.rules import AggregationSettings
 
 # `stack`: what a release of megatron-core, torch or Python changes; run again on the current
 # stack by scripts/run_current_tests.sh (pyproject.toml's markers).

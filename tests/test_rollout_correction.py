@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from megatron_ba.aggregation import sequence_weights
 from megatron_ba.errors import SettingError
 from megatron_ba.loss import LossPlan, grpo_loss
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.rollout_correction import (
     ROLLOUT_CORRECTION_MODES,
     RolloutCorrectionSettings,
@@ -21,7 +22,6 @@ from megatron_ba.rollout_correction import (
     correction_statistics,
     rollout_correction,
 )
-from megatron_ba.rules import AggregationSettings
 
 T64 = torch.float64
 MASK = torch.tensor([[True, True, True], [True, True, False]])

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.megatron.batching import CPView, GRPOBatch, prepare_microbatches, response_end
 from megatron_ba.megatron.thd import thd_microbatch, thd_scatter
-from megatron_ba.rules import AggregationSettings
 
 # `stack`: what a release of megatron-core, torch or Python changes; run again on the current
 # stack by scripts/run_current_tests.sh (pyproject.toml's markers).

@@ -47,8 +47,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ba.loss_settings import ROLLOUT_CORRECTION_MODES, RULES, SCOPES
 from megatron_ba.megatron.mcore_compat import has_pg_collection
-from megatron_ba.rules import ROLLOUT_CORRECTION_MODES, RULES, SCOPES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

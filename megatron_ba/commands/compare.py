@@ -21,8 +21,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_ba.loss_settings import RULES, split_rule_value
 from megatron_ba.recipe import RecipeError, load_recipe
-from megatron_ba.rules import RULES, split_rule_value
 
 # Both token means (docs/math.md, section 1), then sequence and balanced at the recipe's scope.
 DEFAULT_RULES = "token@group,token@batch,sequence,balanced"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_ba.errors import UserError
-from megatron_ba.rules import RULES, SCOPES
+from megatron_ba.loss_settings import RULES, SCOPES
 
 
 def _ints(text: str) -> list[int]:

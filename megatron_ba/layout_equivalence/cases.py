@@ -15,17 +15,17 @@ import torch
 from megatron_ba.advantages import group_advantages
 from megatron_ba.layout_equivalence import controls
 from megatron_ba.loss import GRPOLossConfig
+from megatron_ba.loss_settings import (
+    ROLLOUT_CORRECTION_MODES,
+    AggregationSettings,
+    RolloutCorrectionSettings,
+)
 from megatron_ba.megatron import grpo_step
 from megatron_ba.megatron.batching import response_end
 from megatron_ba.megatron.model import ModelSpec, tiny_qwen2_spec
 from megatron_ba.megatron.packing import balanced_dp_shards
 from megatron_ba.model_shape import PRESETS
 from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
-from megatron_ba.rules import (
-    ROLLOUT_CORRECTION_MODES,
-    AggregationSettings,
-    RolloutCorrectionSettings,
-)
 from megatron_ba.step_settings import StepSettings
 
 TOLERANCE = 1e-5

@@ -37,7 +37,7 @@ from megatron_ba.aggregation import (
     token_weights,
 )
 from megatron_ba.loss import MAX_LOG_RATIO, GRPOLossConfig, LossPlan, grpo_loss
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.loss_settings import AggregationSettings
 
 
 def _batch(n: int, max_length: int, group_size: int, seed: int):

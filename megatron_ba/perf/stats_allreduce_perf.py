@@ -29,10 +29,10 @@ import torch
 
 from megatron_ba.aggregation import NUM_COLUMNS, plan_statistics
 from megatron_ba.loss import LossPlan
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.collectives import StatisticsReducer, statistics_payload_bytes
 from megatron_ba.parallel.world import free_port, spawn
-from megatron_ba.rules import AggregationSettings
 
 
 def _batch(num_groups: int, group_size: int, seed: int = 0):

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.megatron import model as mm
 from megatron_ba.megatron.batching import GRPOBatch
 from megatron_ba.megatron.build_options import resolve_build_options
@@ -44,7 +45,6 @@ from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.perf.shapes import add_shape_arguments, model_spec
 from megatron_ba.recipe import OptimizerSection
-from megatron_ba.rules import AggregationSettings
 from megatron_ba.step_settings import StepSettings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ba.errors import SettingError, UserError
+from megatron_ba.loss_settings import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
 from megatron_ba.model_shape import PRESETS, ModelShape
 from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
-from megatron_ba.rules import AggregationSettings, GRPOLossConfig, RolloutCorrectionSettings
 from megatron_ba.step_settings import MicroBatching, StepSettings
 
 

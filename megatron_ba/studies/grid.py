@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_ba.loss_settings import split_rule_value
 from megatron_ba.recipe import load_recipe
-from megatron_ba.rules import split_rule_value
 from megatron_ba.studies import design
 
 MANIFEST = "study.json"

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import yaml
 
+from megatron_ba.loss_settings import RULES, aggregation_label
 from megatron_ba.recipe import Recipe
-from megatron_ba.rules import RULES, aggregation_label
 from megatron_ba.studies import design
 from megatron_ba.studies import figures as study_figures
 from megatron_ba.studies.grid import MANIFEST, Study

@@ -100,7 +100,7 @@ def current_logprobs(model, tokens) -> torch.Tensor:
 def core_reference(model, batch: dict, settings) -> tuple[float, dict]:
     """The core's single-process loss and gradients on the whole batch (the ground truth)."""
     from megatron_ba.loss import LossPlan, grpo_loss
-    from megatron_ba.rules import AggregationSettings
+    from megatron_ba.loss_settings import AggregationSettings
 
     model.model.zero_grad(set_to_none=True)
     logp = current_logprobs(model, batch["response_tokens"])

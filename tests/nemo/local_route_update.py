@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ba.loss_settings import AggregationSettings, GRPOLossConfig
 from megatron_ba.megatron.grpo_step import (
     GRPOBatch,
     MicroBatchSpec,
@@ -32,7 +33,6 @@ from megatron_ba.megatron.startup import setup, teardown
 from megatron_ba.parallel.full_shape import gather_full_state_dict
 from megatron_ba.parallel.parallel_layout import ParallelLayout
 from megatron_ba.recipe import load_recipe
-from megatron_ba.rules import AggregationSettings, GRPOLossConfig
 from megatron_ba.step_settings import StepSettings
 from megatron_ba.train.policy import Policy
 

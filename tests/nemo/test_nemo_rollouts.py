@@ -16,7 +16,7 @@ from megatron_ba.integrations.nemo_aligner.rollout_batch import (
     response_mask,
     response_texts,
 )
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.loss_settings import AggregationSettings
 
 
 def test_group_ids_are_global_over_dp_ranks():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from megatron_ba.errors import SettingError
-from megatron_ba.rules import AggregationSettings, GRPOLossConfig
+from megatron_ba.loss_settings import AggregationSettings, GRPOLossConfig
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ import torch
 from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_advantages
 from megatron_ba.loss import LossPlan
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.loss_settings import AggregationSettings
 
 PLAN_KEY = "ba_weights"
 # The data-dict keys each step reads, and where NeMo-RL's GRPO puts them (for the error message).
@@ -89,7 +89,7 @@ class BalancedPGLossFn:
         cfg: NeMo-RL's `loss_fn` config, a `ClippedPGLossConfig` (what `MasterConfig.loss_fn`
             holds) or a dict of its fields (validated by it, with its defaults). Besides its
             fields, the extra keys ba_rule, ba_scope, ba_neutral_eps, ba_max_length choose the
-            plan (megatron_ba.rules.AggregationSettings).
+            plan (megatron_ba.loss_settings.AggregationSettings).
         group_size: responses per prompt (grpo.num_generations_per_prompt).
 
     A setting of `REFUSED` at another value, or an unknown `ba_*` key, raises ValueError naming

@@ -46,9 +46,9 @@ from megatron_ba.diagnostics import batch_diagnostics
 from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_lengths
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
+from megatron_ba.loss_settings import AggregationSettings
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.collectives import StatisticsReducer
-from megatron_ba.rules import AggregationSettings
 
 # TRL options whose per-token effects a per-sequence plan of the clipped PPO term does not model:
 # refused with a clear error instead of being silently ignored.

@@ -52,7 +52,7 @@ from megatron_ba.integrations._common import sequence_advantages, sequence_lengt
 # The rules registered as estimator + policy loss pairs (the engines' table: loss.rule's verl cell)
 from megatron_ba.integrations.engines.loss_rows import PLAN_RULES
 from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
-from megatron_ba.rules import AggregationSettings
+from megatron_ba.loss_settings import AggregationSettings
 
 # AggregationSettings field -> the environment variable that sets it
 ENV_KEYS = {"scope": "MEGATRON_BA_SCOPE", "neutral_eps": "MEGATRON_BA_NEUTRAL_EPS"}
