@@ -216,7 +216,7 @@ ROWS: dict[str, Row] = {
     "rollout.routing_replay": Row(
         Absent("the local backend's MoE routing replay (not translated to verl)"),
         Absent("the local backend's MoE routing replay (not translated to NeMo-RL)"),
-        Dropped("the local backend's MoE routing replay (refused when the recipe loads)"),
+        Absent("the local backend's MoE routing replay (not translated to NeMo-Aligner)"),
     ),
     "rollout.engine_tp": Row(
         put(f"{R}.tensor_model_parallel_size"),

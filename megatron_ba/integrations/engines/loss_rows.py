@@ -51,6 +51,14 @@ def _sample_std_note(who_divides: str):
     return note
 
 
+def _no_correction(backend: str) -> Need:
+    """The rollout correction is the local backend's: an engine's own is its own setting."""
+    return Need(
+        lambda j: j.loss.rollout_correction.mode == "none",
+        f"the local backend's (the {backend} backend has none); use none",
+    )
+
+
 ROWS: dict[str, Row] = {
     "grpo.steps": Row(
         put("trainer.total_training_steps"),
@@ -308,9 +316,9 @@ ROWS: dict[str, Row] = {
         ),
     ),
     "loss.rollout_correction.mode": Row(
-        Put(doc="none only (refused when the recipe loads)"),
-        Put(doc="none only (refused when the recipe loads)"),
-        Put(doc="none only (refused when the recipe loads)"),
+        Put(needs=(_no_correction("verl"),), doc="none only"),
+        Put(needs=(_no_correction("nemo_rl"),), doc="none only"),
+        Put(needs=(_no_correction("nemo_aligner"),), doc="none only"),
     ),
     **{
         f"loss.rollout_correction.{k}": Row(

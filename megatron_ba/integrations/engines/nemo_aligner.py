@@ -86,6 +86,8 @@ NEMO_ALIGNER = Engine(
         *(f"model.optim.{k}" for k in APEX_ADAM_KEYS),
     ),
     check_order=(
+        "loss.rollout_correction.mode",  # the local backend's: refused first
+        "rollout.routing_replay",  # the local backend's: refused first
         "parallel.cp",
         "loss.entropy_coef",
         "parallel.ep",

@@ -120,6 +120,7 @@ NEMO_RL = Engine(
         "logger.log_dir",
     ),
     check_order=(
+        "loss.rollout_correction.mode",  # the local backend's: refused first
         "data.task",
         "data.dataset",
         "data.path",

@@ -109,6 +109,7 @@ VERL = Engine(
         "trainer.default_local_dir",
     ),
     check_order=(
+        "loss.rollout_correction.mode",  # the local backend's: refused first
         "data.task",
         "data.path",
         "data.dataset",
