@@ -79,6 +79,8 @@ def collate(samples: list[dict], *, eos_id: int, response_length: int) -> dict:
 
 
 def _main(cfg) -> None:
+    # Long on purpose: NeMo-Aligner's own train_gpt_reinforce_actor.py main, step for step (its
+    # imports, model, data loaders, trainer, fit), so that the two read side by side.
     from megatron.core.utils import divide
     from nemo.utils.exp_manager import exp_manager
     from nemo_aligner.data.nlp.builders import build_dataloader
