@@ -20,12 +20,8 @@ from megatron_ba.commands.compare import DEFAULT_RULES
 from megatron_ba.recipe import load_recipe
 from megatron_ba.studies import figures as study_figures
 from megatron_ba.studies.grid import Axis, Study, parse_grid
-from megatron_ba.studies.reporting import (
-    paired_interval,
-    read_metrics,
-    signed_shares,
-    write_report,
-)
+from megatron_ba.studies.reporting import write_report
+from megatron_ba.studies.run_records import paired_interval, read_metrics, signed_shares
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes/tiny-cpu.yaml"

@@ -27,7 +27,6 @@ the published studies to that).
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import json
 import math
@@ -35,150 +34,28 @@ from pathlib import Path
 
 import yaml
 
-from megatron_ba.loss_settings import RULES, aggregation_label
+from megatron_ba.loss_settings import aggregation_label
 from megatron_ba.recipe import Recipe
 from megatron_ba.studies import design
 from megatron_ba.studies import figures as study_figures
 from megatron_ba.studies.grid import MANIFEST, Study
+from megatron_ba.studies.run_records import (
+    check_one_recipe,
+    diagnostics,
+    find_runs,
+    first_step,
+    flat,
+    fmt,
+    mean_of,
+    mean_std,
+    paired_interval,
+    read_metrics,
+    swept_keys,
+)
 from megatron_ba.train.run_log import eval_table
 
 # The last column is late-training behaviour: how far each run ends below its own peak.
 COLUMNS = ("acc_peak", "acc_last", "best_peak", "best_last", "acc_last_minus_peak")
-# Student's t at 0.975 for 1..30 degrees of freedom (two-sided 95%); the normal value beyond.
-T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def metrics_file(run: Path) -> Path | None:
-    """A run's metrics.jsonl, or metrics.jsonl.gz where a published study ships it compressed."""
-    return next((f for f in (run / "metrics.jsonl", run / "metrics.jsonl.gz") if f.is_file()), None)
-
-
-def read_metrics(run: Path) -> list[dict]:
-    path = metrics_file(run)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def find_runs(folder: Path) -> list[Path]:
-    """The study's element folders that have metrics, else every subfolder with a run in it."""
-    if (folder / MANIFEST).is_file():
-        study = Study.load(folder)
-        runs = [study.run_dir(e) for e in study.elements]
-    else:
-        runs = sorted(p for p in folder.iterdir() if (p / "recipe.yaml").is_file())
-    return [r for r in runs if metrics_file(r) and (r / "recipe.yaml").is_file()]
-
-
-def swept_keys(folder: Path, keys: list[str] | None) -> list[str]:
-    if (folder / MANIFEST).is_file():
-        return [a.key for a in Study.load(folder).axes]
-    return keys or ["loss.rule", "seed"]
-
-
-def check_one_recipe(recipes: dict[Path, dict], swept: list[str]) -> None:
-    """ValueError naming every key other than the swept ones whose value differs between runs."""
-    keys = sorted(set().union(*recipes.values()) - set(swept))
-    differs = {k: sorted({repr(r.get(k)) for r in recipes.values()}) for k in keys}
-    differs = {k: v for k, v in differs.items() if len(v) > 1}
-    if differs:
-        shown = "; ".join(f"{k}: {', '.join(v)}" for k, v in differs.items())
-        raise ValueError(
-            f"the runs' recipes differ in keys that are not swept ({shown}); "
-            f"report runs of one recipe, swept only in {', '.join(swept)}"
-        )
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1; NaN for one value)."""
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else math.nan
-    return m, sd
-
-
-def paired_interval(diffs: list[float]) -> tuple[float, float, float]:
-    """Mean of paired differences and its two-sided 95% interval (Student's t, n - 1 df)."""
-    m, sd = mean_std(diffs)
-    if len(diffs) < 2:
-        return m, math.nan, math.nan
-    t = T975[len(diffs) - 2] if len(diffs) - 1 <= len(T975) else 1.960
-    half = t * sd / math.sqrt(len(diffs))
-    return m, m - half, m + half
-
-
-def _over_steps(records: list[dict], key: str) -> float:
-    xs = [r[key] for r in records if isinstance(r.get(key), int | float) and "pg_loss" in r]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def signed_shares(record: dict) -> dict:
-    """The positive side's weight share under the pooled token mean, N+ / (N+ + N-), and its
-    share of the responses with a sign, k / (k + n), from a step's logged counts and mean
-    lengths: the same at any loss.scope of the run (the trainer logs each rule's share at the
-    run's own scope)."""
-    k, n = record.get("num_pos"), record.get("num_neg")
-    if not (isinstance(k, int | float) and isinstance(n, int | float)) or k + n <= 0:
-        return {}
-    pos = k * record["length_mean_pos"] if k else 0.0
-    neg = n * record["length_mean_neg"] if n else 0.0
-    return {
-        "token_pooled/weight_share_pos": pos / (pos + neg) if pos + neg > 0 else math.nan,
-        "count_share_pos": k / (k + n),
-    }
-
-
-SHARES = ("token_pooled/weight_share_pos", "count_share_pos")  # signed_shares' keys
-
-
-def diagnostics(records: list[dict]) -> dict:
-    """One run's diagnostics, averaged over its training steps (those in `records`)."""
-    records = [{**r, **signed_shares(r)} if "pg_loss" in r else r for r in records]
-    neg, pos = _over_steps(records, "length_mean_neg"), _over_steps(records, "length_mean_pos")
-    return {
-        "pg_loss_mean": _over_steps(records, "pg_loss"),
-        "pg_loss_mean_abs": sum(abs(r["pg_loss"]) for r in records if "pg_loss" in r)
-        / max(1, sum("pg_loss" in r for r in records)),
-        "neg_over_pos_length": neg / pos if pos else math.nan,
-        **{
-            f"{rule}/weight_share_pos": _over_steps(records, f"{rule}/weight_share_pos")
-            for rule in RULES
-        },
-        **{k: _over_steps(records, k) for k in SHARES},
-        "length_var": _over_steps(records, "length_var"),
-        "length_gap_pos_minus_neg": _over_steps(records, "length_gap_pos_minus_neg"),
-    }
-
-
-def first_step(records: list[dict]) -> list[dict]:
-    """The records of a run's first training step: its rollouts come from the starting policy,
-    the same batch for every rule of a seed."""
-    steps = [r["step"] for r in records if "pg_loss" in r]
-    return [r for r in records if "pg_loss" in r and r["step"] == min(steps)] if steps else []
-
-
-def _mean_of(values: list[float]) -> float:
-    xs = [v for v in values if not math.isnan(v)]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _fmt(x: float, spec: str = ".4f") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 RULE_KEYS = ("loss.rule", "loss.scope")  # a cell's aggregation: its rule and the rule's scope
 
 
@@ -199,9 +76,9 @@ class _Runs:
             )
         self.swept = swept_keys(folder, keys)
         self.resolved = {r: yaml.safe_load((r / "recipe.yaml").read_text()) for r in self.paths}
-        own = {r: _flat(self.resolved[r]) for r in self.paths}
+        own = {r: flat(self.resolved[r]) for r in self.paths}
         every = set().union(*own.values(), RULE_KEYS)  # the label needs the rule and scope
-        defaults = _flat(Recipe().to_dict())
+        defaults = flat(Recipe().to_dict())
         self.defaulted = sorted(k for k in every if any(k not in o for o in own.values()))
         self.recipes = {r: {k: o.get(k, defaults.get(k)) for k in sorted(every)} | o
                         for r, o in own.items()}  # fmt: skip
@@ -275,7 +152,7 @@ def _cell_rows(runs: _Runs, bench: str | None) -> list[str]:
             else (math.nan, math.nan)
             for c in COLUMNS
         ]
-        cells = " | ".join(f"{_fmt(m)} ± {_fmt(sd)}" for m, sd in stats)
+        cells = " | ".join(f"{fmt(m)} ± {fmt(sd)}" for m, sd in stats)
         out.append(f"| {bench or 'average'} | {runs.label(cell)} | {len(paths)} | {cells} |")
     return out
 
@@ -332,12 +209,12 @@ def _diagnostic_table(runs: _Runs, of: dict) -> tuple[list[str], dict[str, dict]
     per_cell = {}
     for cell, paths in runs.cells.items():
         each = [of[r] for r in paths]
-        per_cell[runs.label(cell)] = {n: _mean_of([d[n] for d in each]) for n in each[0]}
+        per_cell[runs.label(cell)] = {n: mean_of([d[n] for d in each]) for n in each[0]}
     names = [n for n in next(iter(per_cell.values()))
              if not all(math.isnan(c[n]) for c in per_cell.values())]  # fmt: skip
     lines = ["| cell | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for label, means in per_cell.items():
-        lines.append(f"| {label} | " + " | ".join(_fmt(means[n], ".4g") for n in names) + " |")
+        lines.append(f"| {label} | " + " | ".join(fmt(means[n], ".4g") for n in names) + " |")
     return lines, per_cell
 
 
@@ -388,8 +265,7 @@ def _pair_lines(pairs: list[dict]) -> list[str]:
     for p in pairs:
         cells = [p["columns"].get(c) for c in COLUMNS]
         shown = [
-            f"{_fmt(c['mean'])} [{_fmt(c['low'])}, {_fmt(c['high'])}]" if c else "n/a"
-            for c in cells
+            f"{fmt(c['mean'])} [{fmt(c['low'])}, {fmt(c['high'])}]" if c else "n/a" for c in cells
         ]
         lines.append(
             f"| {p['a']['label']} | {p['b']['label']} | {p['others']} | "
