@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -39,12 +40,16 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
         cli.main(["weights"])
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "megatron_ba.cli", *argv],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
+        cwd=ROOT,
     )
 
 
@@ -63,7 +68,7 @@ def test_user_errors_from_real_commands(tmp_path):
         ),
         (
             ["weights", "--lengths", "1,2", "--rewards", "1", "--groups", "0,0"],
-            "plan: --lengths, --rewards and --groups need one entry each per sequence, got "
+            "weights: --lengths, --rewards and --groups need one entry each per sequence, got "
             "--lengths 2, --rewards 1, --groups 2",
         ),
         (["convert", str(tmp_path / "none"), str(tmp_path / "out")], "src: '"),
@@ -82,3 +87,53 @@ def test_the_project_errors_are_user_errors():
 
     for cls in (SchemaError, RecipeError, NoLayoutFits):
         assert issubclass(cls, UserError) and issubclass(cls, ValueError)
+
+
+def _one_line(proc, message: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+
+
+def test_cut_short_metrics_files_are_named_by_report(tmp_path):
+    """A run's metrics.jsonl.gz cut short, and a metrics.jsonl whose last line was half written:
+    `megatron-ba report` names the file (and the line); the untouched copy reports (control)."""
+    import gzip
+    import shutil
+
+    shipped = ROOT / "docs/testbed/gap-token-means"
+    good = tmp_path / "good"
+    shutil.copytree(shipped, good, ignore=shutil.ignore_patterns("figures", "report.*"))
+    proc = _cli("report", str(good))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cut = tmp_path / "cut"
+    shutil.copytree(good, cut)
+    gz = cut / "token-scopebatch-seed0" / "metrics.jsonl.gz"
+    gz.write_bytes(gz.read_bytes()[:500])
+    _one_line(_cli("report", str(cut)), f"{gz}: cut short or not gz")
+    half = tmp_path / "half"
+    shutil.copytree(good, half)
+    run = half / "token-scopebatch-seed1"
+    text = gzip.decompress((run / "metrics.jsonl.gz").read_bytes()).decode()
+    (run / "metrics.jsonl.gz").unlink()
+    (run / "metrics.jsonl").write_text(text + '{"step": 41, "rew')
+    lines = len(text.splitlines())
+    _one_line(_cli("report", str(half)), f"{run / 'metrics.jsonl'}: line {lines + 1} is not a JSON")
+
+
+@pytest.mark.slow
+def test_bad_data_files_stop_train_in_one_line_and_leave_no_run_folder(tmp_path):
+    """A DAPO-Math-17k .jsonl cut short, and a data file that is not there: `megatron-ba train`
+    says which file (and line) in one line, exit 2, and no run folder is left behind."""
+    model = tmp_path / "tiny-qwen3"
+    assert _cli("tiny-model", str(model)).returncode == 0
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes((ROOT / "tests/fixtures/dapo_math.jsonl").read_bytes()[:300])
+    train = ["train", "recipes/tiny-hf-cpu.yaml", f"model.pretrained={model}"]
+    for data, message in (
+        (cut, f"{cut}: line 1 is not a JSON record"),
+        (tmp_path / "none.jsonl", f"source '{tmp_path / 'none.jsonl'}': no such file"),
+    ):
+        run_dir = tmp_path / f"run-{data.stem}"
+        _one_line(_cli(*train, f"data.path={data}", "--run-dir", str(run_dir)), message)
+        assert not run_dir.exists()

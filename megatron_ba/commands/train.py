@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from megatron_ba.data.templates import render_prompt
+from megatron_ba.errors import UserError
 from megatron_ba.integrations.engines.run_engine import LaunchOptions, RunFiles, launch
 from megatron_ba.recipe import RecipeError, load_recipe
 from megatron_ba.train.console import Console
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_ba.train import preemption
 
     rank = int(os.environ.get("RANK", "0"))
+    fresh = not args.resume and not run_dir.exists()
     console = Console(run_dir / "logs", rank=rank, verbose=args.verbose)
     preemption.install()  # SIGUSR1: checkpoint at the next step boundary and stop
     with console:  # before the heavy imports: their warnings go to the log file too
@@ -131,9 +134,14 @@ def run(args: argparse.Namespace) -> int:
         from megatron_ba.train.driver import Trainer
 
         log = console.log if rank == 0 else (lambda _msg: None)
-        trainer = Trainer(
-            recipe, run_dir, resume=bool(args.resume), cache_dir=Path(args.cache_dir), log=log
-        )
+        try:
+            trainer = Trainer(
+                recipe, run_dir, resume=bool(args.resume), cache_dir=Path(args.cache_dir), log=log
+            )
+        except UserError:  # bad input (a data file, a checkpoint): no run folder is left behind
+            if fresh and rank == 0:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         try:
             summary = trainer.run(progress_stream=console.stream)
         except preemption.Preempted as e:

@@ -58,11 +58,11 @@ def _batch(args: argparse.Namespace):
         lengths, rewards, ids = synthetic_batch(args.seed)
         return lengths.double(), rewards, ids
     if any(v is None for v in given.values()):
-        raise UserError("plan: give --lengths, --rewards and --groups together")
+        raise UserError("weights: give --lengths, --rewards and --groups together")
     if len({len(v) for v in given.values()}) != 1:
         counts = ", ".join(f"{k} {len(v)}" for k, v in given.items())
         raise UserError(
-            f"plan: --lengths, --rewards and --groups need one entry each per "
+            f"weights: --lengths, --rewards and --groups need one entry each per "
             f"sequence, got {counts}"
         )
     return (

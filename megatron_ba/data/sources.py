@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,13 +40,50 @@ def is_local(source: str | Path) -> bool:
     return Path(source).exists()
 
 
+@contextlib.contextmanager
+def _quiet(datasets):
+    """`datasets` without its progress bars and below-critical log lines, then as it was."""
+    verbosity = datasets.logging.get_verbosity()
+    bars = datasets.utils.are_progress_bars_disabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not bars:
+            datasets.enable_progress_bars()
+
+
+def _unreadable(builder: str, files: list[str], error: Exception) -> str:
+    """What is wrong with local files `datasets` could not read: for JSON Lines the first line
+    that is no JSON object (a file cut short, a partial copy), else pyarrow's own words."""
+    if builder == "json":
+        for name in files:
+            with open(name, encoding="utf-8", errors="replace") as f:
+                for number, line in enumerate(f, 1):
+                    try:
+                        json.loads(line) if line.strip() else None
+                    except json.JSONDecodeError as bad:
+                        return (
+                            f"{name}: line {number} is not a JSON record ({bad.msg}): a file cut "
+                            "short or a partial copy? Copy it again"
+                        )
+    cause = error.__cause__ or error
+    return f"{', '.join(files)}: not readable as {builder} ({str(cause).splitlines()[0]})"
+
+
 def open_table(source: str | Path, *, split: str = "train", config: str | None = None):
     """A `datasets.Dataset` from a hub id (with `config`, `split`) or a local file/folder."""
     import datasets
 
     if is_local(source):
         builder, files = _local_files(Path(source))
-        return datasets.load_dataset(builder, data_files=files, split="train")
+        try:
+            with _quiet(datasets):  # a file it cannot parse: our one line, not its log and bar
+                return datasets.load_dataset(builder, data_files=files, split="train")
+        except datasets.exceptions.DatasetGenerationError as e:  # pyarrow could not parse it
+            raise UserError(_unreadable(builder, files, e)) from None
     if not isinstance(source, str) or "/" not in source:
         raise UserError(f"source {source!r} is neither an existing path nor a hub id 'org/name'")
     if Path(source).suffix in LOCAL_BUILDERS or source.startswith(("/", "./", "../", "~")):

@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from megatron_ba.errors import UserError
 from megatron_ba.loss_settings import RULES
 from megatron_ba.studies.grid import MANIFEST, Study
 
@@ -37,10 +38,30 @@ def metrics_file(run: Path) -> Path | None:
 
 
 def read_metrics(run: Path) -> list[dict]:
+    """A run's metrics records, one per step; a file cut short (a run killed while writing it,
+    a partial copy) is a UserError naming the file and the line."""
     path = metrics_file(run)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    records = []
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    records.append(_record(path, number, line))
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
+        kind = path.suffix[1:]
+        raise UserError(f"{path}: cut short or not {kind} ({e}); copy it again") from None
+    return records
+
+
+def _record(path: Path, number: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(
+            f"{path}: line {number} is not a JSON record ({e.msg}): the run was cut off while "
+            "writing it? Remove that line, or copy the file again"
+        ) from None
 
 
 def find_runs(folder: Path) -> list[Path]:

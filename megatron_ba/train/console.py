@@ -73,4 +73,5 @@ class Console:
         os.close(err)
         self.stream.close()
         self.stream = sys.stderr
-        print(f"[logs] third-party output: {self.log_path}", file=sys.stderr)
+        if self.log_path.exists():  # a run refused at start-up takes its folder away
+            print(f"[logs] third-party output: {self.log_path}", file=sys.stderr)
