@@ -36,8 +36,14 @@ else
   pipq -r requirements/current.txt
   env_finish "$VENV"
 fi
-if [ -z "${MEGATRON_BA_CURRENT_VENV:-}" ]; then link_env "$VENV" .venv-current; fi
-pipq --no-deps -e .
+# This checkout's own .venv-current over the cached dependencies (scripts/env_lib.sh): another clone
+# sharing the cache can never be the code it imports.
+if [ -n "${MEGATRON_BA_CURRENT_VENV:-}" ]; then
+  pipq --no-deps -e .
+else
+  checkout_env "$VENV" .venv-current "$PY"
+  VENV=$PWD/.venv-current
+fi
 "$VENV/bin/python" - <<'PY'
 import sys, warnings
 warnings.filterwarnings("ignore")  # megatron-core's notes that Apex / TE are absent: expected

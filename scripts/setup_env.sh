@@ -6,9 +6,10 @@
 #
 # Used by the README's two commands (scripts/run_main.sh, scripts/run_tests.sh); safe to run by hand.
 # The environment lives in a cache outside the checkout (scripts/env_lib.sh), keyed by the hash of
-# requirements/torch-cpu.txt, requirements/cpu.txt, this script and the interpreter: .venv is a
-# link to it, so a second clone or CI run on the same machine skips the install. The project itself
-# is reinstalled (editable, no dependencies) every time, so the link serves this checkout.
+# requirements/torch-cpu.txt, requirements/cpu.txt, this script and the interpreter, so a second
+# clone or CI run on the same machine skips the install. .venv is this checkout's own small
+# environment over the cached one, holding the project (editable, reinstalled every time):
+# `. .venv/bin/activate` puts megatron-ba, torchrun, pytest and ruff on the PATH.
 # MEGATRON_BA_VENV=DIR builds in DIR instead (no cache); PYTHON picks the 3.11 interpreter.
 # torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -42,8 +43,14 @@ else
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   env_finish "$VENV"
 fi
-if [ -z "${MEGATRON_BA_VENV:-}" ]; then link_env "$VENV" .venv; fi
-pipq --no-deps -e .
+# This checkout's own .venv over the cached dependencies (scripts/env_lib.sh): another clone
+# sharing the cache can never be the code it imports.
+if [ -n "${MEGATRON_BA_VENV:-}" ]; then
+  pipq --no-deps -e .
+else
+  checkout_env "$VENV" .venv "$PY"
+  VENV=$PWD/.venv
+fi
 "$VENV/bin/python" - <<'PY'
 import torch, megatron_ba
 assert torch.__version__.startswith("2.13."), torch.__version__

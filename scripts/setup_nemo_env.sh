@@ -51,8 +51,14 @@ else
   fi
   env_finish "$VENV"
 fi
-if [ -z "${MEGATRON_BA_NEMO_VENV:-}" ]; then link_env "$VENV" .venv-nemo; fi
-pipq install --no-deps -e .
+# This checkout's own .venv-nemo over the cached dependencies (scripts/env_lib.sh): another clone
+# sharing the cache can never be the code it imports.
+if [ -n "${MEGATRON_BA_NEMO_VENV:-}" ]; then
+  pipq install --no-deps -e .
+else
+  checkout_env "$VENV" .venv-nemo "$PY"
+  VENV=$PWD/.venv-nemo
+fi
 "$VENV/bin/python" - <<'PY'
 import megatron.core, nemo, torch
 assert torch.__version__.startswith("2.13."), torch.__version__

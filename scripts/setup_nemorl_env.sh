@@ -89,9 +89,15 @@ else
   pipq --no-deps --ignore-requires-python -e "$SRC"
   env_finish "$VENV"
 fi
-if [ -z "${MEGATRON_BA_NEMORL_VENV:-}" ]; then link_env "$VENV" .venv-nemorl; fi
-# The project itself without dependencies (its core needs torch alone).
-pipq --no-deps -e .
+# This checkout's own .venv-nemorl over the cached dependencies (scripts/env_lib.sh): another clone
+# sharing the cache can never be the code it imports.
+if [ -n "${MEGATRON_BA_NEMORL_VENV:-}" ]; then
+  # The project itself without dependencies (its core needs torch alone).
+  pipq --no-deps -e .
+else
+  checkout_env "$VENV" .venv-nemorl "$PY"
+  VENV=$PWD/.venv-nemorl
+fi
 (cd /tmp && "$VENV/bin/python" - "$SRC" <<'PY'
 import sys
 import nemo_rl, torch, transformers, megatron_ba

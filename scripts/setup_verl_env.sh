@@ -43,9 +43,15 @@ else
       -e "dependency resolver does not currently" || true; }
   env_finish "$VENV"
 fi
-if [ -z "${MEGATRON_BA_VERL_VENV:-}" ]; then link_env "$VENV" .venv-verl; fi
-# The project itself without dependencies (its core needs torch alone).
-pipq --no-deps -e .
+# This checkout's own .venv-verl over the cached dependencies (scripts/env_lib.sh): another clone
+# sharing the cache can never be the code it imports.
+if [ -n "${MEGATRON_BA_VERL_VENV:-}" ]; then
+  # The project itself without dependencies (its core needs torch alone).
+  pipq --no-deps -e .
+else
+  checkout_env "$VENV" .venv-verl "$PY"
+  VENV=$PWD/.venv-verl
+fi
 (cd /tmp && "$VENV/bin/python" - <<'PY'
 import torch, transformers, verl, megatron_ba
 from verl.trainer.ppo import core_algos  # the functions the tests use

@@ -12,7 +12,8 @@ status 1 when one fails, with what failed. The pieces, for a test of another env
    package's files (pyproject.toml, README.md, megatron_ba/) made in `out`, so the checkout gets no
    build/ or egg-info; the running interpreter's setuptools builds it (>= 70.1: no `wheel` needed).
 2. `light_env(venv, wheel, dest, hide)`: a new virtual environment in `dest`, made by VENV's own
-   interpreter, whose site-packages links to every entry of VENV's site-packages except
+   interpreter (for a checkout's environment over a cached one, scripts/env_lib.sh, the cached
+   one's), whose site-packages links to every entry of VENV's site-packages except
    megatron-ba's own install (the checkout's editable one) and the files of each distribution that
    provides a top-level module named in `hide` (read from the distributions' RECORD files); then
    pip installs the wheel into it, console script included. Why this stands for an environment
@@ -110,6 +111,8 @@ def light_env(venv: Path, wheel: Path, dest: Path, hide: list[str]) -> list[str]
     python = Path(venv) / "bin" / "python"
     if not python.exists():
         raise FileNotFoundError(f"venv: {venv} has no bin/python (not a virtual environment?)")
+    if (Path(venv) / "shared-env").is_file():  # a checkout's environment: its packages are there
+        python = Path((Path(venv) / "shared-env").read_text().strip()) / "bin" / "python"
     site = _purelib(python)
     _run([str(python), "-I", "-m", "venv", "--without-pip", str(dest)], "python -m venv")
     new_site = Path(dest) / site.relative_to(_prefix(python))
