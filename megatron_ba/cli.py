@@ -10,7 +10,9 @@ every command answer without them (tests/test_cli_help.py).
 
 A user error (errors.UserError: a bad recipe, data set, path or option) that reaches `main`
 prints its message alone on stderr, exit status 2, like an argument error. Any other exception
-keeps its traceback: that is a bug (tests/test_cli_errors.py).
+keeps its traceback: that is a bug (tests/test_cli_errors.py). In N processes (`megatron-ba train
+--nproc-per-node N`, or torchrun) rank 0 says it and the others stay quiet
+(parallel/local_launch.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import importlib
 import sys
 
 from megatron_ba.errors import UserError
+from megatron_ba.parallel import local_launch
 
 # name -> (module, one-line help). Later features register here.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -112,10 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"megatron-ba {name}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
+    # --nproc-per-node N (train, convert): the command again in N processes under torchrun's
+    # launcher; inside them (torchrun's or these) the option has done its work.
+    if getattr(args, "nproc_per_node", 1) > 1 and not local_launch.in_launched_worker():
+        return local_launch.run_local(args.nproc_per_node, [name, *rest])
     try:
         return int(module.run(args) or 0)
     except UserError as e:
-        print(e, file=sys.stderr)
+        local_launch.report_user_error(str(e))  # once, from rank 0, under torchrun too
         return 2
 
 

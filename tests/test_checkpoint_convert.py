@@ -105,7 +105,7 @@ def test_a_training_checkpoint_needs_to_hf(saved, tmp_path):
 
 
 def test_convert_split_over_two_tensor_parallel_ranks_round_trips(tmp_path):
-    """The documented `torchrun --nproc-per-node 2 -m megatron_ba.cli convert HF CKPT --tp 2`,
+    """The documented `megatron-ba convert --nproc-per-node 2 HF CKPT --tp 2` (torchrun's launcher),
     then `convert CKPT OUT --to hf`: every tensor of OUT equals the source's, bit for bit. (With
     megatron-core's initialisation skipped, the TP=2 load failed on the embedding's shape: the
     partition dims are set by that initialisation.)"""
@@ -118,8 +118,7 @@ def test_convert_split_over_two_tensor_parallel_ranks_round_trips(tmp_path):
 
     cli = (sys.executable, "-m", "megatron_ba.cli")
     run(*cli, "tiny-model", "hf", "--family", "qwen2")
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2")
-    run(*torchrun, "-m", "megatron_ba.cli", "convert", "hf", "ckpt", "--tp", "2")
+    run(*cli, "convert", "--nproc-per-node", "2", "hf", "ckpt", "--tp", "2")
     run(*cli, "convert", "ckpt", "back", "--to", "hf")
     source = {
         k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()

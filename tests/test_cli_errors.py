@@ -137,3 +137,49 @@ def test_bad_data_files_stop_train_in_one_line_and_leave_no_run_folder(tmp_path)
         run_dir = tmp_path / f"run-{data.stem}"
         _one_line(_cli(*train, f"data.path={data}", "--run-dir", str(run_dir)), message)
         assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_in_several_processes_a_user_error_is_one_line_from_rank_0(tmp_path):
+    """`megatron-ba train --nproc-per-node 2`: a bad recipe value (refused before the processes
+    meet) and a data file cut short (met by both ranks after they formed their groups) end as rank
+    0's one line and exit 2. Control: torchrun itself on the same recipe wraps that line in its
+    ChildFailedError report and exits 1, which is why the option exists."""
+    tp3 = ["train", "--nproc-per-node", "2", "recipes/tiny-cpu-tp2.yaml", "parallel.tp=3"]
+    tp_message = "train: parallel.tp: num_attention_heads=4 is not a multiple of tp=3"
+    _one_line(_cli(*tp3), tp_message)
+    model = tmp_path / "tiny-qwen3"
+    assert _cli("tiny-model", str(model)).returncode == 0
+    cut = tmp_path / "cut.jsonl"
+    cut.write_bytes((ROOT / "tests/fixtures/dapo_math.jsonl").read_bytes()[:300])
+    run_dir = tmp_path / "run"
+    train = ["train", "--nproc-per-node", "2", "recipes/tiny-hf-cpu.yaml",
+             f"model.pretrained={model}", f"data.path={cut}", f"--run-dir={run_dir}"]  # fmt: skip
+    _one_line(_cli(*train), f"{cut}: line 1 is not a JSON record")
+    assert not run_dir.exists()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "-m", "megatron_ba.cli", "train", *tp3[3:]]  # fmt: skip
+    proc = subprocess.run(torchrun, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-3000:]
+    assert tp_message in proc.stderr
+
+
+def test_which_failures_of_several_processes_are_user_errors():
+    from megatron_ba.parallel.local_launch import user_error_status
+
+    def failed(*ends):  # (exit code, timestamp) per rank, as torch's ProcessFailure holds them
+        return {r: types.SimpleNamespace(exitcode=c, timestamp=t, message=f"m{c}")
+                for r, (c, t) in enumerate(ends)}  # fmt: skip
+
+    assert user_error_status(failed((2, 5), (2, 5))) == (2, ["m2"])  # every rank says the same
+    assert user_error_status(failed((2, 5), (-15, 6))) == (2, ["m2"])  # rank 1 stopped by launcher
+    assert user_error_status(failed((2, 5), (1, 5))) == (2, ["m2"])  # rank 1 lost its peer at once
+    assert user_error_status(failed((-15, 6), (2, 5))) == (2, ["m2"])  # only rank 1's was seen
+    two = failed((2, 5), (2, 5))
+    two[1].message = "shard 1 is missing"
+    assert user_error_status(two) == (2, ["m2", "rank 1: shard 1 is missing"])
+    assert (
+        user_error_status(failed((1, 4), (2, 5))) is None
+    )  # a crash came first: torchrun's report
+    assert user_error_status(failed((-15, 5), (-9, 5))) is None  # no user error at all
+    assert user_error_status(failed((75, 5))) is None

@@ -3,7 +3,7 @@
     megatron-ba convert HF_DIR CKPT_DIR                 # HF -> megatron-core (dist checkpoint)
     megatron-ba convert CKPT_DIR HF_OUT --to hf         # and back
     megatron-ba convert RUN/checkpoints/step-000020 HF_OUT --to hf   # a training checkpoint
-    torchrun --nproc-per-node 2 -m megatron_ba.cli convert HF_DIR CKPT_DIR --tp 2
+    megatron-ba convert --nproc-per-node 2 HF_DIR CKPT_DIR --tp 2    # two processes for --tp 2
 
 Convert once before a cluster run: the checkpoint is megatron-core's `torch_dist` format of the
 model's sharded state dict, which loads under any TP x PP layout, whatever layout wrote it;
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from megatron_ba.errors import UserError
+from megatron_ba.parallel.local_launch import add_nproc_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of this conversion")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of this conversion")
+    add_nproc_argument(p)
 
 
 def _model_source(args: argparse.Namespace) -> Path:

@@ -4,7 +4,7 @@
     megatron-ba train recipes/tiny-cpu.yaml loss.rule=token grpo.steps=20 --run-dir runs/tok
     megatron-ba train recipes/tiny-cpu.yaml --resume runs/tiny-cpu-balanced
     kill -USR1 PID    # or touch RUN_DIR/PREEMPT: checkpoint at the next step, exit 75
-    torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
+    megatron-ba train --nproc-per-node 2 recipes/tiny-cpu-tp2.yaml   # TP=2: two processes
     megatron-ba train recipes/qwen3-1.7b-dapo17k.yaml backend=verl data.path=F.parquet \
         eval.data_dir=DIR --print-overrides    # verl's ppo_megatron_trainer overrides
     megatron-ba train recipes/qwen3-1.7b-dapo17k.yaml backend=nemo_rl grpo.mini_batches=1 \
@@ -24,12 +24,12 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from megatron_ba.data.templates import render_prompt
 from megatron_ba.errors import UserError
 from megatron_ba.integrations.engines.run_engine import LaunchOptions, RunFiles, launch
+from megatron_ba.parallel.local_launch import add_nproc_argument
 from megatron_ba.recipe import RecipeError, load_recipe
 from megatron_ba.train.console import Console
 from megatron_ba.train.prompt_files import prompt_file_paths, write_prompt_files
@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="nemo_aligner: trainer.accelerator (auto: gpu where torch sees one, else cpu)",
     )
+    add_nproc_argument(p)
     p.add_argument(
         "--verbose",
         action="store_true",
@@ -97,36 +98,50 @@ def _launch_engine(recipe, args: argparse.Namespace, run_dir: Path) -> int:
     return launch(recipe, run_dir, options, files)
 
 
+def _remove_refused_run(run_dir: Path, rank: int, log_path: Path) -> None:
+    """A new run refused at start-up leaves no folder: rank 0 removes it; another rank (whose
+    console may have made its log after rank 0 removed the folder) removes its own log and the
+    folders that this leaves empty."""
+    if rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    log_path.unlink(missing_ok=True)
+    for folder in (log_path.parent, run_dir):
+        try:
+            folder.rmdir()
+        except OSError:  # gone already, or holds another rank's log: that rank removes it
+            pass
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.resume:
             run_dir = Path(args.resume)
             saved = run_dir / "recipe.yaml"
             if not saved.is_file():
-                print(f"train: --resume {run_dir}: no recipe.yaml there", file=sys.stderr)
-                return 2
+                raise UserError(f"train: --resume {run_dir}: no recipe.yaml there")
             recipe = load_recipe(saved, args.overrides)
         else:
             recipe = load_recipe(args.recipe, args.overrides)
             run_dir = Path(args.run_dir or f"runs/{recipe.name}-{recipe.loss.rule}")
     except RecipeError as e:
-        print(f"train: {e}", file=sys.stderr)
-        return 2
+        raise UserError(f"train: {e}") from None
     if args.print_command and recipe.backend not in ("verl", "nemo_rl"):
-        print(f"train: --print-command is for backend=verl or nemo_rl, not {recipe.backend}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise UserError(
+            f"train: --print-command is for backend=verl or nemo_rl, not {recipe.backend}"
+        )
     if recipe.backend in ("nemo_aligner", "verl", "nemo_rl"):
         return _launch_engine(recipe, args, run_dir)
     if args.print_overrides:
-        print("train: --print-overrides is for backend=nemo_aligner, verl or nemo_rl",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise UserError("train: --print-overrides is for backend=nemo_aligner, verl or nemo_rl")
     # torch: imported on use, so that --help imports none
     from megatron_ba.train import preemption
 
     rank = int(os.environ.get("RANK", "0"))
-    fresh = not args.resume and not run_dir.exists()
+    # Another rank's console may already have made RUN_DIR/logs: a folder with nothing else is new.
+    fresh = not args.resume and (
+        not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {"logs"}
+    )
     console = Console(run_dir / "logs", rank=rank, verbose=args.verbose)
     preemption.install()  # SIGUSR1: checkpoint at the next step boundary and stop
     with console:  # before the heavy imports: their warnings go to the log file too
@@ -139,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
                 recipe, run_dir, resume=bool(args.resume), cache_dir=Path(args.cache_dir), log=log
             )
         except UserError:  # bad input (a data file, a checkpoint): no run folder is left behind
-            if fresh and rank == 0:
-                shutil.rmtree(run_dir, ignore_errors=True)
+            if fresh:
+                console.close(say_where=False)
+                _remove_refused_run(run_dir, rank, console.log_path)
             raise
         try:
             summary = trainer.run(progress_stream=console.stream)

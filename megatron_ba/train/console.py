@@ -59,8 +59,9 @@ class Console:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Give the terminal back (idempotent); say where the third-party output went."""
+    def close(self, say_where: bool = True) -> None:
+        """Give the terminal back (idempotent); say where the third-party output went (not for a
+        run refused at start-up, whose folder goes)."""
         if self._saved is None:
             return
         sys.stdout.flush()
@@ -73,5 +74,5 @@ class Console:
         os.close(err)
         self.stream.close()
         self.stream = sys.stderr
-        if self.log_path.exists():  # a run refused at start-up takes its folder away
+        if say_where and self.log_path.exists():
             print(f"[logs] third-party output: {self.log_path}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """The local GRPO driver: megatron-core policy, vLLM rollouts, verifiable rewards, the BA plan.
 
     megatron-ba train recipes/tiny-cpu.yaml [key=value ...] [--run-dir DIR] [--resume DIR]
-    torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-cpu-tp2.yaml
-    torchrun --nproc-per-node 2 -m megatron_ba.cli train recipes/tiny-moe-cpu.yaml   # DP2 x EP2
+    megatron-ba train --nproc-per-node 2 recipes/tiny-cpu-tp2.yaml
+    megatron-ba train --nproc-per-node 2 recipes/tiny-moe-cpu.yaml   # DP2 x EP2
 
 One step: rank 0 picks P prompts, each data-parallel replica's engine samples G responses for
 its share of them and rank 0 scores them all (train/rollouts.py, train/scoring.py); every rank
