@@ -2,10 +2,11 @@
 
     python -m pytest tests/test_environments.py      # ~20 s: two clones set up over the cache
 
-- Two clones on one machine share the cached dependencies (~/.cache/megatron-ba/envs) but each
-  clone's `.venv` imports that clone's code, whichever clone was set up last; the console script
-  `megatron-ba` and torch's `torchrun` in `.venv/bin` run that `.venv`'s interpreter. The control
-  installs clone B into clone A's `.venv` and the same probe reports B's code.
+- Two clones on one machine, on different commits, share the cached dependencies
+  (~/.cache/megatron-ba/envs) but each clone's `.venv` imports that clone's code, whichever clone
+  was set up last; the console script `megatron-ba` and torch's `torchrun` in `.venv/bin` run
+  that `.venv`'s interpreter. The control installs clone B into clone A's `.venv` and the same
+  probe reports B's code.
 - After `. .venv/bin/activate` in a shell that has nothing else (`env -i`), the README's
   commands `megatron-ba` and `torchrun` are on the PATH.
 
@@ -28,7 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # finds the environment this checkout was set up with instead of building a new one.
 ENV_INPUTS = ("requirements/torch-cpu.txt", "requirements/cpu.txt", "scripts/setup_env.sh",
               "scripts/env_lib.sh")  # fmt: skip
-PROBE = "import megatron_ba; print(megatron_ba.__file__)"
+# Where megatron_ba comes from, and whether it has the module that only clone b's commit adds.
+PROBE = (
+    "import importlib.util, megatron_ba; print(megatron_ba.__file__); "
+    "print(importlib.util.find_spec('megatron_ba.clone_b_mark') is not None)"
+)
 
 
 def _shared_env() -> Path:
@@ -81,9 +86,11 @@ def _clone(dest: Path) -> Path:
     return dest
 
 
-def _imported_from(checkout: Path, env: dict) -> Path:
-    out = _run([str(checkout / ".venv/bin/python"), "-c", PROBE], cwd=Path("/"), env=env)
-    return Path(out.strip()).resolve()
+def _imported_from(checkout: Path, env: dict) -> tuple[Path, bool]:
+    """(megatron_ba's file, whether clone b's commit is what it imports) in checkout's .venv."""
+    where, has_mark = _run([str(checkout / ".venv/bin/python"), "-c", PROBE], cwd=Path("/"),
+                           env=env).split()  # fmt: skip
+    return Path(where).resolve(), has_mark == "True"
 
 
 def _fresh_shell(script: str, **env: str) -> subprocess.CompletedProcess:
@@ -92,19 +99,35 @@ def _fresh_shell(script: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([*cmd, script], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+def _head(checkout: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True,
+                          text=True, check=True, timeout=60).stdout.strip()  # fmt: skip
+
+
+def _commit_in_b(b: Path) -> None:
+    """Clone b one commit ahead of a: a module a does not have."""
+    (b / "megatron_ba/clone_b_mark.py").write_text('"""Only in clone b\'s commit."""\n')
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@localhost"]
+    subprocess.run([*git, "add", "-A"], cwd=b, check=True, timeout=60)
+    subprocess.run([*git, "commit", "-q", "-m", "b's own change"], cwd=b, check=True, timeout=60)
+
+
 def test_two_clones_sharing_the_cache_each_import_their_own_code(tmp_path):
     shared = _shared_env()
     env = _plain_env(MEGATRON_BA_ENV_CACHE=str(shared.parent), PYTHON=_made_by(shared))
     if _cache_folder(ROOT, env) != shared:  # never build (and drop this checkout's) in a test
         pytest.skip(f"{ROOT}/.venv stands on an outdated {shared}: bash scripts/setup_env.sh")
     a, b = _clone(tmp_path / "a"), _clone(tmp_path / "b")
+    _commit_in_b(b)
     assert _cache_folder(a, env) == shared, "ENV_INPUTS is not scripts/setup_env.sh's inputs"
     for checkout in (a, b):  # b last: the set-up that used to take the shared environment over
         out = _run(["bash", "scripts/setup_env.sh"], cwd=checkout, env=env)
         assert f"{shared} is up to date" in out  # the cache served both: nothing was built
         assert (checkout / ".venv/shared-env").read_text().strip() == str(shared)
-    for checkout in (a, b):
-        assert _imported_from(checkout, env).is_relative_to(checkout.resolve())
+    assert _head(a) != _head(b)
+    for checkout, is_b in ((a, False), (b, True)):
+        where, has_mark = _imported_from(checkout, env)
+        assert where.is_relative_to(checkout.resolve()) and has_mark == is_b, (checkout, where)
         for script in ("megatron-ba", "torchrun", "pytest"):
             shebang = (checkout / ".venv/bin" / script).read_text().splitlines()[0]
             interpreter = Path(shebang.removeprefix("#!"))  # .venv/bin/python or python3.11
@@ -113,7 +136,7 @@ def test_two_clones_sharing_the_cache_each_import_their_own_code(tmp_path):
     # control: clone b installed into clone a's .venv, and the probe sees b's code in a
     _run([str(a / ".venv/bin/python"), "-m", "pip", "install", "-q", "--no-deps", "-e", str(b)],
          cwd=a, env=env)  # fmt: skip
-    assert _imported_from(a, env).is_relative_to(b.resolve())
+    assert _imported_from(a, env) == (b.resolve() / "megatron_ba/__init__.py", True)
 
 
 def test_activating_the_venv_puts_the_commands_on_the_path():
