@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,36 @@ def test_warmstart_seed_gives_the_seeds_of_a_study_one_starting_policy():
     own = {s: load_recipe(recipe, [f"seed={s}", "warmstart.seed=null"]) for s in (0, 3)}
     assert cache_key(own[0]) != cache_key(own[3])  # each run seed its own warm start
     assert cache_key(own[0]) == cache_key(fixed[0])  # seed 0 either way: one policy
+
+
+def test_the_shared_warm_start_cache_is_keyed_by_the_code_and_releases_too(monkeypatch, tmp_path):
+    """Warm starts live outside the checkout (every clone's `train` finds them), so the key
+    covers what a clone on another commit or environment would train differently: the torch and
+    transformers releases and the procedure's source. Controls: each changed alone moves the key."""
+    import argparse
+
+    import torch
+
+    from megatron_ba.commands import train as train_command
+    from megatron_ba.recipe import load_recipe
+    from megatron_ba.train import warmstart
+
+    recipe = load_recipe("recipes/tiny-cpu.yaml", [])
+    key = warmstart.cache_key(recipe)
+    assert warmstart.cache_key(load_recipe("recipes/tiny-cpu.yaml", [])) == key
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert warmstart.cache_key(recipe) != key
+    monkeypatch.undo()
+    fake_root = tmp_path / "megatron_ba"
+    for name in warmstart._PROCEDURE:
+        (fake_root / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake_root / name).write_bytes((Path(warmstart.__file__).parents[1] / name).read_bytes())
+    monkeypatch.setattr(warmstart, "__file__", str(fake_root / "train/warmstart.py"))
+    assert warmstart.cache_key(recipe) == key  # the same sources elsewhere: the same key
+    with open(fake_root / "tasks/arithmetic.py", "a") as f:
+        f.write("\n# another commit\n")
+    assert warmstart.cache_key(recipe) != key
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    parser = argparse.ArgumentParser()
+    train_command.add_arguments(parser)
+    assert parser.parse_args(["r.yaml"]).cache_dir == tmp_path / "xdg/megatron-ba"

@@ -21,6 +21,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+from megatron_ba.train import warmstart_cache
+
 DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny-cpu.yaml"
 NUM_TRAIN_PROMPTS = 4096
 LAYOUT = "model.nemo hf/ train.jsonl val.jsonl"  # in DONE: a folder of another layout is remade
@@ -121,7 +123,7 @@ def _not_the_model(folder: str, names: list[str]) -> list[str]:
 
 
 def make(out: str | Path, recipe_path: str | Path = DEFAULT_RECIPE, overrides=(),
-         cache_dir: str | Path = "~/.cache/megatron-ba") -> Path:  # fmt: skip
+         cache_dir: str | Path | None = None) -> Path:  # fmt: skip
     """OUT with model.nemo, hf/, train.jsonl, val.jsonl (kept if already made alike)."""
     from megatron_ba.recipe import load_recipe
     from megatron_ba.train.prompt_files import write_prompt_files
@@ -133,7 +135,7 @@ def make(out: str | Path, recipe_path: str | Path = DEFAULT_RECIPE, overrides=()
     if (out / "DONE").is_file() and (out / "DONE").read_text().strip() == key:
         print(f"nemo-tiny-model: {out} holds this warm start already; kept")
         return out
-    hf_dir = run_warmstart(recipe, Path(cache_dir).expanduser())
+    hf_dir = run_warmstart(recipe, Path(cache_dir or warmstart_cache()).expanduser())
     out.mkdir(parents=True, exist_ok=True)
     (out / "DONE").unlink(missing_ok=True)
     shutil.rmtree(out / "model_weights", ignore_errors=True)  # NeMo's scratch folder
@@ -147,7 +149,7 @@ def make(out: str | Path, recipe_path: str | Path = DEFAULT_RECIPE, overrides=()
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", type=Path, help="the folder to write")
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the local recipe to warm-start")
-    p.add_argument("--cache-dir", default="~/.cache/megatron-ba", help="warm-start cache")
+    p.add_argument("--cache-dir", default=None, help="warm-start cache (default: train's)")
     p.add_argument("overrides", nargs="*", help="recipe key=value overrides")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from megatron_ba.generation.builtin_sampler import BuiltinSampler
 from megatron_ba.recipe import load_recipe
+from megatron_ba.train import warmstart_cache
 from megatron_ba.train.driver import Trainer
 
 
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-ba perf rollout", description=__doc__)
     p.add_argument("--recipe", default="recipes/tiny-cpu.yaml")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cache-dir", default="runs/.cache")
+    p.add_argument("--cache-dir", type=Path, default=warmstart_cache(), help="warm-start cache")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 

@@ -31,6 +31,7 @@ from megatron_ba.errors import UserError
 from megatron_ba.integrations.engines.run_engine import LaunchOptions, RunFiles, launch
 from megatron_ba.parallel.local_launch import add_nproc_argument
 from megatron_ba.recipe import RecipeError, load_recipe
+from megatron_ba.train import warmstart_cache
 from megatron_ba.train.console import Console
 from megatron_ba.train.prompt_files import prompt_file_paths, write_prompt_files
 
@@ -43,7 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint"
     )
     p.add_argument(
-        "--cache-dir", default="runs/.cache", help="warm-start cache (default runs/.cache)"
+        "--cache-dir",
+        type=Path,
+        default=warmstart_cache(),
+        help="warm-start cache, shared by every clone (default $XDG_CACHE_HOME/megatron-ba, "
+        "~/.cache/megatron-ba)",
     )
     p.add_argument(
         "--print-overrides",

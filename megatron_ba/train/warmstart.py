@@ -5,8 +5,10 @@ model (transformers, plain torch: it is a preparation step, the GRPO policy itse
 megatron-core) on the task's mixture of correct and sloppy solutions, then saves it as a Hugging
 Face model directory that both vLLM and the megatron policy load. The result is cached under
 `<cache>/warmstart-<hash>/` so that runs of one recipe (the rules of `megatron-ba compare`, a
-resumed run) share it; the hash covers the task, tokenizer, model shape, warm-start settings
-and seed.
+resumed run, and by default every clone on the machine: train.warmstart_cache) share it; the hash
+covers the task, tokenizer, model shape, warm-start settings and seed, the torch and transformers
+releases, and the source of the procedure (this module, the task, the tokenizer), so a checkout
+on another commit never takes a warm start its code would not make.
 """
 
 from __future__ import annotations
@@ -52,9 +54,24 @@ _DENSE = frozenset(
 )
 
 
+# The modules whose code decides the warm start beyond the recipe's keys.
+_PROCEDURE = ("train/warmstart.py", "tasks/arithmetic.py", "tokenization.py")
+
+
+def _procedure_hash() -> str:
+    import transformers
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    for name in _PROCEDURE:
+        digest.update((root / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cache_key(recipe: Recipe) -> str:
     parts = {
         "version": WARMSTART_VERSION,
+        "procedure": _procedure_hash(),
         "seed": warmstart_seed(recipe),
         # the mixture-of-experts keys only when set: a dense recipe keeps its cached warm start
         "model": {k: v for k, v in recipe.model.__dict__.items() if v is not None or k in _DENSE},
