@@ -3,14 +3,14 @@
 The regime is checked on the task's generating process, which no CPU's rounding touches: the warm
 start's mixture of right and wrong solutions (seeded Python `random`, the recipe's own BPE
 tokenizer trained on the task's text) must give the regime's wrong/right length ratio and spread
-of right-answer lengths, and no other regime's. The trained policy's first step (warm start, then
-32 prompts x 8 samples) starts where those bands point, but its figures moved with the CPU model
-(variance ratio 1.04 on one machine, 1.165 on another, deterministic on each: rounding grown over
-600 warm-start steps), so on it the suite checks only what holds exactly on any CPU: both signs
-present, and the positive side's share of the objective weight is its token share under token
-aggregation and its count share under BA, computed here by hand from the logged counts and mean
-lengths (the batch scope, which pools the batch as those statistics do); in the gap regime token
-aggregation gives the wrong answers visibly more than their count.
+of right-answer lengths, and no other regime's. The trained policy's first step starts where
+those bands point, but its figures moved with the CPU model (variance ratio 1.04 on one machine,
+1.165 on another, deterministic on each: rounding grown over 600 warm-start steps). So on the gap
+recipe's first step (warm start, then 32 prompts x 8 samples) the suite checks only what holds on
+any CPU: both signs present, and the positive side's share of the objective weight is its token
+share under token aggregation and its count share under BA, computed here by hand from the logged
+counts and mean lengths (the batch scope, which pools the batch as those statistics do); and token
+aggregation gives the longer wrong answers visibly more than their count.
 """
 
 from __future__ import annotations
@@ -66,6 +66,10 @@ def test_each_regime_generates_its_range_and_no_other(regime, tmp_path):
 
 
 TRAINED = [pytest.mark.slow, pytest.mark.vllm]
+# The trained first step of the gap regime alone: the weight-share identities hold for any policy,
+# and the gap regime is where token aggregation's tilt toward the longer wrong answers shows (the
+# variance regime's 600-step warm start would add ~100 s for the same identities).
+TRAINED_REGIMES = ("gap",)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +79,7 @@ def first_steps(tmp_path_factory) -> dict[str, dict]:
     pytest.importorskip("megatron.core")
     work = tmp_path_factory.mktemp("testbed")
     out = {}
-    for regime in REGIMES:
+    for regime in TRAINED_REGIMES:
         run = work / regime
         cmd = [
             sys.executable, "-m", "megatron_ba.cli", "train",
@@ -105,7 +109,7 @@ def _ratio(record: dict) -> float:
     return record["length_mean_neg"] / record["length_mean_pos"]
 
 
-@pytest.mark.parametrize("regime", [pytest.param(r, marks=TRAINED) for r in REGIMES])
+@pytest.mark.parametrize("regime", [pytest.param(r, marks=TRAINED) for r in TRAINED_REGIMES])
 def test_token_weights_follow_lengths_and_balanced_weights_follow_counts(first_steps, regime):
     r = first_steps[regime]
     assert r["num_pos"] >= 32 and r["num_neg"] >= 32, r  # both signs present
