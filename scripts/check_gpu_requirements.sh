@@ -94,6 +94,7 @@ if ! env_is_complete "$venv"; then
   fi
   env_finish "$venv"
 fi
+exec 9>&-  # env_lock's lock: held while the venv is made, not while resolving (runs may overlap)
 pip=("$venv/bin/python" -m pip install --dry-run --ignore-installed --only-binary=:all:
   --use-feature=fast-deps)
 

@@ -248,32 +248,41 @@ def _skip_if_cannot_resolve(p):
 
 @pytest.mark.slow
 def test_resolver_check_passes_the_file_and_fails_planted_conflicts(tmp_path):
+    text = GPU.read_text()
+    # control 1: Transformer Engine's core for CUDA 12 against torch's CUDA 13 (pip resolves it)
+    cu12 = tmp_path / "gpu-te-cu12.txt"
+    cu12.write_text(text.replace("transformer-engine-cu13==", "transformer-engine-cu12=="))
+    # control 2: a torch pin that contradicts vLLM 0.32.0's (pip finds no solution)
+    old = tmp_path / "gpu-torch-2.12.txt"
+    old.write_text(text.replace("torch==2.13.0\n", "torch==2.12.0\n"))
     report = tmp_path / "report.json"
-    p = _run(["bash", str(CHECK), "--report", str(report)])
-    _skip_if_cannot_resolve(p)
+    # The three resolutions at once: each waits on the registry about half its time.
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    runs = [
+        subprocess.Popen(["bash", str(CHECK), *args], cwd=ROOT, **pipes)
+        for args in (["--report", str(report)], [str(cu12)], [str(old)])
+    ]
+    ended = []
+    for run in runs:
+        out, err = run.communicate(timeout=900)
+        ended.append(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+    p, p_cu12, p_old = ended
+    for each in ended:
+        _skip_if_cannot_resolve(each)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "torch 2.13.0: CUDA 13" in p.stdout and "vllm 0.32.0" in p.stdout
     names = {gr.normalize(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
     assert {"torch", "vllm", "megatron-core", "transformer-engine-cu13"} <= names
 
-    text = GPU.read_text()
-    # control 1: Transformer Engine's core for CUDA 12 against torch's CUDA 13 (pip resolves it)
-    cu12 = tmp_path / "gpu-te-cu12.txt"
-    cu12.write_text(text.replace("transformer-engine-cu13==", "transformer-engine-cu12=="))
-    p = _run(["bash", str(CHECK), str(cu12)])
-    _skip_if_cannot_resolve(p)
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert "transformer-engine-cu12 (CUDA 12) but torch 2.13.0 is built for CUDA 13" in p.stderr
-    assert "resolves, but not to the environment it pins" in p.stderr
+    assert p_cu12.returncode == 1, p_cu12.stdout + p_cu12.stderr
+    assert (
+        "transformer-engine-cu12 (CUDA 12) but torch 2.13.0 is built for CUDA 13" in p_cu12.stderr
+    )
+    assert "resolves, but not to the environment it pins" in p_cu12.stderr
 
-    # control 2: a torch pin that contradicts vLLM 0.32.0's (pip finds no solution)
-    old = tmp_path / "gpu-torch-2.12.txt"
-    old.write_text(text.replace("torch==2.13.0\n", "torch==2.12.0\n"))
-    p = _run(["bash", str(CHECK), str(old)])
-    _skip_if_cannot_resolve(p)
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert "vllm 0.32.0 depends on torch==2.13.0" in p.stderr
-    assert "resolver found no set of binary wheels" in p.stderr
+    assert p_old.returncode == 1, p_old.stdout + p_old.stderr
+    assert "vllm 0.32.0 depends on torch==2.13.0" in p_old.stderr
+    assert "resolver found no set of binary wheels" in p_old.stderr
 
 
 def test_resolver_check_says_when_the_registry_is_unreachable(tmp_path):
