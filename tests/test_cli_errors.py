@@ -178,8 +178,14 @@ def test_which_failures_of_several_processes_are_user_errors():
     two = failed((2, 5), (2, 5))
     two[1].message = "shard 1 is missing"
     assert user_error_status(two) == (2, ["m2", "rank 1: shard 1 is missing"])
-    assert (
-        user_error_status(failed((1, 4), (2, 5))) is None
-    )  # a crash came first: torchrun's report
+    # a crash came first: torchrun's report
+    assert user_error_status(failed((1, 4), (2, 5))) is None
     assert user_error_status(failed((-15, 5), (-9, 5))) is None  # no user error at all
     assert user_error_status(failed((75, 5))) is None
+
+
+def test_the_launcher_knows_the_trainers_preempted_status():
+    from megatron_ba.parallel.local_launch import PREEMPTED_EXIT
+    from megatron_ba.train.preemption import PREEMPTED_EXIT_CODE
+
+    assert PREEMPTED_EXIT == PREEMPTED_EXIT_CODE

@@ -12,7 +12,9 @@ met bad input (errors.UserError, exit status 2: megatron_ba/cli.py) has written 
 torchrun's per-worker error file and printed nothing. When the first failure was such a worker,
 the launch ends with status 2, printing each different message once (all ranks usually say the
 same; a rank's own problem, e.g. a shard of its own, is named with its rank). Any other failure
-keeps torchrun's report and status 1.
+keeps torchrun's report and status 1. A preempted run (every worker saved its checkpoint and
+ended with 75) ends with 75. To preempt one, touch RUN_DIR/PREEMPT: SIGUSR1 would end the
+launcher itself, which is torchrun's agent, not a worker.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import sys
 import time
 
 USER_ERROR_EXIT = 2  # megatron-ba's status for bad input (argparse's too)
+# train/preemption.py's PREEMPTED_EXIT_CODE (checkpoint saved, run again with --resume): a launch
+# whose every worker stopped so ends with it too (parallel/ sits below train/; a test holds the two
+# equal).
+PREEMPTED_EXIT = 75
 _LAUNCHER_ENV = "MEGATRON_BA_LOCAL_LAUNCH"  # set for the workers run_local starts
 
 
@@ -95,6 +101,8 @@ def run_local(nproc: int, argv: list[str]) -> int:
     try:
         run(args)
     except ChildFailedError as e:
+        if {f.exitcode for f in e.failures.values()} == {PREEMPTED_EXIT}:
+            return PREEMPTED_EXIT  # rank 0 said where the checkpoint is and how to go on
         ended = user_error_status(e.failures)
         if ended is None:
             print(e.format_msg(), file=sys.stderr)
