@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except UserError as e:
         local_launch.report_user_error(str(e))  # once, from rank 0, under torchrun too
-        return 2
+        return local_launch.USER_ERROR_EXIT
 
 
 if __name__ == "__main__":
