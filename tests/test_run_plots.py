@@ -76,3 +76,17 @@ def test_the_correction_panel_only_when_it_acted_and_benchmarks_have_a_legend(tm
         got = ax.get_legend()
         assert ([t.get_text() for t in got.get_texts()] if got else None) == legend
         plt.close(fig)
+
+
+def test_many_curves_keep_visible_widths():
+    """Seven benchmarks (the paper's six and one more): every curve at least 1 pt wide."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    curves = [([1, 2], [0.1 * i, 0.2 * i], f"b{i}") for i in range(1, 8)]
+    plots._draw(ax, curves, always_legend=True)
+    assert len(ax.lines) == 7 and min(line.get_linewidth() for line in ax.lines) >= 1.0
+    plt.close(fig)

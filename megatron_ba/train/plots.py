@@ -118,8 +118,9 @@ def _draw(ax, curves: list[tuple[list, list, str]], always_legend: bool) -> None
     noise = any(v != 0 for v in values) and all(abs(v) < ROUNDING for v in values)
     for i, (xs, ys, label) in enumerate(curves):
         ys = [0.0] * len(ys) if noise else ys
-        ax.plot(xs, ys, _STYLES[i % len(_STYLES)], marker="o" if len(xs) < 30 else None,
-                label=label, linewidth=2.2 - 0.4 * i)  # fmt: skip
+        style = i % len(_STYLES)  # dash and width cycle together: the paper's six benchmarks
+        ax.plot(xs, ys, _STYLES[style], marker="o" if len(xs) < 30 else None,
+                label=label, linewidth=2.2 - 0.4 * style)  # fmt: skip
     if noise:
         ax.set_ylim(-1.0, 1.0)
         ax.text(0.02, 0.92, f"every value within {ROUNDING:g} of 0 (float32 rounding): drawn as 0",
