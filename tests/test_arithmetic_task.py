@@ -112,3 +112,50 @@ def test_the_shared_warm_start_cache_is_keyed_by_the_code_and_releases_too(monke
     parser = argparse.ArgumentParser()
     train_command.add_arguments(parser)
     assert parser.parse_args(["r.yaml"]).cache_dir == tmp_path / "xdg/megatron-ba"
+
+
+def test_runs_that_share_the_cache_train_one_warm_start(monkeypatch, tmp_path):
+    """Two runs asking for one missing warm start at once (two clones, a study's elements side
+    by side): the first trains, the second waits for its lock and takes the result, so neither
+    replaces a folder the other may be reading. The training itself is a stand-in that takes a
+    moment and counts its calls. Control: without the lock both train."""
+    import contextlib
+    import threading
+    import time
+
+    from megatron_ba.recipe import load_recipe
+    from megatron_ba.train import warmstart
+
+    recipe = load_recipe("recipes/tiny-cpu.yaml", [])
+    trained = []
+
+    def stand_in(recipe, out, log):
+        trained.append(out)
+        time.sleep(0.5)  # long enough for the other run to find the entry missing
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "DONE").write_text("ok\n")
+        return out
+
+    def two_runs(cache: Path) -> list[str]:
+        logs: list[str] = []
+        runs = [
+            threading.Thread(target=warmstart.run_warmstart, args=(recipe, cache, logs.append))
+            for _ in range(2)
+        ]
+        for run in runs:
+            run.start()
+            time.sleep(0.1)
+        for run in runs:
+            run.join()
+        return logs
+
+    monkeypatch.setattr(warmstart, "_train", stand_in)
+    logs = two_runs(tmp_path / "locked")
+    assert len(trained) == 1
+    assert any("another run is training this warm start; waiting" in line for line in logs)
+    assert any("cached (trained by another run meanwhile)" in line for line in logs)
+
+    trained.clear()
+    monkeypatch.setattr(warmstart, "_exclusive", lambda path, log: contextlib.nullcontext())
+    two_runs(tmp_path / "unlocked")
+    assert len(trained) == 2  # the control: the second run trained too

@@ -13,6 +13,8 @@ on another commit never takes a warm start its code would not make.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -119,12 +121,41 @@ def _batches(examples, tokenizer, batch_size: int, rng: torch.Generator):
 
 
 def run_warmstart(recipe: Recipe, cache_dir: str | Path, log=print) -> Path:
-    """The warm-started HF model directory for `recipe` (trained now, or found in the cache)."""
+    """The warm-started HF model directory for `recipe` (trained now, or found in the cache).
+    Runs that share the cache (every clone on a machine, a study's side-by-side elements) train
+    one warm start between them: the first takes the entry's lock and trains, the others wait for
+    it and take its result; none replaces a directory another run may be reading."""
     cache_dir = Path(cache_dir)
     out = cache_dir / f"warmstart-{cache_key(recipe)}"
     if (out / "DONE").is_file():
         log(f"[warmstart] cached: {out}")
         return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(cache_dir / f".{out.name}.lock", log):
+        if (out / "DONE").is_file():
+            log(f"[warmstart] cached (trained by another run meanwhile): {out}")
+            return out
+        return _train(recipe, out, log)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, log):
+    """An exclusive lock on `lock_path` (flock: released when its holder exits, even killed)."""
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[warmstart] another run is training this warm start; waiting ({lock_path})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _train(recipe: Recipe, out: Path, log) -> Path:
+    """Train the warm start into a scratch folder beside `out`, then move it into place."""
+    cache_dir = out.parent
     task = task_of(recipe)
     tmp = cache_dir / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
