@@ -1,10 +1,12 @@
-"""A real Slurm for tests (tests/test_slurm.py, tests/nemo/test_nemo_slurm.py): start or reuse
-one (scripts/slurm_up.sh: two nodes on this host), submit and wait for jobs, and tell a failed
-job's story.
+"""A real Slurm for tests (tests/test_slurm.py, test_verl_slurm.py, nemo/test_nemo_slurm.py,
+nemorl/test_nemo_rl_slurm.py): start or reuse one (scripts/slurm_up.sh: two nodes on this host),
+submit, preempt and wait for jobs, and tell a failed job's story.
 
-    with cluster() as conf: ...           # SLURM_CONF of a running cluster (or pytest.skip)
-    info = wait_until_ended(conf, job)    # scontrol's fields of the ended job
-    assert info["JobState"] == "COMPLETED", why(conf, submit_dir, info)
+    def test_x(slurm, tmp_path): ...      # the module-scoped fixture below (import it)
+    job = submit(slurm, BATCH, RECIPE, *overrides, cwd=tmp_path, env=env)
+    preempt(slurm, job); wait_requeued(slurm, job)
+    info = wait_until_ended(slurm, job)   # scontrol's fields of the ended job
+    assert info["JobState"] == "COMPLETED", why(slurm, submit_dir, info)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import cluster_lock
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,24 +28,61 @@ ROOT = Path(__file__).resolve().parents[1]
 @contextlib.contextmanager
 def cluster():
     """SLURM_CONF of a running cluster: the caller's (CI exports it), or one
-    scripts/slurm_up.sh starts and this stops again."""
-    conf = os.environ.get("SLURM_CONF")
-    if conf and shutil.which("sinfo"):
-        if subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
+    scripts/slurm_up.sh starts and this stops again; this session's alone while the block runs
+    (tests/cluster_lock.py: the test command's other suites wait for it)."""
+    with cluster_lock.held("Slurm jobs"):
+        conf = os.environ.get("SLURM_CONF")
+        if conf and shutil.which("sinfo"):
+            if subprocess.run(["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0:
+                yield conf
+                return
+        if os.geteuid() != 0 and shutil.which("sbatch") is None:
+            pytest.skip("Slurm is not installed and installing it needs root")
+        up = subprocess.run(["bash", str(ROOT / "scripts/slurm_up.sh")], capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+        if up.returncode != 0:
+            pytest.skip(f"could not start a Slurm here: {up.stderr.strip()[-500:]}")
+        conf = up.stdout.strip().split("=", 1)[1]
+        try:
             yield conf
-            return
-    if os.geteuid() != 0 and shutil.which("sbatch") is None:
-        pytest.skip("Slurm is not installed and installing it needs root")
-    up = subprocess.run(["bash", str(ROOT / "scripts/slurm_up.sh")], capture_output=True,
-                        text=True, timeout=300)  # fmt: skip
-    if up.returncode != 0:
-        pytest.skip(f"could not start a Slurm here: {up.stderr.strip()[-500:]}")
-    conf = up.stdout.strip().split("=", 1)[1]
-    try:
+        finally:
+            if "already running" not in up.stderr:  # stop only what this started
+                subprocess.run(["bash", str(ROOT / "scripts/slurm_down.sh")], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """SLURM_CONF of a running cluster, for the tests of one module (`from slurm_cluster import
+    slurm` makes it theirs)."""
+    with cluster() as conf:
         yield conf
-    finally:
-        if "already running" not in up.stderr:  # stop only what this started
-            subprocess.run(["bash", str(ROOT / "scripts/slurm_down.sh")], capture_output=True)
+
+
+def submit(conf: str, *command, cwd: Path, env: dict | None = None, options: tuple = ()) -> int:
+    """`sbatch --parsable OPTIONS COMMAND` (a batch script and its arguments) from `cwd` with the
+    submitting shell's `env` (default: this process's; its SLURM_JOB* left out, so a test run
+    inside a job submits one of its own): the job id."""
+    env = {k: str(v) for k, v in (os.environ if env is None else env).items()
+           if not k.startswith("SLURM_JOB")}  # fmt: skip
+    env["SLURM_CONF"] = conf
+    cmd = ["sbatch", "--parsable", *options, *map(str, command)]
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, f"{' '.join(cmd)}: {p.stderr}"
+    return int(p.stdout.strip().split(";")[0])
+
+
+def preempt(conf: str, job) -> None:
+    """Slurm's warning before the time limit, as slurm/grpo_balanced.sh asks for it
+    (--signal=B:USR1): SIGUSR1 to the job's batch shell alone."""
+    env = dict(os.environ, SLURM_CONF=conf)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=env)
+
+
+def wait_requeued(conf: str, job, timeout: float = 900.0) -> dict:
+    """scontrol's fields of `job` once it has been requeued (Restarts=1): the batch shell took
+    the warning, stopped the run and asked Slurm to run the job again."""
+    return wait(lambda: (j := job_info(conf, job)).get("Restarts") == "1" and j,
+                f"job {job} to be requeued", timeout, every=0.5)  # fmt: skip
 
 
 def job_info(conf: str, job: int) -> dict:

@@ -15,7 +15,6 @@ Runs in .venv-verl (bash scripts/run_verl_tests.sh); skips where no Slurm can be
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,13 +33,12 @@ BATCH_SCRIPT = ROOT / "slurm/grpo_balanced.sh"
 VERL_PYTHON = ROOT / ".venv-verl/bin/python"
 
 
-def _env(conf: str, run_dir: Path) -> dict:
+def _env(run_dir: Path) -> dict:
     """The submitting shell: no Slurm job or Ray settings of its own (the launcher picks the
     job's Ray port), .venv-verl's Python."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_JOB", "RAY_"))}  # fmt: skip
-    env.update(SLURM_CONF=conf, PYTHON=str(VERL_PYTHON), RUN_DIR=str(run_dir),
-               PYTHONPATH=str(ROOT))  # fmt: skip
+    env.update(PYTHON=str(VERL_PYTHON), RUN_DIR=str(run_dir), PYTHONPATH=str(ROOT))
     return env
 
 
@@ -58,12 +56,9 @@ def test_a_verl_job_runs_the_preflight_and_a_preempted_one_runs_it_again(tmp_pat
     files = write_run_files(tmp_path / "files")
     run = tmp_path / "run"
     with slurm_cluster.cluster() as conf:
-        env = _env(conf, run)
-        p = subprocess.run(["sbatch", "--parsable", "--nodes=1", str(BATCH_SCRIPT), str(RECIPE),
-                            *files.recipe_overrides()], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert p.returncode == 0, p.stderr
-        job = int(p.stdout.strip().split(";")[0])
+        env = _env(run)
+        job = slurm_cluster.submit(conf, BATCH_SCRIPT, RECIPE, *files.recipe_overrides(),
+                                   cwd=tmp_path, env=env, options=("--nodes=1",))  # fmt: skip
         first = _log(run, job, 0)
         info = lambda: slurm_cluster.job_info(conf, job)  # noqa: E731
         alive = ("PENDING", "RUNNING")
@@ -71,10 +66,8 @@ def test_a_verl_job_runs_the_preflight_and_a_preempted_one_runs_it_again(tmp_pat
                            "the entry's log", timeout=600, every=0.5)  # fmt: skip
         assert first.exists(), slurm_cluster.why(conf, tmp_path, dict(info(), JobId=str(job)))
         # while the entry imports verl (half a minute here): Slurm's warning of the end
-        subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=env)
-        held = slurm_cluster.wait(lambda: (j := info()).get("JobState") == "PENDING" and j,
-                                  "the requeue", timeout=120, every=0.5)  # fmt: skip
-        assert held["Restarts"] == "1"
+        slurm_cluster.preempt(conf, job)
+        slurm_cluster.wait_requeued(conf, job, timeout=120)
         second = _log(run, job, 1)
         ended = slurm_cluster.wait_until_ended(conf, job, timeout=600, cwd=tmp_path,
                                                more=(first, second))  # fmt: skip

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from conftest import REPO, needs_nemo, nemo_env
 
 sys.path.append(str(REPO / "tests"))  # appended: `conftest` stays tests/nemo's
 import slurm_cluster
+
+slurm = slurm_cluster.slurm  # the fixture: a running Slurm for this module's tests
 
 pytestmark = [needs_nemo, pytest.mark.nemo, pytest.mark.slow]
 
@@ -31,20 +32,11 @@ SMALL = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def slurm():
-    with slurm_cluster.cluster() as conf:
-        yield conf
-
-
 def _sbatch(conf: str, cwd: Path, run_dir: Path, *overrides: str) -> int:
-    env = dict(nemo_env(), SLURM_CONF=conf, RUN_DIR=str(run_dir), PYTHON=sys.executable)
-    env = {k: v for k, v in env.items() if not k.startswith("SLURM_JOB")}
-    sbatch = ["sbatch", "--parsable", "--ntasks-per-node=2"]  # one task per process (TP=2)
-    p = subprocess.run([*sbatch, str(BATCH), str(TP2), *SMALL, *overrides],
-                       cwd=cwd, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    return int(p.stdout.strip().split(";")[0])
+    env = dict(nemo_env(), RUN_DIR=str(run_dir), PYTHON=sys.executable)
+    options = ("--ntasks-per-node=2",)  # one task per process (TP=2)
+    return slurm_cluster.submit(conf, BATCH, TP2, *SMALL, *overrides, cwd=cwd, env=env,
+                                options=options)  # fmt: skip
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -67,12 +59,8 @@ def test_sbatch_trains_on_nemo_aligner_and_a_preempted_job_resumes(slurm, tiny, 
     assert len((run / "data" / "train.jsonl").read_text().splitlines()) == 8 * 4
 
     # Slurm's warning before the time limit (--signal=B:USR1 reaches the batch shell alone)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True,
-                   env=dict(nemo_env(), SLURM_CONF=slurm))  # fmt: skip
-    held = slurm_cluster.wait(
-        lambda: (j := slurm_cluster.job_info(slurm, job)).get("Restarts") == "1" and j,
-        "the requeue",
-    )
+    slurm_cluster.preempt(slurm, job)
+    held = slurm_cluster.wait_requeued(slurm, job)
     ranks = [logs / "rank-0.log", logs / "rank-1.log"]
     assert (run / "preempted.json").is_file(), slurm_cluster.why(slurm, tmp_path, held, *ranks)
     stopped = json.loads((run / "preempted.json").read_text())["step"]

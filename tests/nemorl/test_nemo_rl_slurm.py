@@ -8,7 +8,6 @@ requeues the job; its second run forms Ray again and ends with the same line.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,24 +33,17 @@ import slurm_cluster
 
 from megatron_ba.integrations.nemo_rl.nemo_rl_preflight import NEEDS_GPU
 
+slurm = slurm_cluster.slurm  # the fixture: a running Slurm for this module's tests
+
 pytestmark = pytest.mark.slow
 BATCH = ROOT / "slurm/grpo_balanced.sh"
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    with slurm_cluster.cluster() as conf:
-        yield conf
 
 
 def _sbatch(conf: str, cwd: Path, args: list[str]) -> int:
     # run_env drops the caller's RAY_* (run_nemorl_tests.sh's own Ray head is RAY_ADDRESS there):
     # the entry must find the job's Ray, whose address the launcher exports.
-    env = run_env(False, SLURM_CONF=conf, PYTHON=sys.executable, RUN_DIR=str(cwd / "run"))
-    p = subprocess.run(["sbatch", "--parsable", "--nodes=1", str(BATCH), str(QWEN), *args],
-                       cwd=cwd, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert p.returncode == 0, p.stderr
-    return int(p.stdout.strip().split(";")[0])
+    env = run_env(False, PYTHON=sys.executable, RUN_DIR=str(cwd / "run"))
+    return slurm_cluster.submit(conf, BATCH, QWEN, *args, cwd=cwd, env=env, options=("--nodes=1",))
 
 
 def test_sbatch_runs_the_preflight_on_the_jobs_ray_and_a_preempted_job_runs_it_again(
@@ -73,15 +65,8 @@ def test_sbatch_runs_the_preflight_on_the_jobs_ray_and_a_preempted_job_runs_it_a
     )
     info = slurm_cluster.job_info(slurm, job)
     assert info.get("JobState") == "RUNNING", slurm_cluster.why(slurm, tmp_path, info, *entry)
-    env = run_env(SLURM_CONF=slurm)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=env)
-    held = slurm_cluster.wait(
-        lambda: (j := slurm_cluster.job_info(slurm, job)).get("Restarts") == "1" and j,
-        "the requeue",
-        timeout=300,
-        every=0.5,
-    )
-    assert held["Restarts"] == "1"
+    slurm_cluster.preempt(slurm, job)
+    slurm_cluster.wait_requeued(slurm, job, timeout=300)
     info = slurm_cluster.wait_until_ended(slurm, job, cwd=tmp_path, more=tuple(entry))
     story = slurm_cluster.why(slurm, tmp_path, info, *entry)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", f"{NEEDS_GPU}:0"), story
