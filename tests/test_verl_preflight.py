@@ -1,9 +1,10 @@
 """The verl entry's preflight on CPU (megatron_ba/integrations/verl/verl_preflight.py): a paper
 recipe translated for verl and pointed at a tiny local Hugging Face model and DAPO-Math / MATH-500
-rows in verl's parquet layout (tests/verl_run_files.py) runs through the real entry, `python -m
-megatron_ba.integrations.verl.main_ppo`, which checks verl's config, reads the files and one batch
-with verl's RLHFDataset and collate_fn, scores the batch with verl's reward manager and, with no
-CUDA GPU, ends with its one line and exit status NEEDS_GPU.
+rows in verl's parquet layout (tests/verl_run_files.py) runs through the real entry's main
+(`python -m megatron_ba.integrations.verl.main_ppo`, run in this process: verl is imported once;
+tests/test_verl_slurm.py runs it as its own process in a Slurm job), which checks verl's config,
+reads the files and one batch with verl's RLHFDataset and collate_fn, scores the batch with verl's
+reward manager and, with no CUDA GPU, ends with its one line and exit status NEEDS_GPU.
 
 The negative controls, through the same entry: a training file with no rows, verl's own DAPO
 reward in place of this project's (it scores a wrong answer -1, not 0: the reward disagrees with
@@ -17,9 +18,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -32,8 +31,6 @@ from verl_test_env import no_ba_environment  # noqa: F401 (autouse fixture)
 from megatron_ba.integrations.engines.verl import ENTRY, recipe_to_verl_overrides
 from megatron_ba.integrations.verl.verl_preflight import NEEDS_GPU, PREFIX
 from megatron_ba.recipe import load_recipe
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -61,20 +58,10 @@ def _entry_args(files, run_dir: Path, *extra: str, reward: Path | None = None) -
     return [*ENTRY, *overrides, f"hydra.run.dir={run_dir}", "hydra.output_subdir=null"]
 
 
-def test_the_entry_checks_config_data_and_reward_and_stops_without_a_gpu(files, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    start = time.time()
-    p = subprocess.run([sys.executable, *_entry_args(files, tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
-    print(f"entry: {time.time() - start:.1f} s")
-    assert p.returncode == NEEDS_GPU, p.stderr[-3000:]
-    assert [line for line in p.stdout.splitlines() if line.startswith(PREFIX)] == [LINE]
-    assert "preflight failed" not in p.stderr
-
-
-def _fails(files, tmp_path, monkeypatch, capsys, *extra: str, reward: Path | None = None) -> str:
-    """main_ppo.main in this process (verl is imported once) on the translated overrides: the
-    preflight's message on stderr, exit status 1, no GPU line."""
+def _entry(files, tmp_path, monkeypatch, capsys, *extra: str, reward: Path | None = None):
+    """main_ppo.main in this process (verl is imported once) on the translated overrides, as
+    `python -m megatron_ba.integrations.verl.main_ppo` runs it (tests/test_verl_slurm.py runs
+    that process, in a Slurm job): its exit status and what it printed."""
     from megatron_ba.integrations.verl import main_ppo
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -82,8 +69,22 @@ def _fails(files, tmp_path, monkeypatch, capsys, *extra: str, reward: Path | Non
     monkeypatch.setattr(sys, "argv", ["main_ppo", *args[2:]])
     with pytest.raises(SystemExit) as stop:
         main_ppo.main()
-    out = capsys.readouterr()
-    assert stop.value.code == 1, out.err[-3000:]
+    return stop.value.code, capsys.readouterr()
+
+
+def test_the_entry_checks_config_data_and_reward_and_stops_without_a_gpu(
+    files, tmp_path, monkeypatch, capsys
+):
+    code, out = _entry(files, tmp_path, monkeypatch, capsys)
+    assert code == NEEDS_GPU, out.err[-3000:]
+    assert [line for line in out.out.splitlines() if line.startswith(PREFIX)] == [LINE]
+    assert "preflight failed" not in out.err
+
+
+def _fails(files, tmp_path, monkeypatch, capsys, *extra: str, reward: Path | None = None) -> str:
+    """The entry on a bad input: the preflight's message on stderr, exit status 1, no GPU line."""
+    code, out = _entry(files, tmp_path, monkeypatch, capsys, *extra, reward=reward)
+    assert code == 1, out.err[-3000:]
     assert "stopping before training" not in out.out
     (message,) = [line for line in out.err.splitlines() if "preflight failed" in line]
     print(message)  # pytest -s: what a user reads
