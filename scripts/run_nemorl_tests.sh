@@ -18,6 +18,12 @@
 # CI runs it after the main suite. In .venv the tests in tests/nemorl/ skip.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Its own Ray head (whose end is `ray stop --force`: every Ray process of the user) and its Slurm
+# job use machine-wide state, so the whole script runs under the machine's cluster lock
+# (tests/cluster_lock.py): a suite beside it that submits Slurm jobs or starts Ray waits its turn.
+if [ "${MBA_CLUSTER_LOCK_HELD:-}" != 1 ]; then
+  exec python3 tests/cluster_lock.py bash "$PWD/scripts/run_nemorl_tests.sh" "$@"
+fi
 setup_log=$(mktemp)
 bash scripts/setup_nemorl_env.sh | tee "$setup_log"
 src=$(tail -n 1 "$setup_log")
