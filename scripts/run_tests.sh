@@ -15,9 +15,11 @@
 #      scripts/run_nemorl_tests.sh),
 #   5. the current stack in .venv-current (Python 3.12, megatron-core 0.19: the tests that need no
 #      vLLM and run torch or megatron-core; scripts/run_current_tests.sh).
-# The environments of 2-5 are built in the background while the main suite runs (their set-up is
-# mostly downloads and disk); each is cached outside the checkout (scripts/env_lib.sh), so a second
-# run on the same machine skips every set-up. pytest args go to the main suite only.
+# 2-5 run beside 1, one after another in a second lane (each environment's set-up first, cached
+# outside the checkout by scripts/env_lib.sh, so a second run on the machine skips them): the
+# main suite spends much of its time waiting on subprocesses and Slurm jobs, which the other lane
+# fills. Their Slurm jobs and Ray take turns (tests/cluster_lock.py). The second lane's output
+# goes to a log printed when both lanes have ended. pytest args go to the main suite only.
 # MEGATRON_BA_SKIP_EXTRA_ENVS=1 skips 2-5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,14 +30,6 @@ ruff format --check .
 
 extra=0
 [ "${MEGATRON_BA_SKIP_EXTRA_ENVS:-0}" = 1 ] || extra=1
-setup_log=$(mktemp -t megatron-ba-setup.XXXXXX)
-if [ $extra = 1 ]; then
-  echo "[tests] building .venv-verl, .venv-nemo, .venv-current and .venv-nemorl in the background" \
-    "($setup_log)"
-  (bash scripts/setup_verl_env.sh && bash scripts/setup_nemo_env.sh \
-    && bash scripts/setup_current_env.sh && bash scripts/setup_nemorl_env.sh) >"$setup_log" 2>&1 &
-  setup_pid=$!
-fi
 
 if ! command -v shellcheck >/dev/null && [ "$(id -u)" = 0 ]; then
   echo "[tests] installing shellcheck (Debian package)"
@@ -51,21 +45,37 @@ if [ "$(id -u)" = 0 ]; then
   fi
 fi
 
+other_suites() {
+  local t0=$SECONDS
+  if ! { bash scripts/setup_verl_env.sh && bash scripts/setup_nemo_env.sh \
+    && bash scripts/setup_current_env.sh && bash scripts/setup_nemorl_env.sh; }; then
+    echo "[tests] building the other environments failed (above)"
+    return 1
+  fi
+  echo "[tests] the other environments are ready after $((SECONDS - t0)) s"
+  local status=0 suite
+  for suite in verl light_install nemo nemorl current; do
+    echo "[tests] ---- scripts/run_${suite}_tests.sh ($((SECONDS - t0)) s into this lane)"
+    bash "scripts/run_${suite}_tests.sh" || { status=1; echo "[tests] FAILED: run_${suite}_tests.sh"; }
+  done
+  echo "[tests] the second lane ended after $((SECONDS - t0)) s"
+  return $status
+}
+if [ $extra = 1 ]; then
+  lane_log=$(mktemp -t megatron-ba-suites.XXXXXX)
+  echo "[tests] verl, light install, NeMo-Aligner, NeMo-RL and current-stack suites (with their" \
+    "environments' set-up) run beside the main suite: $lane_log"
+  other_suites >"$lane_log" 2>&1 &
+  lane_pid=$!
+fi
+
 main_status=0
 python -m pytest "$@" || main_status=$?
+lane_status=0
 if [ $extra = 1 ]; then
-  if ! wait "$setup_pid"; then
-    echo "[tests] building the other environments failed:"
-    cat "$setup_log"
-    exit 1
-  fi
-  grep -E '^\[setup-[a-z]+\] (ok|.* is up to date)' "$setup_log" || true
+  echo "[tests] the main suite has ended; waiting for the other suites ($lane_log)"
+  wait "$lane_pid" || lane_status=$?
+  cat "$lane_log"
 fi
-[ $main_status = 0 ] || exit $main_status
-if [ $extra = 1 ]; then
-  bash scripts/run_verl_tests.sh
-  bash scripts/run_light_install_tests.sh
-  bash scripts/run_nemo_tests.sh
-  bash scripts/run_nemorl_tests.sh
-  bash scripts/run_current_tests.sh
-fi
+[ $main_status = 0 ] || { echo "[tests] the main suite failed"; exit $main_status; }
+[ $lane_status = 0 ] || { echo "[tests] another suite failed (above)"; exit 1; }
