@@ -37,6 +37,7 @@ from pathlib import Path
 
 from megatron_ba.model_shape import ModelShape
 from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
+from megatron_ba.planning.architectures import Unmodelled
 from megatron_ba.planning.memory import MemorySettings, VLLMShare, load_model, padded_seq_len
 from megatron_ba.planning.verdict import Verdict, assess, remedies
 from megatron_ba.recipe import RecipeError, load_recipe
@@ -216,6 +217,9 @@ def _memory_verdict(args, recipe, layout, gpus) -> tuple[int, Verdict | None]:
         return 0, None
     try:
         verdict, problem = check_memory(recipe, layout, gpus, gpu_mem)
+    except Unmodelled as e:
+        print(f"launch: the memory check is skipped: {e}", file=sys.stderr)
+        return 0, None
     except ValueError as e:
         print(f"launch: {args.recipe}: {e}", file=sys.stderr)
         return 2, None

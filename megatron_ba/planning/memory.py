@@ -29,6 +29,7 @@ from pathlib import Path
 
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
 from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
+from megatron_ba.planning.architectures import check_modelled
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
 
@@ -50,6 +51,7 @@ def load_model(name_or_path: str) -> ModelShape:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"--model {path}: not JSON ({e})") from None
+    check_modelled(cfg, f"--model {name_or_path}")
     return ModelShape.from_hf_config(cfg, name=str(name_or_path))
 
 

@@ -1,0 +1,116 @@
+"""The planner refuses, by name, architectures its memory model does not describe
+(megatron_ba/planning/architectures.py), through `megatron-ba layout` as users run it: DeepSeek-V3
+(multi-head latent attention; read as plain attention it counted 704.9 B parameters for a 671 B
+model), Qwen3.5 (linear-attention layers, its text model nested under text_config), a model type
+it does not know. Controls: the same configs without the one property are planned. The Slurm
+launcher's fit check skips its memory check for such a model, saying why, instead of refusing
+the launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ba.cli import main as cli_main
+from megatron_ba.planning.architectures import Unmodelled
+from megatron_ba.planning.memory import load_model
+
+# deepseek-ai/DeepSeek-V3's config.json, the keys that size it
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+# Qwen/Qwen3.5-35B-A3B's config.json (ForConditionalGeneration): the text model under text_config,
+# 3 of every 4 layers Gated DeltaNet
+QWEN3_5_MOE = {
+    "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "text_config": {
+        "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+        "num_experts": 256, "num_experts_per_tok": 8, "vocab_size": 248320,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    },
+    "vision_config": {"depth": 27, "hidden_size": 1152},
+}  # fmt: skip
+QWEN3_5_MOE["text_config"]["layer_types"] *= 10
+# Qwen/Qwen3-8B's config.json, the keys the planner reads
+QWEN3_8B = {
+    "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 12288, "vocab_size": 151936,
+}  # fmt: skip
+
+
+def _layout(tmp_path, cfg: dict, capsys) -> tuple[int, str]:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    args = ["layout", "--model-config", str(tmp_path), "--nodes", "4", "--gpus-per-node", "8",
+            "--gpu", "H100", "--seq-len", "4096", "--json"]  # fmt: skip
+    status = cli_main(args)
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "cfg, said",
+    [
+        (DEEPSEEK_V3, "model_type 'deepseek_v3' has multi-head latent attention (kv_lora_rank "
+                      "512)"),
+        (QWEN3_5_MOE, "model_type 'qwen3_5_moe' (its text model under text_config) has "
+                      "linear-attention layers (30 of its 40 layers are 'linear_attention'"),
+        ({**QWEN3_8B, "model_type": "gemma3_text"}, "model_type 'gemma3_text' is not one the "
+                                                    "planner models (qwen2, qwen2_moe, qwen3"),
+    ],
+    ids=["mla", "linear-attention", "unknown-type"],
+)  # fmt: skip
+def test_an_architecture_the_planner_does_not_model_is_refused_by_name(cfg, said, tmp_path, capsys):
+    status, err = _layout(tmp_path, cfg, capsys)
+    assert status == 2, err
+    assert said in err, err
+    assert "which the planner does not model" in err or "is not one the planner models" in err
+
+
+def test_the_controls_differ_in_the_one_property_and_are_planned(tmp_path, capsys):
+    """Each refused config's reason removed alone: then the planner reads it (and the plain Qwen3
+    config is planned through the CLI)."""
+    assert _layout(tmp_path, QWEN3_8B, capsys)[0] == 0
+    mla_off = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("kv_lora_rank", "q_lora_rank")}
+    with pytest.raises(Unmodelled, match="3 dense layers before its expert layers"):
+        load_model(_write(tmp_path, mla_off))  # the next thing it does not model: named too
+    text = {**QWEN3_5_MOE["text_config"], "model_type": "qwen3_moe", "intermediate_size": 512}
+    del text["layer_types"], text["linear_num_key_heads"], text["linear_num_value_heads"]
+    assert load_model(_write(tmp_path, text)).num_layers == 40
+    with pytest.raises(Unmodelled, match="nests its text model under text_config"):
+        load_model(_write(tmp_path, {**QWEN3_5_MOE, "text_config": text}))
+    assert load_model(_write(tmp_path, {**QWEN3_8B, "model_type": "llama"})).num_layers == 36
+
+
+def _write(tmp_path, cfg: dict) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path / "config.json")
+
+
+def test_the_launcher_skips_its_memory_check_for_such_a_model_saying_why(tmp_path, capsys):
+    """A recipe whose checkpoint the planner does not model still launches (the engine may
+    train it): the fit check says its memory check is skipped and why. Control: the same recipe
+    on a Qwen3 checkpoint gets the memory check, here refusing a layout that does not fit."""
+    from pathlib import Path
+
+    from megatron_ba.planning import launch
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes/qwen3-1.7b-dapo17k.yaml")
+    fit = ["fit", recipe, f"model.pretrained={tmp_path}", "--nodes", "1", "--gpus-per-node", "8",
+           "--gpu-mem", "8"]  # fmt: skip
+    _write(tmp_path, DEEPSEEK_V3)
+    assert launch.main(fit) == 0
+    err = capsys.readouterr().err
+    assert "launch: the memory check is skipped: --model " in err
+    assert "multi-head latent attention" in err
+    _write(tmp_path, QWEN3_8B)
+    assert launch.main(fit) == launch.FIT_EXIT  # 8 GiB GPUs: the control is checked and refused
+    assert "does not fit GPUs of 8.0 GiB" in capsys.readouterr().err
