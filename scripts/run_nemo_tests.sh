@@ -15,4 +15,7 @@ main_venv=${MEGATRON_BA_VENV:-.venv}
 export MEGATRON_BA_MAIN_PYTHON=${MEGATRON_BA_MAIN_PYTHON:-$main_venv/bin/python}
 . "${MEGATRON_BA_NEMO_VENV:-.venv-nemo}/bin/activate"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python -m pytest tests/nemo -p no:cacheprovider "$@"
+# The Slurm job's test last: it may wait for the machine's Slurm while another suite uses it
+# (tests/cluster_lock.py), and the other tests need not wait with it.
+mapfile -t tests < <(find tests/nemo -name 'test_*.py' ! -name test_nemo_slurm.py | sort)
+python -m pytest "${tests[@]}" tests/nemo/test_nemo_slurm.py -p no:cacheprovider "$@"
