@@ -1,45 +1,28 @@
 """The planner refuses, by name, architectures its memory model does not describe
-(megatron_ba/planning/architectures.py), through `megatron-ba layout` as users run it: DeepSeek-V3
-(multi-head latent attention; read as plain attention it counted 704.9 B parameters for a 671 B
-model), Qwen3.5 (linear-attention layers, its text model nested under text_config), a model type
-it does not know. Controls: the same configs without the one property are planned. The Slurm
-launcher's fit check skips its memory check for such a model, saying why, instead of refusing
-the launch."""
+(megatron_ba/planning/architectures.py), through `megatron-ba layout` as users run it:
+DeepSeek-V3 (multi-head latent attention; read as plain attention its config counts 706.7 B
+parameters for a 671 B model), Qwen3.5 (linear-attention layers, its text model nested under
+text_config), a model type it does not know. Controls: the same configs without the one property
+are planned. The Slurm launcher's fit check skips its memory check for such a model, saying why,
+instead of refusing the launch."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import transformers
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.planning.architectures import Unmodelled
 from megatron_ba.planning.memory import load_model
 
-# deepseek-ai/DeepSeek-V3's config.json, the keys that size it
-DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-    "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
-    "num_key_value_heads": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "kv_lora_rank": 512, "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
-}  # fmt: skip
-# Qwen/Qwen3.5-35B-A3B's config.json (ForConditionalGeneration): the text model under text_config,
-# 3 of every 4 layers Gated DeltaNet
-QWEN3_5_MOE = {
-    "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-    "text_config": {
-        "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
-        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
-        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
-        "num_experts": 256, "num_experts_per_tok": 8, "vocab_size": 248320,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-    },
-    "vision_config": {"depth": 27, "hidden_size": 1152},
-}  # fmt: skip
-QWEN3_5_MOE["text_config"]["layer_types"] *= 10
+# The configs as transformers writes them (save_pretrained of its own config types, whose defaults
+# are the released models' shapes): DeepSeek-V3 (61 layers, kv_lora_rank 512, 3 dense layers
+# first) and Qwen3.5-35B-A3B's ForConditionalGeneration layout (its text model under text_config,
+# 40 layers, 3 of every 4 Gated DeltaNet).
+DEEPSEEK_V3 = json.loads(transformers.DeepseekV3Config().to_json_string())
+QWEN3_5_MOE = json.loads(transformers.Qwen3_5MoeConfig().to_json_string())
 # Qwen/Qwen3-8B's config.json, the keys the planner reads
 QWEN3_8B = {
     "model_type": "qwen3", "hidden_size": 4096, "num_hidden_layers": 36,
@@ -82,8 +65,9 @@ def test_the_controls_differ_in_the_one_property_and_are_planned(tmp_path, capsy
     mla_off = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("kv_lora_rank", "q_lora_rank")}
     with pytest.raises(Unmodelled, match="3 dense layers before its expert layers"):
         load_model(_write(tmp_path, mla_off))  # the next thing it does not model: named too
-    text = {**QWEN3_5_MOE["text_config"], "model_type": "qwen3_moe", "intermediate_size": 512}
-    del text["layer_types"], text["linear_num_key_heads"], text["linear_num_value_heads"]
+    text = {k: v for k, v in QWEN3_5_MOE["text_config"].items()
+            if k != "layer_types" and not k.startswith("linear_")}  # fmt: skip
+    text.update(model_type="qwen3_moe", intermediate_size=text["moe_intermediate_size"])
     assert load_model(_write(tmp_path, text)).num_layers == 40
     with pytest.raises(Unmodelled, match="nests its text model under text_config"):
         load_model(_write(tmp_path, {**QWEN3_5_MOE, "text_config": text}))

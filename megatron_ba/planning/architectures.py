@@ -9,7 +9,7 @@ Qwen2 / Qwen2.5, Qwen2-MoE, Qwen3, Qwen3-MoE, Llama, Mistral. Three things chang
 parameter count and the memory of a step and are refused by name wherever they appear:
 - multi-head latent attention (DeepSeek-V2 / V3, Kimi K2: `kv_lora_rank`): its low-rank KV
   projections and cache are sized by the rank, not by heads x head_dim (read as plain attention,
-  DeepSeek-V3's config counts 704.9 B parameters for a 671 B model);
+  transformers' DeepseekV3Config counts 706.7 B parameters for a 671 B model);
 - linear-attention layers (Qwen3.5, Qwen3-Next: Gated DeltaNet, `layer_types` or a
   `linear_*` head count): a recurrent state in place of a KV cache, other projections;
 - leading dense layers in a mixture of experts (DeepSeek's `first_k_dense_replace`).
