@@ -706,6 +706,13 @@ def _sbatch(conf, cwd, run_dir, cache, *overrides) -> int:
 _job, _wait, _why = slurm_cluster.job_info, slurm_cluster.wait, slurm_cluster.why
 
 
+# Steps of the preempted runs: the test sends Slurm's warning once it sees the first step, and the
+# run stops after the step in progress. With 5 steps (~0.4 s each here), on a machine with two busy
+# processes the warning landed during the study's preempted element's last step: it finished
+# (exit 0) and was never requeued.
+STEPS = 12
+
+
 def _train_steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -723,7 +730,9 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     """Two jobs of the tiny recipe side by side: one preempted after its first step, requeued
     and resumed; its uninterrupted twin, which completes as any job does (named after its run
     folder, a checkpoint, its logs), gives the metrics the resumed run must repeat."""
-    steps = ["grpo.steps=5", "checkpoint.every=0", "eval.every=0"]  # a checkpoint only at the end
+    # a checkpoint only at the end; STEPS after the first leave Slurm's warning time to land on a
+    # busy machine before the run's last step (a tiny step takes ~0.4 s)
+    steps = [f"grpo.steps={STEPS}", "checkpoint.every=0", "eval.every=0"]
     pre, ref = tmp_path / "pre", tmp_path / "ref"
     job = _sbatch(slurm, tmp_path, pre, cache_dir, *steps)
     ref_job = _sbatch(slurm, tmp_path, ref, cache_dir, *steps)  # the uninterrupted twin
@@ -731,7 +740,7 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     slurm_cluster.preempt(slurm, job)
     slurm_cluster.wait_requeued(slurm, job)
     stopped = json.loads((pre / "preempted.json").read_text())["step"]
-    assert 1 <= stopped < 5
+    assert 1 <= stopped < STEPS
     assert (pre / "checkpoints" / f"step-{stopped:06d}" / "meta.json").is_file()
     assert _train_steps(pre) == list(range(1, stopped + 1))
     assert "requeueing job" in slurm_cluster.batch_output(tmp_path)
@@ -743,12 +752,12 @@ def test_preempted_job_requeues_and_resumes_without_losing_a_step(slurm, cache_d
     for info in ended.values():
         assert info["JobState"] == "COMPLETED", _why(slurm, tmp_path, info)
     assert ended[ref_job]["JobName"] == "ref"  # renamed after the run folder: singleton keys on it
-    assert (ref / "checkpoints" / "step-000005" / "meta.json").is_file()
+    assert (ref / "checkpoints" / f"step-{STEPS:06d}" / "meta.json").is_file()
     logs = ref / "logs" / f"job-{ref_job}-restart-0"
     assert (logs / "recipe.yaml").is_file() and (logs / "node-0.log").is_file()
     assert list((logs / "ranks").glob("*/attempt_0/0/stdout.log"))  # per-rank logs
     assert (pre / "logs" / f"job-{job}-restart-1" / "launch.sh").read_text().count("--resume")
-    assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated
+    assert _train_steps(pre) == list(range(1, STEPS + 1))  # every step once: none lost or redone
     a, b = _comparable(pre), _comparable(ref)
     assert a == b  # bit for bit on CPU, but for the timings
     assert not (pre / "preempted.json").exists()  # cleared on relaunch; the finished run adds none
@@ -982,7 +991,7 @@ def test_a_study_runs_as_a_job_array_and_a_preempted_element_resumes(slurm, cach
     out = tmp_path / "study"
     out.mkdir()
     (out / ".cache").symlink_to(cache_dir)  # the module's warm start
-    steps = ["grpo.steps=5", "checkpoint.every=0", "eval.every=0", "loss.rule=token"]
+    steps = [f"grpo.steps={STEPS}", "checkpoint.every=0", "eval.every=0", "loss.rule=token"]
     cmd = [sys.executable, "-m", "megatron_ba.cli", "study", str(TINY), *SMALL, *steps,
            "--grid", "logging.plots=true,false",
            "--out", str(out), "--slurm", "--max-parallel", "2"]  # fmt: skip
@@ -1004,7 +1013,7 @@ def test_a_study_runs_as_a_job_array_and_a_preempted_element_resumes(slurm, cach
         info = slurm_cluster.wait_until_ended(slurm, task, cwd=out)
         assert info["JobState"] == "COMPLETED", _why(slurm, out, info)
     assert (pre / "logs" / f"job-{_job(slurm, tasks[0])['JobId']}-restart-1").is_dir()
-    assert _train_steps(pre) == [1, 2, 3, 4, 5]  # every step once: none lost, none repeated
+    assert _train_steps(pre) == list(range(1, STEPS + 1))  # every step once: none lost or redone
     assert _comparable(pre) == _comparable(twin)  # bit for bit on CPU, but for the timings
     report = subprocess.run([sys.executable, "-m", "megatron_ba.cli", "report", str(out)],
                             cwd=tmp_path, env=_env(), capture_output=True, text=True)  # fmt: skip
