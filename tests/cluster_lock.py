@@ -39,13 +39,18 @@ def held(what: str):
     """The machine's Slurm and Ray for this process until the block ends (waiting, and saying
     so on stderr, while another session holds them). Re-entrant within a process."""
     global _depth
-    if _depth or os.environ.get(HELD) == "1":  # held already: here, or by a parent for its tree
+    with contextlib.ExitStack() as stack:
+        if not _depth and os.environ.get(HELD) != "1":  # not held here, nor by a parent's tree
+            stack.enter_context(_flock(what))
         _depth += 1
         try:
             yield
         finally:
             _depth -= 1
-        return
+
+
+@contextlib.contextmanager
+def _flock(what: str):
     with open(lock_path(), "a") as lock:  # not inherited by child processes (PEP 446)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -55,11 +60,9 @@ def held(what: str):
                  f"Slurm and Ray ({lock_path()})")  # fmt: skip
             fcntl.flock(lock, fcntl.LOCK_EX)
             _say(f"{what}: waited {time.monotonic() - start:.0f} s")
-        _depth += 1
         try:
             yield
         finally:
-            _depth -= 1
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 

@@ -2,7 +2,7 @@
 nemorl/test_nemo_rl_slurm.py): start or reuse one (scripts/slurm_up.sh: two nodes on this host),
 submit, preempt and wait for jobs, and tell a failed job's story.
 
-    def test_x(slurm, tmp_path): ...      # the module-scoped fixture below (import it)
+    slurm = slurm_cluster.slurm           # in a test module: the module-scoped fixture
     job = submit(slurm, BATCH, RECIPE, *overrides, cwd=tmp_path, env=env)
     preempt(slurm, job); wait_requeued(slurm, job)
     info = wait_until_ended(slurm, job)   # scontrol's fields of the ended job
@@ -52,8 +52,8 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def slurm():
-    """SLURM_CONF of a running cluster, for the tests of one module (`from slurm_cluster import
-    slurm` makes it theirs)."""
+    """SLURM_CONF of a running cluster, for the tests of one module (`slurm =
+    slurm_cluster.slurm` there makes it theirs)."""
     with cluster() as conf:
         yield conf
 
