@@ -65,13 +65,72 @@ def test_model_rules_name_the_field():
     ParallelLayout(dp=4, ep=2, etp=2).check_model(MOE)
 
 
-def test_pipeline_stages_even_or_at_most_one_per_layer():
+def test_pipeline_stages_even_or_split_as_megatron_core_splits_them():
     q7 = PRESETS["Qwen2.5-Math-7B"]  # 28 layers
-    with pytest.raises(LayoutError, match="not a multiple of pp=3"):
+    with pytest.raises(LayoutError, match="not a multiple of pp=3") as e:
         ParallelLayout(pp=3).check_model(q7)
-    ParallelLayout(pp=3).check_model(q7, even_stages=False)  # the planner's uneven stages
-    with pytest.raises(LayoutError, match="29 stages are more than the num_layers=28"):
-        ParallelLayout(pp=29).check_model(q7, even_stages=False)
+    assert e.value.key == "pp"
+    with pytest.raises(LayoutError, match="leaves 27 layer.* for the 28 other stage"):
+        ParallelLayout(pp=29, pp_first_stage_layers=1).check_model(q7)
+    assert ParallelLayout(pp=4).stage_layers(28) == (7, 7, 7, 7)
+    # uneven: the given stages, the rest shared evenly by the stages between (hand-counted)
+    assert ParallelLayout(pp=2, pp_first_stage_layers=2).stage_layers(5) == (2, 3)
+    assert ParallelLayout(pp=2, pp_last_stage_layers=2).stage_layers(5) == (3, 2)
+    assert ParallelLayout(pp=3, pp_first_stage_layers=1, pp_last_stage_layers=1).stage_layers(
+        4
+    ) == (1, 2, 1)
+    split = ParallelLayout(pp=4, pp_first_stage_layers=23, pp_last_stage_layers=23)
+    assert split.stage_layers(94) == (23, 24, 24, 23)  # Qwen3-235B-A22B's 94 layers
+    assert [split.layer_offset(94, s) for s in range(4)] == [0, 23, 47, 71]
+    ParallelLayout(pp=3, pp_first_stage_layers=10).check_model(q7)  # 10 + 9 + 9
+    bad = [
+        (dict(pp=3, pp_first_stage_layers=2), 5, "pp_first_stage_layers", "leaves 3 layer"),
+        (dict(pp=2, pp_first_stage_layers=5), 5, "pp_first_stage_layers", "leaves 0 layer"),
+        (dict(pp=2, pp_first_stage_layers=2, pp_last_stage_layers=2), 5, "pp_last_stage_layers",
+         "are not the model's num_layers=5"),
+    ]  # fmt: skip
+    for fields, layers, key, words in bad:
+        with pytest.raises(LayoutError, match=words) as e:
+            ParallelLayout(**fields).stage_layers(layers)
+        assert e.value.key == key
+    for key in ("pp_first_stage_layers", "pp_last_stage_layers"):
+        with pytest.raises(LayoutError, match="needs pp >= 2") as e:
+            ParallelLayout(**{key: 1})
+        assert e.value.key == key
+        with pytest.raises(LayoutError, match="integer >= 1") as e:
+            ParallelLayout(pp=2, **{key: 0})
+        assert e.value.key == key
+
+
+def test_balanced_stages_split_as_evenly_as_megatron_core_allows():
+    from megatron_ba.parallel.parallel_layout import balanced_stages
+
+    splits = {  # (layers, pp): stage layers, hand-counted
+        (28, 4): (7, 7, 7, 7),
+        (5, 2): (2, 3),
+        (94, 4): (23, 24, 24, 23),
+        (94, 8): (11, 12, 12, 12, 12, 12, 12, 11),
+        (10, 4): (2, 3, 3, 2),
+        (7, 4): (1, 2, 2, 2),
+        (5, 3): (1, 2, 2),
+        (3, 3): (1, 1, 1),
+    }
+    for (layers, pp), stages in splits.items():
+        layout = ParallelLayout(pp=pp, **balanced_stages(layers, pp))
+        assert layout.stage_layers(layers) == stages, (layers, pp)
+    with pytest.raises(LayoutError, match="4 stages are more than the num_layers=3"):
+        balanced_stages(3, 4)
+
+
+def test_uneven_stages_round_trip_through_the_record():
+    layout = ParallelLayout(pp=3, dp=2, pp_first_stage_layers=1, pp_last_stage_layers=1)
+    assert layout.to_dict() == {
+        **dict(tp=1, pp=3, cp=1, dp=2),
+        **dict(pp_first_stage_layers=1, pp_last_stage_layers=1),
+    }
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    assert "pp_first_stage_layers" not in ParallelLayout(pp=3, dp=2).to_dict()
+    assert str(layout) == "TP1xPP3(first 1, last 1)xCP1xDP2"
 
 
 def test_training_needs_sequence_parallelism_for_experts_at_tp():

@@ -6,12 +6,19 @@ launcher, the layout check, checkpoints, the engine translations).
     layout = ParallelLayout(tp=2).for_world(8)      # dp: what the world leaves (here 4)
     layout.check_model(shape)                       # the model's sizes against the splits
     layout.check_training(shape)                    # ... and what training on it needs
+    ParallelLayout(pp=2, pp_first_stage_layers=2).stage_layers(5)   # (2, 3): uneven stages
     ParallelLayout.from_dict(meta["layout"])        # a checkpoint's record (layout.to_dict())
 
 The world is tp x pp x cp x dp ranks (megatron-core's order tp-cp-ep-dp-pp). Expert parallelism
 (mixture-of-experts models) is carved out of the ranks of one pipeline stage: the experts' grid is
 etp x ep x expert-DP x pp over the same ranks (parallel_state.initialize_model_parallel), so
 etp x ep must divide tp x cp x dp. etp None is megatron-core's default, tp.
+
+Pipeline stages hold num_layers / pp layers each, or, with `pp_first_stage_layers` and / or
+`pp_last_stage_layers` (megatron-core's num_layers_in_first_pipeline_stage /
+num_layers_in_last_pipeline_stage), those on the first / last stage and the rest split evenly over
+the stages between (`stage_layers`): a layer count pp does not divide, or lighter first and last
+stages for the embedding and the output layer they also hold.
 
 Every rule is here, once. A broken one raises LayoutError (a SettingError) naming the field; a
 caller whose users spell it otherwise renames it: a recipe's `parallel.ep` (RECIPE_KEYS), a
@@ -27,13 +34,37 @@ from typing import Any
 
 from megatron_ba.errors import SettingError
 
-FIELDS = ("tp", "pp", "cp", "dp", "ep", "etp", "sequence_parallel")
+FIELDS = (
+    *("tp", "pp", "cp", "dp", "ep", "etp", "sequence_parallel"),
+    *("pp_first_stage_layers", "pp_last_stage_layers"),
+)
 # How users name the fields (and the micro-batching key a layout rule involves): a recipe's
 # keys and the commands' flags.
 RECIPE_KEYS = {name: f"parallel.{name}" for name in (*FIELDS, "max_tokens_per_microbatch")}
 RECIPE_KEYS["world"] = "parallel"
 FLAGS = {name: "--" + name.replace("_", "-") for name in FIELDS}
 FLAGS["max_tokens_per_microbatch"] = "--token-budget"
+
+
+UNEVEN = ("pp_first_stage_layers", "pp_last_stage_layers")
+
+
+def balanced_stages(num_layers: int, pp: int) -> dict[str, int]:
+    """The uneven-stage fields that split `num_layers` over `pp` stages as evenly as
+    megatron-core allows ({} when pp divides them): the stages between the first and last hold
+    ceil(num_layers / pp) each (or fewer, down to one, until at least one layer is left for
+    each end), the first and last share what is left, the first taking the smaller half (it also
+    holds the embedding, the last the output layer). LayoutError (key "pp") when pp exceeds the
+    layers."""
+    if pp > num_layers:
+        raise LayoutError("pp", f"{pp} stages are more than the num_layers={num_layers}")
+    if num_layers % pp == 0:
+        return {}
+    middle = -(-num_layers // pp)
+    while num_layers - (pp - 2) * middle < 2:
+        middle -= 1
+    ends = num_layers - (pp - 2) * middle
+    return {"pp_first_stage_layers": ends // 2, "pp_last_stage_layers": ends - ends // 2}
 
 
 class LayoutError(SettingError):
@@ -60,12 +91,18 @@ class ParallelLayout:
     # megatron-core's sequence parallelism: the sequence split over the TP ranks outside the
     # attention and MLP (norms, dropout; MoE routing)
     sequence_parallel: bool = False
+    # uneven pipeline stages: the first / last stage's layers (None: an even share)
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
             _positive(name, getattr(self, name))
-        _positive("dp", self.dp, optional=True)
-        _positive("etp", self.etp, optional=True)
+        for name in ("dp", "etp", *UNEVEN):
+            _positive(name, getattr(self, name), optional=True)
+        for name in UNEVEN:
+            if getattr(self, name) is not None and self.pp < 2:
+                raise LayoutError(name, f"needs pp >= 2 (a pipeline to split), got pp={self.pp}")
         if not isinstance(self.sequence_parallel, bool):
             raise LayoutError(
                 "sequence_parallel", f"must be true or false, got {self.sequence_parallel!r}"
@@ -138,11 +175,53 @@ class ParallelLayout:
             )
         return replace(self, dp=dp)
 
-    def check_model(self, model, *, even_stages: bool = True) -> None:
+    @property
+    def uneven_stages(self) -> bool:
+        """Whether the first or last stage's layers are given (module docstring)."""
+        return self.pp_first_stage_layers is not None or self.pp_last_stage_layers is not None
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers of each pipeline stage, first to last; LayoutError naming the field when
+        `num_layers` does not split so (megatron-core's rules: every stage at least one layer,
+        the stages between the first and last an equal share)."""
+        first, last = self.pp_first_stage_layers, self.pp_last_stage_layers
+        if not self.uneven_stages:
+            if num_layers % self.pp:
+                raise LayoutError(
+                    "pp",
+                    f"num_layers={num_layers} is not a multiple of pp={self.pp} (uneven stages: "
+                    "give the first and / or last stage's layers)",
+                )
+            return (num_layers // self.pp,) * self.pp
+        given = {name: getattr(self, name) for name in UNEVEN if getattr(self, name) is not None}
+        others, rest = self.pp - len(given), num_layers - sum(given.values())
+        at_fault = list(given)[-1]
+        said = " + ".join(f"{n} (the {name.split('_')[1]} stage's)" for name, n in given.items())
+        if others == 0 and rest != 0:
+            raise LayoutError(
+                at_fault, f"{said} layers are not the model's num_layers={num_layers}"
+            )
+        if rest < others or (others and rest % others):
+            raise LayoutError(
+                at_fault,
+                f"num_layers={num_layers} less {said} leaves {rest} layer(s) for the {others} "
+                "other stage(s): they need an equal share of at least one each",
+            )
+        counts = [rest // others if others else 0] * self.pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return tuple(counts)
+
+    def layer_offset(self, num_layers: int, stage: int) -> int:
+        """The global index of pipeline `stage`'s first layer."""
+        return sum(self.stage_layers(num_layers)[:stage])
+
+    def check_model(self, model) -> None:
         """LayoutError naming the field when `model`'s sizes do not split this way. `model`:
         anything with a ModelShape's size fields (megatron_ba.model_shape; a size that is None
-        is not known yet and not checked). even_stages: pp must divide the layers (megatron-core
-        without uneven stage sizes); False: at most one stage per layer."""
+        is not known yet and not checked)."""
         size = {
             key: getattr(model, key, None)
             for key in (
@@ -152,10 +231,8 @@ class ParallelLayout:
         }
         self._check_tensor_split(size)
         layers = size["num_layers"]
-        if layers is not None and even_stages and layers % self.pp:
-            raise LayoutError("pp", f"num_layers={layers} is not a multiple of pp={self.pp}")
-        if layers is not None and self.pp > layers:
-            raise LayoutError("pp", f"{self.pp} stages are more than the num_layers={layers}")
+        if layers is not None:
+            self.stage_layers(layers)
         self._check_experts(size)
 
     def _check_tensor_split(self, size: dict) -> None:
@@ -181,13 +258,13 @@ class ParallelLayout:
         if ffn is not None and ffn % self.expert_tp:
             raise LayoutError("etp", f"{self.expert_tp} does not divide moe_ffn_hidden_size={ffn}")
 
-    def check_training(self, model, *, even_stages: bool = True) -> None:
+    def check_training(self, model) -> None:
         """check_model, and what training on the layout needs besides: a mixture of experts at
         tp > 1 trains only with sequence parallelism. Without it every TP rank holds the same
         tokens and the MoE layer routes each of them once per TP rank: the experts' gradients
         come out TP times too large (measured: exactly 2x at TP2 x EP2, ETP 2 or 1; the forward
         is right, so converting or evaluating such a layout is fine)."""
-        self.check_model(model, even_stages=even_stages)
+        self.check_model(model)
         if getattr(model, "num_experts", 0) and self.tp > 1 and not self.sequence_parallel:
             raise LayoutError(
                 "tp",
@@ -211,13 +288,14 @@ class ParallelLayout:
     # -- records ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The layout as a checkpoint records it: tp, pp, cp, dp, then ep and etp only when the
-        layout splits experts and sequence_parallel only when on (a record of a run without them
-        reads as one written before they existed)."""
+        layout splits experts, sequence_parallel only when on and the uneven stages' layers only
+        when given (a record of a run without them reads as one written before they existed)."""
         out = {k: getattr(self, k) for k in ("tp", "pp", "cp", "dp")}
         if self.has_experts:
             out.update(ep=self.ep, etp=self.etp)
         if self.sequence_parallel:
             out["sequence_parallel"] = True
+        out.update({k: getattr(self, k) for k in UNEVEN if getattr(self, k) is not None})
         return out
 
     @classmethod
@@ -234,7 +312,11 @@ class ParallelLayout:
     def __str__(self) -> str:
         sp = "+SP" if self.sequence_parallel else ""
         dp = "?" if self.dp is None else self.dp
-        out = f"TP{self.tp}{sp}xPP{self.pp}xCP{self.cp}xDP{dp}"
+        split = ", ".join(
+            f"{name.split('_')[1]} {getattr(self, name)}" for name in UNEVEN if getattr(self, name)
+        )
+        split = f"({split})" if split else ""
+        out = f"TP{self.tp}{sp}xPP{self.pp}{split}xCP{self.cp}xDP{dp}"
         if self.has_experts:
             out += f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp is not None else "")
         return out

@@ -417,6 +417,6 @@ def _check_pins(shape: ModelShape, only: dict) -> None:
     try:
         sp = only.get("sequence_parallel", True) and pinned.get("tp", 1) > 1
         layout = ParallelLayout(**pinned, dp=dp, **experts, sequence_parallel=sp)
-        layout.check_training(shape, even_stages=False)
+        layout.check_training(shape)
     except LayoutError as e:
         raise ValueError(e.renamed(FLAGS)) from None

@@ -232,7 +232,7 @@ def estimate(
     ValueError naming the flag when `layout` cannot train `shape` (ParallelLayout's rules; the
     planner estimates uneven pipeline stages too: at most one stage per layer)."""
     try:
-        layout.check_training(shape, even_stages=False)
+        layout.check_training(shape)
     except LayoutError as e:
         raise ValueError(e.renamed(FLAGS)) from None
     best = None
