@@ -46,6 +46,21 @@ def _as_dict(overrides: list[str]) -> dict[str, str]:
     return dict(o.split("=", 1) for o in overrides)
 
 
+def test_uneven_pipeline_stages_reach_nemo_rls_megatron_config():
+    uneven = [
+        "parallel.pp=3",
+        "parallel.pp_first_stage_layers=8",
+        "parallel.pp_last_stage_layers=10",
+    ]
+    o = _as_dict(recipe_to_nemo_rl_overrides(_recipe(*uneven), nodes=2, run_dir="/r"))
+    mc = "policy.megatron_cfg"
+    assert o[f"{mc}.pipeline_model_parallel_size"] == "3"
+    assert o[f"{mc}.num_layers_in_first_pipeline_stage"] == "8"
+    assert o[f"{mc}.num_layers_in_last_pipeline_stage"] == "10"
+    even = _as_dict(recipe_to_nemo_rl_overrides(_recipe(), nodes=2, run_dir="/r"))
+    assert even[f"{mc}.num_layers_in_first_pipeline_stage"] == "null"
+
+
 def test_the_paper_recipe_translates_key_by_key():
     o = _as_dict(recipe_to_nemo_rl_overrides(_recipe(), nodes=2, run_dir="/r"))
     assert o["policy.model_name"] == "/models/Qwen3-1.7B"

@@ -153,6 +153,26 @@ def test_token_budget_micro_batches_become_dynamic_batch_sizes():
     assert (actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu) == (True, 20000)
 
 
+def test_uneven_pipeline_stages_reach_verls_transformer_config():
+    uneven = [
+        "parallel.pp=3",
+        "parallel.pp_first_stage_layers=8",
+        "parallel.pp_last_stage_layers=10",
+    ]
+    megatron = _compose(recipe_to_verl_overrides(_recipe("qwen3-1.7b-dapo17k", *uneven)))
+    megatron = megatron.actor_rollout_ref.actor.megatron
+    assert megatron.pipeline_model_parallel_size == 3
+    over = megatron.override_transformer_config
+    assert (over.num_layers_in_first_pipeline_stage, over.num_layers_in_last_pipeline_stage) == (
+        8,
+        10,
+    )
+    even = _compose(recipe_to_verl_overrides(_recipe("qwen3-1.7b-dapo17k")))
+    assert "num_layers_in_first_pipeline_stage" not in (
+        even.actor_rollout_ref.actor.megatron.override_transformer_config
+    )
+
+
 # (overrides, the recipe key the error must start with)
 REFUSED = {
     "arithmetic_task": (["data.task=arithmetic"], "data.task"),
@@ -196,8 +216,14 @@ def test_every_recipe_key_is_translated_or_refused():
     paths = set()
     for where in TRANSLATED.values():
         paths |= set(
-            re.findall(r"\b(?:actor_rollout_ref|data|trainer|algorithm|reward)\.[\w.]*\w", where)
+            re.findall(
+                r"(?<![+\w])(?:actor_rollout_ref|data|trainer|algorithm|reward)\.[\w.]*\w", where
+            )
         )
+        # a key hydra adds (`+key`): its parent must exist
+        paths |= {
+            p.rpartition(".")[0] for p in re.findall(r"\+((?:actor_rollout_ref)\.[\w.]*\w)", where)
+        }
     assert len(paths) > 40
     missing = [p for p in sorted(paths) if OmegaConf.select(cfg, p, default=KeyError) is KeyError]
     assert not missing, missing

@@ -116,6 +116,9 @@ def test_every_rule_is_a_choice_of_rule(capsys):
         (["--token-budget", "8"], "--token-budget: must be an integer >= 16"),
         (["--token-budget", "40", "--micro-batches", "2"], "the token budget decides"),
         (["--cp", "0"], "--cp: must be an integer >= 1"),
+        (["--pp", "2", "--pp-first-stage-layers", "4"], "--pp-first-stage-layers: num_layers=4"),
+        (["--pp-last-stage-layers", "1"], "--pp-last-stage-layers: needs pp >= 2"),
+        (["--pp", "3", "--pp-first-stage-layers", "1"], "leaves 3 layer(s) for the 2 other"),
         (["--sequence-parallel"], "--sequence-parallel: needs tp > 1"),
         (["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--sequences", "13"], "do not divide"),
         (["--model", "tiny-moe", "--dp", "2", "--ep", "2", "--token-budget", "40"], "--token-budg"),
@@ -125,3 +128,34 @@ def test_impossible_layouts_are_refused(args, message, capsys):
     assert main(["check-layout", *args]) == 2
     err = capsys.readouterr().err
     assert "cannot build layout" in err and message in err, err
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_uneven_stages_pass_as_the_user_gives_them():
+    out, grad_err, loss_err = _check_layout(
+        *("--pp", "2", "--pp-last-stage-layers", "1", "--dp", "2", "--micro-batches", "3"),
+        exit_code=0,
+    )
+    assert "TP1xPP2(last 1)xCP1xDP2" in out and grad_err <= 1e-5 and loss_err <= 1e-5
+
+
+def test_a_stage_built_other_than_its_layout_says_is_caught(monkeypatch):
+    """The check that megatron-core built the layout's split: the layers of an even split, read
+    against an uneven layout, are refused (and the uneven split's own are not)."""
+    import types
+
+    from megatron.core import parallel_state
+
+    from megatron_ba.layout_equivalence.workers import _check_stage_layers
+    from megatron_ba.parallel.parallel_layout import ParallelLayout
+
+    def chunk(numbers):
+        layers = [types.SimpleNamespace(layer_number=n) for n in numbers]
+        return types.SimpleNamespace(decoder=types.SimpleNamespace(layers=layers))
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_rank", lambda: 1)
+    uneven = ParallelLayout(pp=2, pp_first_stage_layers=1)
+    _check_stage_layers([chunk([2, 3, 4])], uneven, 4)
+    with pytest.raises(RuntimeError, match=r"stage 1 built layers \[3, 4\], the layout gives"):
+        _check_stage_layers([chunk([3, 4])], uneven, 4)

@@ -61,6 +61,11 @@ LAYOUTS: dict[str, tuple[ParallelLayout, list[Case]]] = {
         ParallelLayout(pp=2),
         [Case("token", 3, per_token_loss=True), NEGATIVE_MB, WHOLE_BATCH_MB],
     ),
+    # uneven stages: the embedding's and the output layer's stages hold one layer each
+    "PP3(1+2+1)": (
+        ParallelLayout(pp=3, pp_first_stage_layers=1, pp_last_stage_layers=1),
+        [NEGATIVE_MB, WHOLE_BATCH_MB],
+    ),
     "CP2": (
         ParallelLayout(cp=2),
         [Case("sequence", 3, per_token_loss=True), NEGATIVE_MB, NEGATIVE_SCALE, WHOLE_BATCH_MB],

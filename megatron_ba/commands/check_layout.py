@@ -7,6 +7,9 @@
     megatron-ba check-layout --dp 2 --sequences 13 --micro-batches 4 --rule balanced
     megatron-ba check-layout --pp 2 --dp 2 --sequences 14 --token-budget 40 --rule balanced
     megatron-ba check-layout --tp 2 --micro-batches 2 --attention sdpa
+    megatron-ba check-layout --pp 2 --pp-first-stage-layers 1 --dp 2 --micro-batches 3
+    megatron-ba check-layout --pp 3 --pp-first-stage-layers 1 --pp-last-stage-layers 1 \
+        --micro-batches 3 --rule balanced
     megatron-ba check-layout --dp 2 --micro-batches 3 --rollout-correction sequence_reject
     megatron-ba check-layout --model tiny-moe --dp 4 --ep 2 --micro-batches 3 --rule balanced
     megatron-ba check-layout --tp 2 --sequence-parallel --micro-batches 3 --rule token
@@ -61,6 +64,14 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
     """The layout and the checked model."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    for end in ("first", "last"):
+        p.add_argument(
+            f"--pp-{end}-stage-layers",
+            type=int,
+            metavar="N",
+            help=f"uneven stages: the {end} pipeline stage's layers (the stages between share the "
+            "rest evenly; default: every stage num_layers / pp)",
+        )
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (loss level on CPU)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument(
@@ -223,6 +234,8 @@ def _layout_and_case(args: argparse.Namespace, build: dict):
         ep=args.ep,
         etp=args.etp,
         sequence_parallel=args.sequence_parallel,
+        pp_first_stage_layers=args.pp_first_stage_layers,
+        pp_last_stage_layers=args.pp_last_stage_layers,
     )
     if args.negative_control_experts and args.model == "debug":
         raise ValueError("--negative-control-experts: needs --model tiny-moe")

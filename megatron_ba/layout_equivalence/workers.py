@@ -67,6 +67,7 @@ def _build(
         spec,
         calculate_per_token_loss=per_token_loss,
         sequence_parallel=options.sequence_parallel,
+        **dict(options.stage_fields),
         **experts,
     )
     chunks = mm.build_model_chunks(
@@ -75,8 +76,23 @@ def _build(
         layer_spec=options.layer_spec(spec, config),
         pg_collection=mm.model_pg_collection_without_cp(),
     )
+    _check_stage_layers(chunks, layout, spec.num_layers)
     full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, seed))
     return chunks
+
+
+def _check_stage_layers(chunks, layout: ParallelLayout, num_layers: int) -> None:
+    """RuntimeError unless this stage built the layers the layout gives it (global numbers
+    from its offset): an uneven split megatron-core did not apply would still run, the layers
+    of the full-shape comparison silently shifted."""
+    from megatron.core import parallel_state
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    offset = layout.layer_offset(num_layers, stage)
+    want = list(range(offset + 1, offset + 1 + layout.stage_layers(num_layers)[stage]))
+    built = [layer.layer_number for layer in full_shape.unwrap(chunks[0]).decoder.layers]
+    if built != want:
+        raise RuntimeError(f"{layout}: stage {stage} built layers {built}, the layout gives {want}")
 
 
 def _local_batch(batch: dict, rows: torch.Tensor, case: Case):

@@ -8,8 +8,9 @@
                                       pg_collection=opts.pg_collection(), ...)
 
 The recipe keys are `model.precision`, `model.transformer_impl`, `model.attention`,
-`parallel.sequence_parallel` and `parallel.recompute`; every rejected combination is a ValueError
-naming the key. What runs where (megatron-core 0.16.1):
+`parallel.sequence_parallel`, `parallel.recompute` and the uneven pipeline stages'
+`parallel.pp_first_stage_layers` / `parallel.pp_last_stage_layers`; every rejected combination
+is a ValueError naming the key. What runs where (megatron-core 0.16.1):
 
 * Transformer Engine ("transformer_engine"; "auto" picks it when `transformer_engine` imports and
   the device is a GPU): fused kernels, and attention that runs context parallelism itself, so a
@@ -49,6 +50,7 @@ from megatron_ba.megatron.model import (
     local_layer_spec,
     model_pg_collection_without_cp,
     moe_layer_spec,
+    stage_config_fields,
 )
 from megatron_ba.parallel.parallel_layout import ParallelLayout
 
@@ -77,6 +79,8 @@ class BuildOptions:
     sequence_parallel: bool = False
     recompute: str = "none"
     cp: int = 1  # the parallel state's CP size
+    # the layout's uneven pipeline stages as TransformerConfig fields (model.stage_config_fields)
+    stage_fields: tuple[tuple[str, int], ...] = ()
 
     @property
     def model_cp(self) -> int:
@@ -98,6 +102,7 @@ class BuildOptions:
             pipeline_dtype=dtype,
             sequence_parallel=self.sequence_parallel,
             context_parallel_size=self.model_cp,
+            **dict(self.stage_fields),
         )
         if self.recompute == "full":
             out.update(
@@ -198,6 +203,7 @@ def resolve_build_options(
         sequence_parallel=layout.sequence_parallel,
         recompute=recompute,
         cp=layout.cp,
+        stage_fields=tuple(stage_config_fields(layout).items()),
     )
 
 

@@ -67,8 +67,25 @@ def tiny_qwen2_spec(**changes: Any) -> ModelSpec:
     return ModelSpec.of(PRESETS["debug"], **changes)
 
 
+# The layout's uneven pipeline stages as megatron-core's TransformerConfig names them.
+STAGE_CONFIG_FIELDS = {
+    "pp_first_stage_layers": "num_layers_in_first_pipeline_stage",
+    "pp_last_stage_layers": "num_layers_in_last_pipeline_stage",
+}
+
+
+def stage_config_fields(layout: ParallelLayout) -> dict[str, int]:
+    """TransformerConfig fields of `layout`'s uneven pipeline stages (none when even)."""
+    return {
+        config_name: getattr(layout, name)
+        for name, config_name in STAGE_CONFIG_FIELDS.items()
+        if getattr(layout, name) is not None
+    }
+
+
 def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides: Any):
-    """megatron-core TransformerConfig of `spec` for the parallel layout now initialised."""
+    """megatron-core TransformerConfig of `spec` for the parallel layout now initialised (its
+    uneven pipeline stages, if any, in `overrides`: stage_config_fields)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -76,7 +93,8 @@ def transformer_config(spec: ModelSpec, *, cpu: bool | None = None, **overrides:
         cpu = not torch.cuda.is_available()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    ParallelLayout(tp=tp, pp=pp, dp=None).check_model(spec)
+    stages = {name: overrides.get(field) for name, field in STAGE_CONFIG_FIELDS.items()}
+    ParallelLayout(tp=tp, pp=pp, dp=None, **stages).check_model(spec)
     kwargs: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,

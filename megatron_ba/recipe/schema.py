@@ -195,12 +195,17 @@ class LossSection(GRPOLossConfig, AggregationSettings):
 
 @dataclass
 class ParallelSection:
-    """The parallel layout's keys (tp, pp, cp, ep, etp, sequence_parallel: `layout()` builds the
+    """The parallel layout's keys (tp, pp and its uneven stages, cp, ep, etp, sequence_parallel:
+    `layout()` builds the
     megatron_ba.parallel.parallel_layout.ParallelLayout they describe, which holds every rule they
     must keep; dp is what the world leaves), then the step's micro-batching and memory keys."""
 
     tp: int = 1
     pp: int = 1
+    # Uneven pipeline stages (megatron-core's num_layers_in_first / last_pipeline_stage): the
+    # first / last stage's layers, the rest shared evenly by the stages between; null: even.
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
     cp: int = 1
     ep: int = 1  # expert parallelism (mixture-of-experts models), carved out of DP x CP
     etp: int | None = None  # expert tensor parallelism; null: megatron-core's default, tp
@@ -225,6 +230,8 @@ class ParallelSection:
                 ep=self.ep,
                 etp=self.etp,
                 sequence_parallel=self.sequence_parallel,
+                pp_first_stage_layers=self.pp_first_stage_layers,
+                pp_last_stage_layers=self.pp_last_stage_layers,
             )
         except LayoutError as e:
             raise RecipeError(e.renamed(RECIPE_KEYS)) from None

@@ -44,6 +44,24 @@ def _local_only_size(key: str) -> Absent:
     )
 
 
+def _stage_row(key: str) -> Row:
+    """An uneven pipeline stage's layers (megatron-core's num_layers_in_{first,last}_pipeline_
+    stage): verl passes it through its transformer config overrides (a key its config lacks:
+    added with hydra's `+`), NeMo-RL has the key."""
+    config_key = f"num_layers_in_{key.split('_')[1]}_pipeline_stage"
+    return Row(
+        put(Set(f"+{OVER}.{config_key}", when=lambda j: getattr(j.parallel, key) is not None)),
+        put(f"{MC}.{config_key}"),
+        Absent(
+            "uneven pipeline stages are the local backend's (not translated to NeMo-Aligner)",
+            said=lambda j: (
+                f"parallel.{key}: uneven pipeline stages are not translated to NeMo-Aligner, "
+                f"got {getattr(j.parallel, key)}; use null (even stages)"
+            ),
+        ),
+    )
+
+
 def _no_experts(key: str) -> Absent:
     return Absent(
         "expert parallelism is the local backend's (not translated to NeMo-Aligner)",
@@ -65,6 +83,8 @@ ROWS: dict[str, Row] = {
         put(f"{MC}.pipeline_model_parallel_size"),
         put("model.pipeline_model_parallel_size"),
     ),
+    "parallel.pp_first_stage_layers": _stage_row("pp_first_stage_layers"),
+    "parallel.pp_last_stage_layers": _stage_row("pp_last_stage_layers"),
     "parallel.cp": Row(
         put(f"{M}.context_parallel_size"),
         put(f"{MC}.context_parallel_size"),

@@ -89,6 +89,8 @@ NEMO_ALIGNER = Engine(
         "loss.rollout_correction.mode",  # the local backend's: refused first
         "rollout.routing_replay",  # the local backend's: refused first
         "parallel.cp",
+        "parallel.pp_first_stage_layers",
+        "parallel.pp_last_stage_layers",
         "loss.entropy_coef",
         "parallel.ep",
         "parallel.etp",

@@ -49,6 +49,8 @@ NEMO_RL = Engine(
         "cluster.gpus_per_node",
         f"{MC}.tensor_model_parallel_size",
         f"{MC}.pipeline_model_parallel_size",
+        f"{MC}.num_layers_in_first_pipeline_stage",
+        f"{MC}.num_layers_in_last_pipeline_stage",
         f"{MC}.context_parallel_size",
         f"{MC}.expert_model_parallel_size",
         f"{MC}.expert_tensor_parallel_size",

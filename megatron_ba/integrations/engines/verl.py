@@ -36,6 +36,8 @@ VERL = Engine(
         "trainer.n_gpus_per_node",
         f"{M}.tensor_model_parallel_size",
         f"{M}.pipeline_model_parallel_size",
+        f"+{OVER}.num_layers_in_first_pipeline_stage",
+        f"+{OVER}.num_layers_in_last_pipeline_stage",
         f"{M}.context_parallel_size",
         f"{M}.expert_model_parallel_size",
         f"{M}.expert_tensor_parallel_size",
