@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS, ModelShape
-from megatron_ba.parallel.parallel_layout import ParallelLayout
+from megatron_ba.parallel.parallel_layout import ParallelLayout, balanced_stages
 from megatron_ba.planning.cluster_layout import (
     RECOMPUTE_COST,
     NoLayoutFits,
@@ -133,22 +133,44 @@ def test_fp32_logprob_path_by_hand():
 
 
 def test_pipeline_stages_by_hand():
-    assert stage_params(Q7, 2, 0) == 14 * Q7_LAYER + 152064 * 3584
-    assert stage_params(Q7, 2, 1) == 14 * Q7_LAYER + 152064 * 3584 + 3584
+    pp2 = ParallelLayout(pp=2)
+    assert stage_params(Q7, pp2, 0) == 14 * Q7_LAYER + 152064 * 3584
+    assert stage_params(Q7, pp2, 1) == 14 * Q7_LAYER + 152064 * 3584 + 3584
     q3 = PRESETS["Qwen3-1.7B"]  # tied: the last stage holds its copy of the embedding
-    assert stage_params(q3, 2, 1) == 14 * q3.layer_params() + 151936 * 2048 + 2048
-    assert stage_params(q3, 1, 0) == q3.total_params()
+    assert stage_params(q3, pp2, 1) == 14 * q3.layer_params() + 151936 * 2048 + 2048
+    assert stage_params(q3, ParallelLayout(), 0) == q3.total_params()
     e = estimate(Q7, *plan(1, 2, 1, 4, 8192), gpu_mem_gib=80, vllm=None)
     # 1F1B: stage 0 holds 2 micro-batches of its 14 layers, stage 1 one, plus the logits
     per_layer = Q7.layer_activation_elements() * 2 * 8192
     assert e.worst_stage == 0
     assert e.activations_no_recompute == 2 * 14 * per_layer
-    # pp not dividing the layers: megatron-core gives the remainder to the end stages; the
-    # fullest stage holds ceil(L / pp) layers (28 over 3: 10)
-    uneven = estimate(Q7, *plan(1, 3, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
-    assert uneven.activations_no_recompute == 3 * 10 * Q7.layer_activation_elements() * 2 * 1024
+
+
+def test_uneven_pipeline_stages_by_hand():
+    """Each stage holds the layers of the layout's own split (ParallelLayout.stage_layers), not
+    ceil(L / pp) each: 28 layers over 3 stages as megatron-core balances them are 9, 10, 9."""
+    lo = ParallelLayout(pp=3, dp=1, **balanced_stages(28, 3))
+    assert lo.stage_layers(28) == (9, 10, 9)
+    embedding = 152064 * 3584
+    assert stage_params(Q7, lo, 0) == 9 * Q7_LAYER + embedding
+    assert stage_params(Q7, lo, 1) == 10 * Q7_LAYER
+    assert stage_params(Q7, lo, 2) == 9 * Q7_LAYER + embedding + 3584
+    per_layer = Q7.layer_activation_elements() * 2 * 1024
+    e = estimate(Q7, lo, MemorySettings(1024), gpu_mem_gib=80)
+    # 1F1B: stage 0 keeps 3 micro-batches of its 9 layers (27 layer-activations), stage 1 two
+    # of 10 (20): the first stage is the worst, with 3 x 9, not the old 3 x ceil(28 / 3) = 30
+    assert e.worst_stage == 0 and e.activations_no_recompute == 3 * 9 * per_layer
+    assert e.weights == stage_params(Q7, lo, 0) * 2
+    # a pinned split: a light first stage (4, 12, 12) moves the worst to the last, its 12
+    # layers beside the output layer (one micro-batch in flight)
+    light = ParallelLayout(pp=3, dp=1, pp_first_stage_layers=4)
+    e = estimate(Q7, light, MemorySettings(1024), gpu_mem_gib=80)
+    assert e.worst_stage == 2 and e.activations_no_recompute == 1 * 12 * per_layer
+    assert e.weights == (12 * Q7_LAYER + embedding + 3584) * 2
+    with pytest.raises(ValueError, match=r"^--pp: num_layers=28 is not a multiple of pp=3"):
+        estimate(Q7, ParallelLayout(pp=3, dp=1), MemorySettings(1024), gpu_mem_gib=80)
     with pytest.raises(ValueError, match=r"^--pp: 29 stages are more than the num_layers=28"):
-        estimate(Q7, *plan(1, 29, 1, 1, 1024), gpu_mem_gib=80, vllm=None)
+        propose(Q7, nodes=1, gpus_per_node=29, gpu_mem_gib=80, max_response_len=1, only={"pp": 29})
 
 
 def test_vllm_share():
@@ -276,8 +298,8 @@ def test_expert_parallelism_shards_experts_and_their_optimizer():
     moe = PRESETS["Qwen3-30B-A3B"]
     lo, step = plan(2, 1, 1, 8, 4096, ep=8, etp=1)  # whole experts on each GPU
     e = estimate(moe, lo, step, gpu_mem_gib=80, vllm=None)
-    dense = stage_params(moe, 1, 0, experts=False) / 2
-    experts = stage_params(moe, 1, 0, experts=True) / 8
+    dense = stage_params(moe, lo, 0, experts=False) / 2
+    experts = stage_params(moe, lo, 0, experts=True) / 8
     assert e.weights == (dense + experts) * 2
     assert e.grads == (dense + experts) * 4
     # dense states over DP x CP = 8; experts over their data-parallel group, tp cp dp / ep = 2

@@ -12,7 +12,10 @@ than factor x original is refused (without scaling no context is checked: the pr
 max_position_embeddings are not the models'). The estimate's terms and
 assumptions: megatron_ba/planning/memory.py; its verdicts against public runs that ran or went
 out of memory: docs/cluster-planning.md. Exit status: 0 a layout fits, 1 none does (with
---json the closest is printed, "fits" false), 2 a bad option.
+--json the closest is printed, "fits" false), 2 a bad option; "fits" is exactly what the exit
+status says (planning.verdict.assess at --headroom: the tensors' peak, the whole estimate, vLLM's
+KV cache). A --pp that does not divide the layers splits them as evenly as megatron-core allows,
+unless --pp-first-stage-layers / --pp-last-stage-layers give the split.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import dataclasses
 import json
 import sys
 
+from megatron_ba.parallel.parallel_layout import UNEVEN
 from megatron_ba.planning.cluster_layout import PREFER, NoLayoutFits, Settings, propose
 from megatron_ba.planning.memory import LOGPROBS, RECOMPUTE, VLLMShare, load_model
-from megatron_ba.planning.verdict import GPU_MEMORY_GIB, gpu_memory_gib
+from megatron_ba.planning.verdict import GPU_MEMORY_GIB, HEADROOM, gpu_memory_gib
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 from megatron_ba.rope_scaling import RopeScaling
 
@@ -71,16 +75,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="vLLM keeps its memory while the policy trains (no sleep mode / offload)",
     )
     p.add_argument(
-        "--headroom", type=float, default=0.1, help="fraction of the GPU kept free (default 0.1)"
+        "--headroom",
+        type=float,
+        default=HEADROOM,
+        help=(
+            f"fraction of the GPU the tensors' peak must leave free, part of the verdict "
+            f"(default {HEADROOM})"
+        ),
     )
     _setting_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _setting_arguments(p: argparse.ArgumentParser) -> None:
-    """The layout, recomputation, offload, batching and optimiser options."""
+def _layout_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout's pins: tp, pp and its uneven stages, cp, expert parallelism, sequence
+    parallelism."""
     for name in ("tp", "pp", "cp"):
         p.add_argument(f"--{name}", type=int, help=f"pin {name} (estimate a given layout)")
+    for end in ("first", "last"):
+        p.add_argument(
+            f"--pp-{end}-stage-layers",
+            type=int,
+            metavar="N",
+            help=(
+                f"with --pp: the {end} pipeline stage's layers, the other stages an equal share "
+                f"(parallel.pp_{end}_stage_layers; default: an even split, or, where --pp does "
+                "not divide the layers, the most even split megatron-core allows)"
+            ),
+        )
     p.add_argument("--ep", type=int, help="pin expert parallelism (MoE; default 1)")
     p.add_argument(
         "--etp",
@@ -94,6 +116,11 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
         help="tp > 1 without sequence parallelism (parallel.sequence_parallel: false; the norms' "
         "activations are then whole on every TP rank; a mixture of experts refuses it)",
     )
+
+
+def _setting_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout, recomputation, offload, batching and optimiser options."""
+    _layout_arguments(p)
     p.add_argument(
         "--reference",
         action="store_true",
@@ -184,6 +211,8 @@ def _check(args: argparse.Namespace) -> None:
         ("--max-tokens-per-gpu", args.max_tokens_per_gpu),
         ("--seq-len", args.seq_len),
         ("--vllm-tp", args.vllm_tp),
+        ("--pp-first-stage-layers", args.pp_first_stage_layers),
+        ("--pp-last-stage-layers", args.pp_last_stage_layers),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: must be >= 1, got {value}")
@@ -234,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             vllm=vllm,
             headroom=args.headroom,
             only={
-                **{k: getattr(args, k) for k in ("tp", "pp", "cp", "ep", "etp")},
+                **{k: getattr(args, k) for k in ("tp", "pp", "cp", "ep", "etp", *UNEVEN)},
                 "sequence_parallel": False if args.no_sequence_parallel else None,
             },
             settings=settings,
@@ -281,12 +310,12 @@ def _text(j: dict) -> str:
     lines = [
         f"{j['model']} ({j['params_billion']} B parameters) on {j['nodes']} x {j['gpus_per_node']}"
         f" GPUs of {j['gpu_mem_gib']} GiB, {j['seq_len']} tokens per sequence:",
-        f"  layout: tp={j['tp']} pp={j['pp']} cp={j['cp']} dp={j['dp']} ep={j['ep']}"
+        f"  layout: tp={j['tp']} pp={j['pp']}{_split(j)} cp={j['cp']} dp={j['dp']} ep={j['ep']}"
         f"{'' if j['etp'] is None else ' etp=' + str(j['etp'])}, micro-batch "
         f"{j['micro_batch_size']} sequence(s) = {j['micro_batch_tokens']} tokens "
         f"({j['micro_batch_tokens_per_gpu']} per GPU), recompute={j['recompute_mode']}",
         f"  per GPU (worst pipeline stage {j['worst_stage']}, {j['peak_phase']} phase): "
-        f"{j['memory_gib_per_gpu']} GiB, fits={j['fits']}",
+        f"{j['memory_gib_per_gpu']} GiB, fits={j['fits']} (headroom {j['headroom']:g})",
         f"    weights {b['weights']}  gradients {b['grads']}  optimizer "
         f"({'distributed' if j['distributed_optimizer'] else 'replicated'}) {b['optimizer']}",
         f"    activations {b['activations']} (no recompute {b['activations_no_recompute']}, "
@@ -311,3 +340,10 @@ def _text(j: dict) -> str:
             f"mbs={a['micro_batch_size']} recompute={a['recompute']} {a['memory_gib_per_gpu']} GiB"
         )
     return "\n".join(lines)
+
+
+def _split(j: dict) -> str:
+    """The uneven pipeline stages' layers, first to last ("" for an even split)."""
+    if j["pp_first_stage_layers"] is None and j["pp_last_stage_layers"] is None:
+        return ""
+    return f" (stage layers {','.join(map(str, j['stage_layers']))})"

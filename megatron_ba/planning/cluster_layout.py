@@ -6,13 +6,16 @@
     propose(..., only={"tp": 2, "ep": 8})     # pin fields of the layout (ParallelLayout's)
 
 Search: every tp dividing the GPUs of a node (TP stays inside a node, on NVLink), every pp dividing
-the layers, cp a power of two, dp what is left of the world, each a ParallelLayout the model can
-train on (parallel_layout: tp divides the heads and KV heads, expert parallelism fits; a mixture of
+the layers or a power of two up to them (a pp that does not divide them splits them as evenly as
+megatron-core allows: parallel_layout.balanced_stages; a pinned split is taken as given), cp a
+power of two, dp what is left of the world, each a ParallelLayout the model can train on
+(parallel_layout: tp divides the heads and KV heads, expert parallelism fits; a mixture of
 experts at ep=1 unless pinned, its experts whole on each GPU (etp 1) unless pinned, with sequence
 parallelism wherever tp > 1); for each, the largest micro-batch (whole sequences of
-prompt_len + max_response_len tokens, padded) whose estimate leaves `headroom` of the GPU free,
-first without activation recomputation, then with it. Among the layouts that fit one sequence
-per micro-batch the proposal is, by `Settings.prefer`:
+prompt_len + max_response_len tokens, padded) that fits by planning.verdict.assess (the one rule
+of "fits": the tensors' peak leaves `headroom` of the GPU free, the whole estimate is within it,
+vLLM holds one sequence's KV cache), first without activation recomputation, then with it. Among
+the layouts that fit one sequence per micro-batch the proposal is, by `Settings.prefer`:
 
 * "parallelism" (the default): the most data parallelism (the least model parallelism), then
   the smallest pp and cp (TP is the cheapest split inside a node), then no recomputation, then
@@ -31,17 +34,15 @@ from dataclasses import dataclass, field, replace
 
 from megatron_ba.errors import UserError
 from megatron_ba.model_shape import ModelShape
-from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
-from megatron_ba.planning.memory import (
-    GIB,
-    MemoryEstimate,
-    MemorySettings,
-    VLLMShare,
-    estimate,
-    kv_cache_bytes_per_token,
-    padded_seq_len,
+from megatron_ba.parallel.parallel_layout import (
+    FLAGS,
+    UNEVEN,
+    LayoutError,
+    ParallelLayout,
+    balanced_stages,
 )
-from megatron_ba.planning.verdict import Verdict, assess
+from megatron_ba.planning.memory import MemoryEstimate, MemorySettings, VLLMShare, padded_seq_len
+from megatron_ba.planning.verdict import HEADROOM, Verdict, assess
 from megatron_ba.step_settings import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 # A step's compute relative to its model FLOPs (forward 1/3, backward 2/3 of 6 N S): full
@@ -67,14 +68,15 @@ class Plan:
     gpu_mem_gib: float
     alternatives: list[dict] = field(default_factory=list)
     vllm: VLLMShare | None = None  # the colocated engine the estimate assumes (None: none)
+    headroom: float = HEADROOM  # what the verdict's tensors' peak leaves free (planning.verdict)
 
     def overrides(self) -> list[str]:
         """Recipe keys (docs/recipes.md) that select this layout and the settings its estimate
-        assumes: expert parallelism, sequence parallelism, full recomputation, chunked log-probs
-        (the key only where `parallel.logprob_chunk_size: null`'s auto rule would not chunk:
-        micro-batches of at most recipe.AUTO_CHUNK_ABOVE tokens, or a chunk other than its
-        AUTO_CHUNK), and the colocated vLLM engine's share of the GPU, sleep mode and tensor
-        parallelism."""
+        assumes: uneven pipeline stages' layers, expert parallelism, sequence parallelism, full
+        recomputation, chunked log-probs (the key only where `parallel.logprob_chunk_size:
+        null`'s auto rule would not chunk: micro-batches of at most recipe.AUTO_CHUNK_ABOVE
+        tokens, or a chunk other than its AUTO_CHUNK), and the colocated vLLM engine's share of
+        the GPU, sleep mode and tensor parallelism."""
         lo, step = self.layout, self.step
         out = [
             f"parallel.tp={lo.tp}",
@@ -82,6 +84,7 @@ class Plan:
             f"parallel.cp={lo.cp}",
             f"parallel.micro_batch_size={self.micro_batch_size}",
         ]
+        out += [f"parallel.{k}={getattr(lo, k)}" for k in UNEVEN if getattr(lo, k) is not None]
         if lo.ep > 1:
             out.append(f"parallel.ep={lo.ep}")
             if lo.etp is not None and lo.etp != lo.tp:  # megatron-core's default expert TP: tp
@@ -115,6 +118,9 @@ class Plan:
             "pp": lo.pp,
             "cp": lo.cp,
             "dp": lo.dp,
+            "pp_first_stage_layers": lo.pp_first_stage_layers,
+            "pp_last_stage_layers": lo.pp_last_stage_layers,
+            "stage_layers": list(lo.stage_layers(self.shape.num_layers)),
             "seq_len": self.seq_len,
             "micro_batch_size": self.micro_batch_size,
             "micro_batch_tokens": step.micro_batch_tokens,
@@ -130,6 +136,7 @@ class Plan:
             "chunked_logprobs": step.chunked_logprobs,
             "logprobs": step.logprob_mode,
             "fits": self.fits,
+            "headroom": self.headroom,
             "why_not": self.verdict.reason,
             "memory_gib_per_gpu": round(self.estimate.total_gib, 2),
             "peak_phase": self.estimate.peak_phase,
@@ -142,11 +149,11 @@ class Plan:
 
     @property
     def verdict(self) -> Verdict:
-        """planning.verdict.assess on this layout: the estimate, overheads included, within the
-        GPU's whole memory, and a colocated vLLM able to hold one sequence's KV cache."""
+        """planning.verdict.assess on this layout at the plan's headroom: the rule the search
+        applied, so `fits` is what the exit status of `megatron-ba layout` says."""
         return assess(
             self.shape, self.layout, self.step, gpu_mem_gib=self.gpu_mem_gib, vllm=self.vllm,
-            seq_len=self.seq_len,
+            seq_len=self.seq_len, headroom=self.headroom,
         )  # fmt: skip
 
     @property
@@ -159,8 +166,8 @@ class Plan:
 
 class NoLayoutFits(UserError):
     """No layout holds one sequence per micro-batch; the message says what came closest, and
-    `closest` is that layout's Plan (its `fits` may still be true: within the GPU, not within
-    the headroom)."""
+    `closest` is that layout's Plan (its `fits` false, `verdict.reason` why), or what refused
+    every candidate layout when none could be built (`closest` None)."""
 
     def __init__(self, message: str, closest: Plan | None = None):
         super().__init__(message)
@@ -203,67 +210,92 @@ def _divisors(n: int) -> list[int]:
     return [i for i in range(1, n + 1) if n % i == 0]
 
 
-# The layout fields `propose(only=...)` may pin (sequence_parallel: False turns it off).
-PINNABLE = ("tp", "pp", "cp", "ep", "etp", "sequence_parallel")
+# The layout fields `propose(only=...)` may pin (sequence_parallel: False turns it off; the
+# uneven stages' layers need a pinned pp).
+PINNABLE = ("tp", "pp", "cp", "ep", "etp", "sequence_parallel", *UNEVEN)
+CP_VALUES = (1, 2, 4, 8, 16, 32)
 
 
-def candidate_layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, only=None):
+def _tried(name: str, values, only: dict, refused: dict, rule: str) -> list[int]:
+    """The values of `name` the search tries: `values`, or the pinned one alone (none, and the
+    refusal recorded in `refused` under `name`, when it breaks `rule`)."""
+    if name not in only:
+        return list(values)
+    if only[name] in values:
+        return [only[name]]
+    refused.setdefault(name, f"{FLAGS[name]}: {only[name]} {rule}")
+    return []
+
+
+def _pp_values(num_layers: int, only: dict) -> list[int]:
+    """pp the search tries: the divisors of the layers, the powers of two up to them (uneven
+    stages), or the pinned pp (ParallelLayout's rules judge it)."""
+    if "pp" in only:
+        return [only["pp"]]
+    twos = {2**i for i in range(num_layers.bit_length()) if 2**i <= num_layers}
+    return sorted(set(_divisors(num_layers)) | twos)
+
+
+def candidate_layouts(
+    shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, only=None, refused=None
+):
     """Every ParallelLayout the model can train on over `world` GPUs (module docstring): tp
-    within a node, pp dividing the layers, cp a power of two (seq_len a multiple of 2 cp), the
-    fields of `only` pinned, sequence parallelism wherever tp > 1 (unless pinned off)."""
-    only = only or {}
+    within a node, pp dividing the layers or a power of two (its layers split by the pinned
+    uneven stages, else balanced_stages), cp a power of two (seq_len a multiple of 2 cp), the
+    fields of `only` pinned, sequence parallelism wherever tp > 1 (unless pinned off).
+    `refused` (a dict) collects the first reason each rule refused a candidate, keyed by field."""
+    only, refused = only or {}, {} if refused is None else refused
     sp = only.get("sequence_parallel", True)
     experts = dict(ep=only.get("ep", 1), etp=only.get("etp", 1)) if shape.is_moe else {}
     if not shape.is_moe and ("ep" in only or "etp" in only):
         experts = {k: only[k] for k in ("ep", "etp") if k in only}  # refused below, by name
-    for tp in _divisors(gpus_per_node):
-        for pp in _divisors(shape.num_layers):
-            for cp in (1, 2, 4, 8, 16, 32):
-                mp = tp * pp * cp
-                sizes = {"tp": tp, "pp": pp, "cp": cp}
-                if any(sizes[k] != v for k, v in only.items() if k in sizes):
+    split = {k: only[k] for k in UNEVEN if k in only}
+    node = f"does not divide the {gpus_per_node} GPUs of a node (TP stays inside one)"
+    for tp in _tried("tp", _divisors(gpus_per_node), only, refused, node):
+        for pp in _pp_values(shape.num_layers, only):
+            for cp in _tried("cp", CP_VALUES, only, refused, f"is not one of {CP_VALUES}"):
+                sizes, mp = {"tp": tp, "pp": pp, "cp": cp}, tp * pp * cp
+                if mp > world or world % mp:
+                    refused.setdefault(
+                        "world", f"tp*pp*cp = {tp}*{pp}*{cp} does not divide the {world} GPUs"
+                    )
                     continue
-                if mp > world or world % mp or seq_len % (2 * cp):
+                if seq_len % (2 * cp):
+                    why = f"--cp: {cp} needs sequences of a multiple of {2 * cp} tokens"
+                    refused.setdefault("cp", f"{why}, not {seq_len}")
                     continue
                 try:
-                    layout = ParallelLayout(
-                        **sizes, dp=world // mp, **experts, sequence_parallel=sp and tp > 1
-                    )
+                    stages = split or balanced_stages(shape.num_layers, pp)
+                    layout = ParallelLayout(**sizes, dp=world // mp, **experts, **stages,
+                                            sequence_parallel=sp and tp > 1)  # fmt: skip
                     layout.check_training(shape)
-                except LayoutError:
+                except LayoutError as e:
+                    refused.setdefault(e.key, e.renamed(FLAGS))
                     continue
                 yield layout
 
 
-def _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, max_mbs, fixed):
-    """The largest micro-batch size (1..max_mbs) that fits, or 0; with `fixed` (tokens of a
-    micro-batch) only that one. `base`: (layout, step settings). Fits: the tensors' peak within
-    `budget` (the GPU less the headroom, which stands for what the estimate leaves out and its
-    error) and the whole estimate, overheads included, within the GPU."""
-    gpu = gpu_mem_gib * GIB
+def _fit_micro_batch(shape, base, seq_len, judge, max_mbs, fixed):
+    """(the largest micro-batch size, 1..max_mbs, that fits, or 0; its step; its estimate); with
+    `fixed` (tokens of a micro-batch) only that one. `base`: (layout, step settings); `judge`:
+    (layout, step) -> Verdict, planning.verdict.assess bound to the GPU, vLLM and headroom."""
     layout, base_step = base
 
-    def over(e):
-        return e.peak > budget or e.total > gpu
-
-    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or layout.tp
-    kv_per_seq = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
-
-    def est(mbs):
+    def verdict(mbs):
         tokens = fixed if fixed else mbs * seq_len
         step = replace(base_step, micro_batch_tokens=tokens)
-        return step, estimate(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
+        return step, judge(layout, step)
 
-    step, e = est(1)
-    if over(e) or (vllm is not None and e.vllm_kv_cache < kv_per_seq):
-        return 0, step, e  # the trainer does not fit, or vLLM cannot hold one sequence's KV cache
-    good = (max(1, step.micro_batch_tokens // seq_len), step, e)
+    step, v = verdict(1)
+    if not v.fits:
+        return 0, step, v.estimate
+    good = (max(1, step.micro_batch_tokens // seq_len), step, v.estimate)
     mbs = 2
     while mbs <= max_mbs and not fixed:  # memory grows linearly in the micro-batch: doubling
-        step, e = est(mbs)
-        if over(e):
+        step, v = verdict(mbs)
+        if not v.fits:
             break
-        good = (mbs, step, e)
+        good = (mbs, step, v.estimate)
         mbs *= 2
     return good
 
@@ -309,11 +341,18 @@ def _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_le
 
 def _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit):
     """(every fitting (layout, step, estimate, mbs), the closest (layout, step, estimate) of all
-    tried); `fit(base, limit, fixed)` is _fit_micro_batch with the budget bound."""
-    fits, closest = [], None
-    for layout in candidate_layouts(shape, world, gpus_per_node, seq_len, only):
+    tried, what refused candidates: {field: reason}); `fit(base, limit, fixed)` is
+    _fit_micro_batch with the verdict bound."""
+    fits, closest, refused = [], None, {}
+    for layout in candidate_layouts(shape, world, gpus_per_node, seq_len, only, refused):
         if sequences is not None and sequences % layout.dp:
-            continue  # each data-parallel rank takes an equal share of the step's sequences
+            # each data-parallel rank takes an equal share of the step's sequences
+            refused.setdefault(
+                "sequences",
+                f"--group-size x --prompts-per-step: {sequences} sequences per step do not "
+                f"split evenly over dp={layout.dp}",
+            )
+            continue
         limit = None if sequences is None else max(1, sequences // layout.dp)
         for recompute in (False, True) if settings.recompute is None else (settings.recompute,):
             base = (layout, _base_step(seq_len, recompute, settings))
@@ -323,7 +362,7 @@ def _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit
             if mbs:
                 fits.append((layout, step, e, mbs))
                 break  # recomputation only when a layout cannot fit without it
-    return fits, closest
+    return fits, closest, refused
 
 
 def _alternatives(fits) -> list[dict]:
@@ -352,7 +391,7 @@ def propose(
     group_size: int | None = None,
     prompts_per_step: int | None = None,
     vllm: VLLMShare | None = DEFAULT_VLLM,
-    headroom: float = 0.1,
+    headroom: float = HEADROOM,
     max_micro_batch: int = 64,
     only: dict[str, int] | None = None,
     settings: Settings = Settings(),
@@ -360,7 +399,9 @@ def propose(
 ) -> Plan:
     """The proposal (see the module docstring); `only` pins layout fields (PINNABLE: e.g.
     {"tp": 2, "ep": 8}) to estimate a given layout instead of searching over it; `seq_len`
-    (prompt + response) replaces prompt_len + max_response_len."""
+    (prompt + response) replaces prompt_len + max_response_len; `headroom`: the verdict's
+    (planning.verdict.assess). ValueError naming the flag for a pin the model refuses;
+    NoLayoutFits when nothing fits."""
     _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_len, headroom)
     if settings.prefer not in PREFER:
         raise ValueError(f"prefer: one of {', '.join(PREFER)}, got {settings.prefer!r}")
@@ -370,51 +411,66 @@ def propose(
     seq_len = seq_len or prompt_len + max_response_len
     seq_len = padded_seq_len(seq_len)
     world = nodes * gpus_per_node
-    budget = (1 - headroom) * gpu_mem_gib * GIB
     only = {k: v for k, v in (only or {}).items() if v is not None}
     unknown = set(only) - set(PINNABLE)
     if unknown:
         raise ValueError(f"only: pins {', '.join(PINNABLE)}, not {', '.join(sorted(unknown))}")
     _check_pins(shape, only)
 
+    def judge(layout, step):
+        return assess(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len,
+                      headroom=headroom)  # fmt: skip
+
     def fit(base, limit, fixed):
         most = max_micro_batch if limit is None else min(max_micro_batch, limit)
-        return _fit_micro_batch(shape, base, seq_len, budget, gpu_mem_gib, vllm, most, fixed)
+        return _fit_micro_batch(shape, base, seq_len, judge, most, fixed)
 
-    fits, closest = _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit)
+    found = _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit)
+    fits, closest, refused = found
+    cluster = dict(nodes=nodes, gpus_per_node=gpus_per_node, gpu_mem_gib=gpu_mem_gib)
     if not fits:
-        if closest is None:
-            raise NoLayoutFits(
-                f"no TP x PP x CP layout divides {world} GPUs for {shape.name} "
-                f"(tp must divide {gpus_per_node} and the {shape.num_query_groups} KV heads)"
-            )
-        lo, step, e = closest
-        mbs = max(1, step.micro_batch_tokens // seq_len)
-        plan = Plan(shape, lo, step, e, mbs, seq_len, sequences, nodes, gpus_per_node,
-                    gpu_mem_gib, vllm=vllm)  # fmt: skip
-        raise NoLayoutFits(
-            f"{shape.name} at {seq_len} tokens per sequence does not fit {nodes} x "
-            f"{gpus_per_node} GPUs of {gpu_mem_gib} GiB: the closest layout (tp={lo.tp} pp={lo.pp} "
-            f"cp={lo.cp}, recompute={step.recompute_mode}) needs {e.total_gib:.1f} GiB per GPU "
-            f"({e.peak_gib:.1f} GiB of tensors against {budget / GIB:.1f} GiB usable with the "
-            f"headroom{'; ' + plan.verdict.reason if plan.verdict.reason else ''}); add nodes, use "
-            f"GPUs with more memory or shorten --max-response-len",
-            closest=plan,
-        )
-
+        raise _nothing_fits(shape, seq_len, sequences, cluster, vllm, headroom, closest, refused)
     fits.sort(key=lambda item: rank_key(item[0], item[1], item[3], settings.prefer))
     lo, step, e, mbs = fits[0]
-    return Plan(shape, lo, step, e, mbs, seq_len, sequences, nodes, gpus_per_node, gpu_mem_gib,
-                _alternatives(fits), vllm=vllm)  # fmt: skip
+    return Plan(shape, lo, step, e, mbs, seq_len, sequences, **cluster,
+                alternatives=_alternatives(fits), vllm=vllm, headroom=headroom)  # fmt: skip
+
+
+def _nothing_fits(shape, seq_len, sequences, cluster, vllm, headroom, closest, refused):
+    """The NoLayoutFits of a search that found nothing: what refused every candidate layout
+    (each rule's first refusal), or the closest layout's verdict."""
+    nodes, gpus = cluster["nodes"], cluster["gpus_per_node"]
+    if closest is None:
+        why = "; ".join(refused.values()) or "no candidate"
+        return NoLayoutFits(
+            f"no TP x PP x CP layout of {nodes} x {gpus} GPUs can train {shape.name}: {why}"
+        )
+    lo, step, e = closest
+    mbs = max(1, step.micro_batch_tokens // seq_len)
+    plan = Plan(shape, lo, step, e, mbs, seq_len, sequences, **cluster, vllm=vllm,
+                headroom=headroom)  # fmt: skip
+    return NoLayoutFits(
+        f"{shape.name} at {seq_len} tokens per sequence does not fit {nodes} x {gpus} GPUs of "
+        f"{cluster['gpu_mem_gib']} GiB: the closest layout ({lo}, recompute="
+        f"{step.recompute_mode}) {plan.verdict.reason}; add nodes, use GPUs with more memory "
+        "or shorten --max-response-len",
+        closest=plan,
+    )
 
 
 def _check_pins(shape: ModelShape, only: dict) -> None:
     """ValueError naming the flag when the pinned fields alone cannot train `shape` (a layout
-    with them and every other field 1, at the pinned sizes' own data parallelism)."""
-    pinned = {k: only[k] for k in ("tp", "pp", "cp") if k in only}
+    with them and every other field 1, at the pinned sizes' own data parallelism; a pinned pp
+    without a pinned split splits the layers as the search would: balanced_stages)."""
+    pinned = {k: only[k] for k in ("tp", "pp", "cp", *UNEVEN) if k in only}
     experts = {k: only[k] for k in ("ep", "etp") if k in only}
     dp = (experts.get("ep", 1) * experts.get("etp", 1)) or 1
+    for name in UNEVEN:
+        if name in pinned and "pp" not in pinned:
+            raise ValueError(f"{FLAGS[name]}: needs --pp (the stages of a given pipeline)")
     try:
+        if "pp" in pinned and not any(k in pinned for k in UNEVEN):
+            pinned |= balanced_stages(shape.num_layers, pinned["pp"])
         sp = only.get("sequence_parallel", True) and pinned.get("tp", 1) > 1
         layout = ParallelLayout(**pinned, dp=dp, **experts, sequence_parallel=sp)
         layout.check_training(shape)

@@ -197,17 +197,16 @@ def padded_seq_len(tokens: int) -> int:
     return tokens + -tokens % SEQ_PAD
 
 
-def stage_layers(shape: ModelShape, pp: int) -> int:
-    """Layers of the fullest pipeline stage (megatron-core gives the remainder to the first and
-    last stages when pp does not divide them; the fullest stage has ceil(L / pp))."""
-    return -(-shape.num_layers // pp)
-
-
-def stage_params(shape: ModelShape, pp: int, stage: int, experts: bool | None = None) -> int:
-    """Parameters held by pipeline `stage`: its layers, the embedding on the first, the output
-    layer (or, tied, its copy of the embedding) and the final norm on the last. experts: True
-    for only the routed experts' parameters, False for all the others, None for both."""
-    layers = stage_layers(shape, pp)
+def stage_params(
+    shape: ModelShape, layout: ParallelLayout, stage: int, experts: bool | None = None
+) -> int:
+    """Parameters held by pipeline `stage`: its layers (the layout's split,
+    ParallelLayout.stage_layers: uneven stages hold what the layout gives them), the embedding on
+    the first, the output layer (or, tied, its copy of the embedding) and the final norm on the
+    last. experts: True for only the routed experts' parameters, False for all the others, None
+    for both."""
+    pp = layout.pp
+    layers = layout.stage_layers(shape.num_layers)[stage]
     n_exp = layers * shape.layer_expert_params()
     n = layers * shape.layer_dense_params()
     if stage == 0:
@@ -229,8 +228,8 @@ def estimate(
     precision: Precision = PRECISION,
 ) -> MemoryEstimate:
     """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks).
-    ValueError naming the flag when `layout` cannot train `shape` (ParallelLayout's rules; the
-    planner estimates uneven pipeline stages too: at most one stage per layer)."""
+    ValueError naming the flag when `layout` cannot train `shape` (ParallelLayout's rules: a pp
+    that does not divide the layers needs the layout's uneven stages)."""
     try:
         layout.check_training(shape)
     except LayoutError as e:
@@ -246,9 +245,9 @@ def estimate(
 def _states(shape, layout, step, stage, prec):
     """Weights, gradients and the optimiser's GPU part of one stage, per GPU."""
     t, c, d = layout.tp, layout.cp, layout.dp
-    dense = stage_params(shape, layout.pp, stage, experts=False) / t  # TP shards every matrix
+    dense = stage_params(shape, layout, stage, experts=False) / t  # TP shards every matrix
     # the routed experts: split over EP, each expert's matrices over expert TP
-    experts = stage_params(shape, layout.pp, stage, experts=True) / (layout.ep * layout.expert_tp)
+    experts = stage_params(shape, layout, stage, experts=True) / (layout.ep * layout.expert_tp)
     params = dense + experts
     if step.distributed_optimizer:  # the experts' states over their data-parallel group
         opt_params = dense / (d * c) + experts / layout.expert_dp
@@ -261,7 +260,7 @@ def _states(shape, layout, step, stage, prec):
 def _activations(shape, layout, step, stage, prec):
     t, p, c = layout.tp, layout.pp, layout.cp
     tokens = step.micro_batch_tokens / c  # CP splits every sequence across c ranks
-    layers = stage_layers(shape, p)
+    layers = layout.stage_layers(shape.num_layers)[stage]
     # 1F1B: stage s has min(p - s, micro-batches) forwards in flight before its first backward;
     # the planner assumes at least p micro-batches per step (it proposes enough).
     in_flight = p - stage

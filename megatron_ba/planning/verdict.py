@@ -6,11 +6,14 @@
     remedies(shape, layout, step, gpu_mem_gib=79.11, vllm=..., seq_len=..., gpus_per_node=8)
     # -> [("--recompute full", "parallel.recompute=full", 61.2), ...]
 
-The verdict is the one `megatron-ba layout --json` reports as "fits", the public-record test
-(tests/test_public_record.py) checks against runs that ran or went out of memory, and the Slurm
-launcher's fit check (planning/launch.py) applies before it submits anything: the per-GPU
-estimate, overheads included (planning/memory.py), within the GPU's whole memory, and a colocated
-vLLM's reservation, after its weights, holding one sequence's KV cache.
+The verdict is the one rule of "fits": what `megatron-ba layout --json` reports as "fits" and
+its exit status says (its search asks this function of every micro-batch it tries), what the
+public-record test (tests/test_public_record.py) checks against runs that ran or went out of
+memory, and what the Slurm launcher's fit check (planning/launch.py) applies before it submits
+anything. A layout fits when all three hold: the tensors' peak within (1 - headroom) of the GPU
+(the headroom stands for what the estimate leaves out and its error; HEADROOM, the CLI's
+default), the whole estimate, overheads included (planning/memory.py), within the GPU's memory,
+and a colocated vLLM's reservation, after its weights, holding one sequence's KV cache.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megatron_ba.model_shape import ModelShape
-from megatron_ba.parallel.parallel_layout import LayoutError, ParallelLayout
+from megatron_ba.parallel.parallel_layout import LayoutError, ParallelLayout, balanced_stages
 from megatron_ba.planning.memory import (
     GIB,
     PRECISION,
@@ -41,6 +44,8 @@ from megatron_ba.planning.memory import (
 # * A100 / A800 80 GB: 79.15 GiB (vLLM's and PyTorch users' messages for the 80 GB part)
 GPU_MEMORY_GIB = {"H100": 79.11, "H200": 139.81, "H20": 95.08, "A100": 79.15, "A800": 79.15}
 
+HEADROOM = 0.1  # the fraction of the GPU the tensors' peak must leave free (module docstring)
+
 
 def gpu_memory_gib(name: str) -> float:
     """The capacity of a GPU named in GPU_MEMORY_GIB (case-insensitive); ValueError otherwise."""
@@ -54,7 +59,7 @@ def gpu_memory_gib(name: str) -> float:
 class Verdict:
     fits: bool
     estimate: MemoryEstimate
-    reason: str  # why not, in words ("" when it fits)
+    reason: str  # why not, in words: each part of the rule that failed ("" when it fits)
 
 
 def assess(
@@ -65,34 +70,43 @@ def assess(
     gpu_mem_gib: float,
     vllm: VLLMShare | None,
     seq_len: int,
+    headroom: float = HEADROOM,
 ) -> Verdict:
-    """The verdict on one layout and its step's settings (module docstring)."""
+    """The verdict on one layout and its step's settings (module docstring); the reason names
+    every part that failed, after what the layout needs per GPU."""
     e = estimate(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
-    if e.total > gpu_mem_gib * GIB:
-        return Verdict(
-            False,
-            e,
-            f"needs {e.total_gib:.1f} GiB per GPU ({e.peak_phase} phase, stage "
-            f"{e.worst_stage}) of {gpu_mem_gib:g} GiB",
+    gpu = gpu_mem_gib * GIB
+    failed = []
+    if e.total > gpu:
+        failed.append("more than the GPU holds")
+    if e.peak > (1 - headroom) * gpu:
+        failed.append(
+            f"its tensors' peak, {e.peak_gib:.1f} GiB, is over the "
+            f"{(1 - headroom) * gpu_mem_gib:.1f} GiB the headroom of {headroom:g} leaves"
         )
     if vllm is not None:
         vllm_tp = vllm.tp or layout.tp
         need = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
         if e.vllm_kv_cache < need:
             weights = shape.total_params() / vllm_tp * PRECISION.param_bytes / GIB
-            return Verdict(
-                False,
-                e,
+            failed.append(
                 f"vLLM's {vllm.gpu_util:g} of the GPU, after its {weights:.1f} GiB of weights, "
-                f"cannot hold one sequence's KV cache ({need / GIB:.2f} GiB)",
+                f"cannot hold one sequence's KV cache ({need / GIB:.2f} GiB)"
             )
-    return Verdict(True, e, "")
+    if not failed:
+        return Verdict(True, e, "")
+    needs = (
+        f"needs {e.total_gib:.1f} GiB per GPU ({e.peak_phase} phase, stage {e.worst_stage}) of "
+        f"{gpu_mem_gib:g} GiB"
+    )
+    return Verdict(False, e, f"{needs}: {', and '.join(failed)}")
 
 
-def _changes(layout: ParallelLayout, step: MemorySettings, gpus_per_node: int):
+def _changes(shape: ModelShape, layout: ParallelLayout, step: MemorySettings, gpus_per_node: int):
     """(flag, recipe key, changed layout, changed step) for each single change that lowers
     memory; a layout change its rules refuse (e.g. expert parallelism that no longer divides
-    the new tp x cp x dp) is not offered."""
+    the new tp x cp x dp, more stages than layers) is not offered. Doubling pp re-splits the
+    layers as evenly as megatron-core allows (balanced_stages), whatever split the layout had."""
     lo = layout
     if step.recompute_mode != "full":
         yield "--recompute full", "parallel.recompute=full", lo, replace(step, recompute="full")
@@ -102,11 +116,17 @@ def _changes(layout: ParallelLayout, step: MemorySettings, gpus_per_node: int):
             changed = {name: 2 * value, "dp": lo.dp // 2}
             if name == "tp":
                 changed["sequence_parallel"] = True  # the planner's layouts: SP with tp > 1
+            keys = [f"parallel.{name}={2 * value}"]
             try:
+                if name == "pp":
+                    split = balanced_stages(shape.num_layers, 2 * value)
+                    changed |= {"pp_first_stage_layers": None, "pp_last_stage_layers": None}
+                    changed |= split
+                    keys += [f"parallel.{k}={v}" for k, v in split.items()]
                 new = replace(lo, **changed)
             except LayoutError:
                 continue
-            yield f"--{name} {2 * value}", f"parallel.{name}={2 * value}", new, step
+            yield f"--{name} {2 * value}", " ".join(keys), new, step
     if step.micro_batch_tokens > 1:
         half = replace(step, micro_batch_tokens=step.micro_batch_tokens // 2)
         yield "half the micro-batch", "parallel.micro_batch_size (halved)", lo, half
@@ -121,14 +141,16 @@ def remedies(
     vllm: VLLMShare | None,
     seq_len: int,
     gpus_per_node: int,
+    headroom: float = HEADROOM,
 ) -> list[tuple[str, str, float]]:
-    """The single changes under which the layout fits: (flag, recipe key, GiB per GPU), in the
-    order tried: full recompute, CP x2, TP x2, PP x2 (each taken from DP), half the micro-batch
+    """The single changes under which the layout fits (assess's verdict, at `headroom`): (flag,
+    recipe key(s), GiB per GPU), in the order tried: full recompute, CP x2, TP x2, PP x2 (each
+    taken from DP; PP's layers split as evenly as megatron-core allows), half the micro-batch
     (while it still holds a whole sequence), then the smallest colocated vLLM engine TP (a
     power of two within the node) whose share holds its weights and one sequence's KV cache."""
     tries = [
         (flag, key, new, new_step, vllm)
-        for flag, key, new, new_step in _changes(layout, step, gpus_per_node)
+        for flag, key, new, new_step in _changes(shape, layout, step, gpus_per_node)
     ]
     if vllm is not None:
         engine_tp = 2 * (vllm.tp or layout.tp)
@@ -140,11 +162,11 @@ def remedies(
             engine_tp *= 2
     out = []
     for flag, key, new, new_step, new_vllm in tries:
-        if new_step.micro_batch_tokens < seq_len or new.pp > shape.num_layers:
+        if new_step.micro_batch_tokens < seq_len:
             continue
         try:
             v = assess(shape, new, new_step, gpu_mem_gib=gpu_mem_gib, vllm=new_vllm,
-                       seq_len=seq_len)  # fmt: skip
+                       seq_len=seq_len, headroom=headroom)  # fmt: skip
         except ValueError:
             continue  # e.g. the new tp no longer divides the model's heads
         if v.fits:
