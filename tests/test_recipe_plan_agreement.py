@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,9 @@ def layout_flags(recipe, shape: ModelShape) -> list[str]:
     p, g, r = recipe.parallel, recipe.grpo, recipe.rollout
     layout = p.layout()
     out = ["--tp", str(p.tp), "--pp", str(p.pp), "--cp", str(p.cp)]
+    for key in ("pp_first_stage_layers", "pp_last_stage_layers"):  # a recipe's uneven stages
+        if getattr(p, key) is not None:
+            out += ["--" + key.replace("_", "-"), str(getattr(p, key))]
     if shape.is_moe:
         out += ["--ep", str(layout.ep), "--etp", str(layout.expert_tp)]
     if p.tp > 1 and not p.sequence_parallel:
@@ -195,3 +199,25 @@ def test_agreement_check_sees_a_launcher_that_drops_expert_parallelism(
     monkeypatch.setattr(launch, "recipe_plan", without_experts)
     launcher, planner = both_verdicts(FLAGSHIP, tmp_path, capsys)
     assert launcher["fits"] != planner["fits"] and launcher["gib"] > 3 * planner["gib"]
+
+
+def test_uneven_stages_agree_and_the_split_counts(tmp_path, capsys, monkeypatch):
+    """A recipe's uneven stages (parallel.pp_first_stage_layers) reach both: the flagship at PP 2
+    with 20 + 28 layers gives one verdict and GiB per GPU; the control, the planner given --pp
+    alone (an even 24 + 24), differs from the launcher's figure."""
+    uneven = ["parallel.pp=2", "parallel.pp_first_stage_layers=20"]
+    launcher, planner = both_verdicts(FLAGSHIP, tmp_path, capsys, uneven)
+    assert launcher["gib"] == pytest.approx(planner["gib"], abs=0.051), (launcher, planner)
+    assert launcher["fits"] == planner["fits"]
+    flags = layout_flags
+
+    def without_split(recipe, shape):
+        out = flags(recipe, shape)
+        i = out.index("--pp-first-stage-layers")
+        return out[:i] + out[i + 2 :]
+
+    monkeypatch.setattr(sys.modules[__name__], "layout_flags", without_split)
+    even = tmp_path / "even"
+    even.mkdir()
+    launcher, planner = both_verdicts(FLAGSHIP, even, capsys, uneven)
+    assert abs(launcher["gib"] - planner["gib"]) > 0.5, (launcher, planner)
