@@ -70,7 +70,7 @@ def test_pipeline_stages_even_or_split_as_megatron_core_splits_them():
     with pytest.raises(LayoutError, match="not a multiple of pp=3") as e:
         ParallelLayout(pp=3).check_model(q7)
     assert e.value.key == "pp"
-    with pytest.raises(LayoutError, match="leaves 27 layer.* for the 28 other stage"):
+    with pytest.raises(LayoutError, match=r"leaves 27 layer.* for the 28 other stage"):
         ParallelLayout(pp=29, pp_first_stage_layers=1).check_model(q7)
     assert ParallelLayout(pp=4).stage_layers(28) == (7, 7, 7, 7)
     # uneven: the given stages, the rest shared evenly by the stages between (hand-counted)

