@@ -50,6 +50,9 @@ Q7_LAYER = (
     + 2 * 3584  # two RMSNorms
 )
 Q7_TOTAL = 28 * Q7_LAYER + 2 * 152064 * 3584 + 3584
+# The refit's transient beside a colocated engine (planning/generation_memory.py): the default
+# 256 MiB bucket and one full tensor, the largest of stage 0 (the embedding, 152064 x 3584 bf16)
+Q7_REFIT = 256 * 2**20 + 152064 * 3584 * 2
 
 
 def test_parameter_counts_by_hand():
@@ -179,7 +182,8 @@ def test_vllm_share():
     asleep = estimate(Q7, *lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=True))
     awake = estimate(Q7, *lo, gpu_mem_gib=80, vllm=VLLMShare(0.5, sleeps=False))
     assert asleep.train_phase == alone.train_phase
-    assert asleep.generate_phase == alone.weights + 40 * GIB
+    # the trainer's weights, the engine's pool and the refit's bucket and tensor beside it
+    assert asleep.generate_phase == alone.weights + 40 * GIB + Q7_REFIT
     assert asleep.vllm_kv_cache == 40 * GIB - Q7_TOTAL / 2 * 2
     assert awake.train_phase == alone.train_phase + 40 * GIB
     assert awake.peak == awake.train_phase
@@ -323,16 +327,21 @@ def test_offload_modes_and_overheads():
     auto = estimate(Q7, lo, step, gpu_mem_gib=80, vllm=share)
     kept = estimate(Q7, lo, replace(step, offload="none"), gpu_mem_gib=80, vllm=share)
     gone = estimate(Q7, lo, replace(step, offload="states"), gpu_mem_gib=80, vllm=share)
-    assert auto.generate_phase == auto.weights + 48 * GIB  # the weights stay while vLLM sleeps
-    assert kept.generate_phase == kept.weights + kept.grads + kept.optimizer + 48 * GIB
-    assert gone.generate_phase == 48 * GIB
+    # the weights stay while vLLM sleeps; the refit's bucket and full tensor come on top
+    assert auto.generate_phase == auto.weights + 48 * GIB + Q7_REFIT
+    assert kept.generate_phase == kept.weights + kept.grads + kept.optimizer + 48 * GIB + Q7_REFIT
+    # states offloaded: the weights come back for the refit, which reads them
+    assert gone.generate_phase == gone.weights + 48 * GIB + Q7_REFIT
     assert gone.train_phase == kept.train_phase == auto.train_phase  # all back for the update
-    # overheads: outside PyTorch, and a fraction of what PyTorch holds (vLLM's pool excluded)
+    # overheads: outside PyTorch, a fraction of what PyTorch holds (vLLM's pool excluded) and
+    # the engine's own process
+    from megatron_ba.planning.generation_memory import ENGINE_PROCESS_GIB
     from megatron_ba.planning.memory import FRAGMENTATION, NON_TORCH_GIB
 
     assert kept.peak_phase == "generate"
     torch_part = kept.generate_phase - 48 * GIB
-    assert kept.total == pytest.approx(kept.peak + NON_TORCH_GIB * GIB + FRAGMENTATION * torch_part)
+    outside = (NON_TORCH_GIB + ENGINE_PROCESS_GIB) * GIB
+    assert kept.total == pytest.approx(kept.peak + outside + FRAGMENTATION * torch_part)
     # a reference policy's weights stay in both phases
     ref = estimate(Q7, lo, replace(step, reference=True), gpu_mem_gib=80, vllm=share)
     assert ref.generate_phase == auto.generate_phase + auto.weights

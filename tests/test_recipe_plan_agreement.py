@@ -30,6 +30,7 @@ import pytest
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import ModelShape
 from megatron_ba.planning import launch
+from megatron_ba.planning.generation_memory import ENGINE_PROCESS_GIB
 from megatron_ba.planning.memory import load_model
 from megatron_ba.recipe import load_recipe
 
@@ -129,8 +130,14 @@ def layout_flags(recipe, shape: ModelShape) -> list[str]:
     out += ["--micro-batch-size", str(p.micro_batch_size), "--recompute", p.recompute]
     util = r.gpu_memory_utilization if r.engine == "vllm" else 0
     out += ["--vllm-gpu-util", str(util), "--vllm-tp", str(r.engine_tp)]
+    out += ["--refit-bucket-mb", str(r.refit_bucket_mb)]
+    if r.in_process:
+        out.append("--engine-in-process")
     if not r.sleep:
         out.append("--vllm-awake")
+    # one optimiser step's sequences (the micro-batches 1F1B can hold in flight)
+    out += ["--group-size", str(g.group_size)]
+    out += ["--prompts-per-step", str(g.prompts_per_step // max(1, g.mini_batches))]
     if recipe.loss.kl_coef > 0:
         out.append("--reference")
     return out
@@ -175,8 +182,11 @@ def test_launcher_and_planner_agree_on_every_recipe(path, tmp_path, capsys):
 
 def test_the_flagship_moe_recipe_fits_with_its_experts_split_and_not_at_ep1(tmp_path, capsys):
     launcher, planner = both_verdicts(FLAGSHIP, tmp_path, capsys)
-    assert launcher == {"fits": True, "gib": pytest.approx(72.02, abs=0.01)}
-    assert planner["fits"] and planner["gib"] == pytest.approx(72.02, abs=0.01)
+    # 72.02 GiB before the engine's own process (CUDA context, communicators) was counted:
+    # its 3.205 GiB (generation_memory.ENGINE_PROCESS_GIB) come on top of the training peak
+    gib = 72.02 + ENGINE_PROCESS_GIB
+    assert launcher == {"fits": True, "gib": pytest.approx(gib, abs=0.01)}
+    assert planner["fits"] and planner["gib"] == pytest.approx(gib, abs=0.01)
     # the control: the same recipe, layout and GPUs with every expert on each GPU
     one = tmp_path / "ep1"
     one.mkdir()
@@ -198,7 +208,7 @@ def test_agreement_check_sees_a_launcher_that_drops_expert_parallelism(
 
     monkeypatch.setattr(launch, "recipe_plan", without_experts)
     launcher, planner = both_verdicts(FLAGSHIP, tmp_path, capsys)
-    assert launcher["fits"] != planner["fits"] and launcher["gib"] > 3 * planner["gib"]
+    assert launcher["fits"] != planner["fits"] and launcher["gib"] > 2.5 * planner["gib"]
 
 
 def test_uneven_stages_agree_and_the_split_counts(tmp_path, capsys, monkeypatch):

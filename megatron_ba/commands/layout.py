@@ -27,7 +27,8 @@ import sys
 
 from megatron_ba.parallel.parallel_layout import UNEVEN
 from megatron_ba.planning.cluster_layout import PREFER, NoLayoutFits, Settings, propose
-from megatron_ba.planning.memory import LOGPROBS, RECOMPUTE, VLLMShare, load_model
+from megatron_ba.planning.generation_memory import ENGINES, REFIT_BUCKET_MB
+from megatron_ba.planning.memory import GRAD_BYTES, LOGPROBS, RECOMPUTE, EngineShare, load_model
 from megatron_ba.planning.verdict import GPU_MEMORY_GIB, HEADROOM, gpu_memory_gib
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 from megatron_ba.rope_scaling import RopeScaling
@@ -53,27 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--group-size", type=int, help="responses per prompt (grpo.group_size)")
     p.add_argument("--prompts-per-step", type=int, help="prompts per step (grpo.prompts_per_step)")
-    p.add_argument(
-        "--vllm-gpu-util",
-        type=float,
-        default=VLLM_GPU_MEMORY_UTILIZATION,
-        help=(
-            "colocated vLLM's share of the GPU while it generates (the recipe's "
-            f"rollout.gpu_memory_utilization; default {VLLM_GPU_MEMORY_UTILIZATION}; 0: no vLLM "
-            "on these GPUs: SFT or a separate engine)"
-        ),
-    )
-    p.add_argument(
-        "--vllm-tp",
-        type=int,
-        metavar="N",
-        help="the colocated vLLM engine's tensor parallelism (rollout.engine_tp; default: --tp's)",
-    )
-    p.add_argument(
-        "--vllm-awake",
-        action="store_true",
-        help="vLLM keeps its memory while the policy trains (no sleep mode / offload)",
-    )
+    _engine_arguments(p)
     p.add_argument(
         "--headroom",
         type=float,
@@ -85,6 +66,64 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     _setting_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The colocated generation engine: which, its memory key, TP, sleep, process and refit."""
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="vllm",
+        help="the colocated generation engine (default vllm); its memory key is --vllm-gpu-util "
+        "or --sglang-mem-fraction",
+    )
+    p.add_argument(
+        "--vllm-gpu-util",
+        type=float,
+        help=(
+            "vLLM's gpu_memory_utilization: its share of the GPU while it generates (weights, "
+            "activation peak, KV cache; the recipe's rollout.gpu_memory_utilization; default "
+            f"{VLLM_GPU_MEMORY_UTILIZATION}; 0: no engine on these GPUs: SFT or one elsewhere)"
+        ),
+    )
+    p.add_argument(
+        "--sglang-mem-fraction",
+        type=float,
+        metavar="F",
+        help="with --engine sglang (required): SGLang's mem_fraction_static, the share of the GPU "
+        "for its weights and KV cache pool (0: no engine on these GPUs)",
+    )
+    p.add_argument(
+        "--vllm-tp",
+        type=int,
+        metavar="N",
+        help="the colocated engine's tensor parallelism (rollout.engine_tp; default: --tp's)",
+    )
+    p.add_argument(
+        "--vllm-awake",
+        action="store_true",
+        help="the engine keeps its memory while the policy trains (no sleep mode / offload)",
+    )
+    p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="the engine runs in the trainer's process (verl's sync mode; rollout.in_process): no "
+        "second process's CUDA context and communicators",
+    )
+    p.add_argument(
+        "--refit-bucket-mb",
+        type=float,
+        default=REFIT_BUCKET_MB,
+        metavar="MB",
+        help=f"MiB of the refit's bucket (rollout.refit_bucket_mb; default {REFIT_BUCKET_MB}; 0: "
+        "one tensor at a time)",
+    )
+    p.add_argument(
+        "--refit-before-kv",
+        action="store_true",
+        help="the refit runs with only the engine's weights awake, before its KV cache (verl, "
+        "NeMo-RL; default: the whole engine is awake, as this project's refit)",
+    )
 
 
 def _layout_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,10 +209,22 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
             "recomputation costs 4/3 of the compute)"
         ),
     )
+    _optimizer_arguments(p)
+
+
+def _optimizer_arguments(p: argparse.ArgumentParser) -> None:
+    """The optimiser's sharding and the gradient buffer's dtype."""
     p.add_argument(
         "--no-distributed-optimizer",
         action="store_true",
         help="optimiser states replicated on every data-parallel rank",
+    )
+    p.add_argument(
+        "--grad-reduce",
+        choices=tuple(GRAD_BYTES),
+        default="fp32",
+        help="the gradient buffer's dtype: fp32 (megatron-core's grad_reduce_in_fp32, the "
+        "mixed-precision recipe and this project's trainer; default) or bf16 (NeMo-RL's)",
     )
 
 
@@ -216,14 +267,52 @@ def _check(args: argparse.Namespace) -> None:
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: must be >= 1, got {value}")
-    if not 0 <= args.vllm_gpu_util < 1:
-        raise ValueError(f"--vllm-gpu-util: must be in [0, 1), got {args.vllm_gpu_util}")
+    _check_engine(args)
     if (args.model is None) == (args.model_config is None):
         raise ValueError("--model or --model-config: give exactly one")
     if (args.gpu is None) == (args.gpu_mem is None):
         raise ValueError("--gpu or --gpu-mem: give exactly one")
     if (args.seq_len is None) == (args.max_response_len is None):
         raise ValueError("--seq-len or --max-response-len: give exactly one")
+
+
+def _check_engine(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for an engine key that does not fit --engine."""
+    if args.engine == "sglang":
+        if args.vllm_gpu_util is not None:
+            raise ValueError("--vllm-gpu-util: vLLM's key; --engine sglang takes "
+                             "--sglang-mem-fraction")  # fmt: skip
+        if args.sglang_mem_fraction is None:
+            raise ValueError("--sglang-mem-fraction: required with --engine sglang (its "
+                             "mem_fraction_static)")  # fmt: skip
+    elif args.sglang_mem_fraction is not None:
+        raise ValueError("--sglang-mem-fraction: SGLang's key; give --engine sglang")
+    for flag, value in (
+        ("--vllm-gpu-util", args.vllm_gpu_util),
+        ("--sglang-mem-fraction", args.sglang_mem_fraction),
+    ):
+        if value is not None and not 0 <= value < 1:
+            raise ValueError(f"{flag}: must be in [0, 1), got {value}")
+    if not args.refit_bucket_mb >= 0:
+        raise ValueError(f"--refit-bucket-mb: must be >= 0, got {args.refit_bucket_mb}")
+
+
+def engine_share(args: argparse.Namespace) -> EngineShare | None:
+    """The colocated engine of the parsed options (None: a share of 0, no engine here)."""
+    share = args.sglang_mem_fraction if args.engine == "sglang" else args.vllm_gpu_util
+    if share is None:
+        share = VLLM_GPU_MEMORY_UTILIZATION
+    if not share:
+        return None
+    return EngineShare(
+        share,
+        sleeps=not args.vllm_awake,
+        tp=args.vllm_tp,
+        engine=args.engine,
+        in_process=args.engine_in_process,
+        refit_bucket_mb=args.refit_bucket_mb,
+        refit_before_kv=args.refit_before_kv,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,9 +324,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"layout: {e}", file=sys.stderr)
         return 2
-    vllm = None
-    if args.vllm_gpu_util:
-        vllm = VLLMShare(args.vllm_gpu_util, sleeps=not args.vllm_awake, tp=args.vllm_tp)
+    vllm = engine_share(args)
     settings = Settings(
         recompute=args.recompute,
         micro_batch_size=args.micro_batch_size,
@@ -248,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         reference=args.reference,
         prefer=args.prefer,
+        grad_reduce=args.grad_reduce,
     )
     try:
         plan = propose(
@@ -316,14 +404,15 @@ def _text(j: dict) -> str:
         f"({j['micro_batch_tokens_per_gpu']} per GPU), recompute={j['recompute_mode']}",
         f"  per GPU (worst pipeline stage {j['worst_stage']}, {j['peak_phase']} phase): "
         f"{j['memory_gib_per_gpu']} GiB, fits={j['fits']} (headroom {j['headroom']:g})",
-        f"    weights {b['weights']}  gradients {b['grads']}  optimizer "
+        f"    weights {b['weights']}  gradients ({j['grad_reduce']}) {b['grads']}  optimizer "
         f"({'distributed' if j['distributed_optimizer'] else 'replicated'}) {b['optimizer']}",
         f"    activations {b['activations']} (no recompute {b['activations_no_recompute']}, "
-        f"full recompute {b['activations_full_recompute']})",
+        f"full recompute {b['activations_full_recompute']}; {j['in_flight_micro_batches']} "
+        f"micro-batch(es) in flight, {j['in_flight_tokens']} tokens)",
         f"    logits {b['logits']} (naive {b['logits_naive']}, chunked {b['logits_chunked']})",
-        f"    vLLM while training {b['vllm_train_phase']}; training phase {b['train_phase']}, "
-        f"generation phase {b['generate_phase']} (vLLM KV cache {b['vllm_kv_cache']})",
-        f"    CUDA context, NCCL buffers, fragmentation {b['overhead']}",
+        *_engine_lines(j),
+        f"    CUDA context, NCCL buffers, fragmentation, engine process {b['overhead']} "
+        f"(engine process {b['engine_process']})",
         "  recipe overrides: " + " ".join(j["overrides"]),
     ]
     r = j["rope_scaling"]
@@ -340,6 +429,21 @@ def _text(j: dict) -> str:
             f"mbs={a['micro_batch_size']} recompute={a['recompute']} {a['memory_gib_per_gpu']} GiB"
         )
     return "\n".join(lines)
+
+
+def _engine_lines(j: dict) -> list[str]:
+    """The phases' lines: the engine's pool, KV cache and refit, where one is colocated."""
+    b = j["breakdown_gib"]
+    if j["engine"] is None:
+        return [f"    training phase {b['train_phase']} (no colocated engine)"]
+    return [
+        f"    {j['engine']} ({j['engine_mem_fraction']:g} of the GPU) {b['engine_pool']}: its "
+        f"weights {b['engine_weights']}, KV cache {b['vllm_kv_cache']}; while training "
+        f"{b['vllm_train_phase']}",
+        f"    refit: bucket {b['refit_bucket']}, one full tensor {b['refit_full_param']}, at its "
+        f"instant {b['refit_phase']}",
+        f"    training phase {b['train_phase']}, generation phase {b['generate_phase']}",
+    ]
 
 
 def _split(j: dict) -> str:

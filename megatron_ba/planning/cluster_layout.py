@@ -41,7 +41,8 @@ from megatron_ba.parallel.parallel_layout import (
     ParallelLayout,
     balanced_stages,
 )
-from megatron_ba.planning.memory import MemoryEstimate, MemorySettings, VLLMShare, padded_seq_len
+from megatron_ba.planning.generation_memory import REFIT_BUCKET_MB, engine_json
+from megatron_ba.planning.memory import EngineShare, MemoryEstimate, MemorySettings, padded_seq_len
 from megatron_ba.planning.verdict import HEADROOM, Verdict, assess
 from megatron_ba.step_settings import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
@@ -51,7 +52,7 @@ from megatron_ba.step_settings import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 RECOMPUTE_COST = {"none": 1.0, "selective": 1.0, "full": 4 / 3}
 PREFER = ("parallelism", "compute")
 
-DEFAULT_VLLM = VLLMShare()  # colocated (the recipe's default share), asleep while training
+DEFAULT_VLLM = EngineShare()  # colocated vLLM (the recipe's default share), asleep while training
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Plan:
     gpus_per_node: int
     gpu_mem_gib: float
     alternatives: list[dict] = field(default_factory=list)
-    vllm: VLLMShare | None = None  # the colocated engine the estimate assumes (None: none)
+    vllm: EngineShare | None = None  # the colocated engine the estimate assumes (None: none)
     headroom: float = HEADROOM  # what the verdict's tensors' peak leaves free (planning.verdict)
 
     def overrides(self) -> list[str]:
@@ -76,7 +77,8 @@ class Plan:
         recomputation, chunked log-probs (the key only where `parallel.logprob_chunk_size:
         null`'s auto rule would not chunk: micro-batches of at most recipe.AUTO_CHUNK_ABOVE
         tokens, or a chunk other than its AUTO_CHUNK), and the colocated vLLM engine's share of
-        the GPU, sleep mode and tensor parallelism."""
+        the GPU, sleep mode and tensor parallelism (a vLLM engine's: this project's recipes run
+        no SGLang), its refit bucket where it is not the recipe's default."""
         lo, step = self.layout, self.step
         out = [
             f"parallel.tp={lo.tp}",
@@ -96,7 +98,7 @@ class Plan:
         auto = step.micro_batch_tokens > AUTO_CHUNK_ABOVE and step.logprob_chunk == AUTO_CHUNK
         if step.logprob_mode == "chunked" and not auto:
             out.append(f"parallel.logprob_chunk_size={step.logprob_chunk}")
-        if self.vllm is not None:
+        if self.vllm is not None and self.vllm.engine == "vllm":
             out.append(f"rollout.gpu_memory_utilization={self.vllm.gpu_util}")
             out.append(f"rollout.sleep={str(self.vllm.sleeps).lower()}")
             # the engine's weights are split as the estimate assumed (one GPU's engine must hold
@@ -104,6 +106,8 @@ class Plan:
             engine_tp = self.vllm.tp or lo.tp
             if engine_tp > 1:
                 out.append(f"rollout.engine_tp={engine_tp}")
+            if self.vllm.refit_bucket_mb != REFIT_BUCKET_MB:
+                out.append(f"rollout.refit_bucket_mb={self.vllm.refit_bucket_mb:g}")
         return out
 
     def to_json(self) -> dict:
@@ -135,6 +139,10 @@ class Plan:
             "distributed_optimizer": step.distributed_optimizer,
             "chunked_logprobs": step.chunked_logprobs,
             "logprobs": step.logprob_mode,
+            "grad_reduce": step.grad_reduce,
+            "in_flight_micro_batches": self.estimate.in_flight,
+            "in_flight_tokens": self.estimate.in_flight_tokens,
+            **engine_json(self.vllm),
             "fits": self.fits,
             "headroom": self.headroom,
             "why_not": self.verdict.reason,
@@ -191,6 +199,7 @@ class Settings:
     logprobs: str = "chunked"
     reference: bool = False
     prefer: str = "parallelism"
+    grad_reduce: str = "fp32"  # MemorySettings.grad_reduce
 
 
 def rank_key(
@@ -300,7 +309,9 @@ def _fit_micro_batch(shape, base, seq_len, judge, max_mbs, fixed):
     return good
 
 
-def _base_step(seq_len, recompute, settings: Settings) -> MemorySettings:
+def _base_step(seq_len, recompute, settings: Settings, sequences=None) -> MemorySettings:
+    """The step's settings before its micro-batch is chosen; `sequences` per step (None:
+    unknown) fix its tokens, and so the micro-batches 1F1B has in flight."""
     return MemorySettings(
         seq_len,
         recompute=recompute,
@@ -309,6 +320,8 @@ def _base_step(seq_len, recompute, settings: Settings) -> MemorySettings:
         cpu_adam=settings.cpu_adam,
         logprobs=settings.logprobs,
         reference=settings.reference,
+        grad_reduce=settings.grad_reduce,
+        step_tokens=None if sequences is None else sequences * seq_len,
     )
 
 
@@ -355,7 +368,7 @@ def _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit
             continue
         limit = None if sequences is None else max(1, sequences // layout.dp)
         for recompute in (False, True) if settings.recompute is None else (settings.recompute,):
-            base = (layout, _base_step(seq_len, recompute, settings))
+            base = (layout, _base_step(seq_len, recompute, settings, sequences))
             mbs, step, e = fit(base, limit, _fixed_tokens(settings, seq_len, layout.cp))
             if closest is None or e.total < closest[2].total:
                 closest = (layout, step, e)
@@ -390,7 +403,7 @@ def propose(
     prompt_len: int = 512,
     group_size: int | None = None,
     prompts_per_step: int | None = None,
-    vllm: VLLMShare | None = DEFAULT_VLLM,
+    vllm: EngineShare | None = DEFAULT_VLLM,
     headroom: float = HEADROOM,
     max_micro_batch: int = 64,
     only: dict[str, int] | None = None,

@@ -38,7 +38,7 @@ from pathlib import Path
 from megatron_ba.model_shape import ModelShape
 from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.planning.architectures import Unmodelled
-from megatron_ba.planning.memory import MemorySettings, VLLMShare, load_model, padded_seq_len
+from megatron_ba.planning.memory import EngineShare, MemorySettings, load_model, padded_seq_len
 from megatron_ba.planning.verdict import Verdict, assess, remedies
 from megatron_ba.recipe import RecipeError, load_recipe
 
@@ -159,23 +159,28 @@ def recipe_shape(recipe) -> ModelShape | None:
     return recipe.model.fresh_shape(recipe.tokenizer.vocab_size)
 
 
-def recipe_plan(recipe, dp: int) -> tuple[ParallelLayout, MemorySettings, VLLMShare | None, int]:
+def recipe_plan(recipe, dp: int) -> tuple[ParallelLayout, MemorySettings, EngineShare | None, int]:
     """The planner's inputs for a recipe on `dp` data-parallel ranks: its ParallelLayout, its
     step's settings (micro-batch tokens, recomputation, the log-prob chunk, a reference policy
-    with the KL term), its colocated vLLM engine and its padded sequence length (as `megatron-ba
-    layout` counts one)."""
+    with the KL term, one optimiser step's tokens: grpo.prompts_per_step x group_size /
+    mini_batches sequences; the gradients in fp32, as this project's trainer reduces them),
+    its colocated vLLM engine (its share, sleep, TP, process and refit bucket) and its padded
+    sequence length (as `megatron-ba layout` counts one)."""
     p, g = recipe.parallel, recipe.grpo
     seq_len = padded_seq_len((recipe.data.max_prompt_tokens or 512) + g.max_new_tokens)
+    sequences = g.prompts_per_step * g.group_size // max(1, g.mini_batches)
     step = MemorySettings(
         p.max_tokens_per_microbatch or p.micro_batch_size * seq_len,
         recompute=p.recompute,
         logprob_chunk=p.logprob_chunk_size or MemorySettings.logprob_chunk,
         reference=recipe.loss.kl_coef > 0,
+        step_tokens=sequences * seq_len,
     )
     r = recipe.rollout
     vllm = None
     if r.engine == "vllm":
-        vllm = VLLMShare(r.gpu_memory_utilization, sleeps=r.sleep, tp=r.engine_tp)
+        vllm = EngineShare(r.gpu_memory_utilization, sleeps=r.sleep, tp=r.engine_tp,
+                           in_process=r.in_process, refit_bucket_mb=r.refit_bucket_mb)  # fmt: skip
     return p.layout(dp), step, vllm, seq_len
 
 

@@ -11,12 +11,14 @@ recomputation, the log-prob path, the optimiser's placement, offload, a referenc
 MemorySettings.
 
 The model is the megatron-core mixed-precision recipe the local backend and NeMo use: bf16
-weights, fp32 gradient buffers (grads are reduced in fp32), and the distributed optimiser's fp32
-master copy plus Adam's two moments, sharded over the data-parallel ranks (including CP, which
-megatron-core folds into the optimiser's sharding group; a mixture of experts' routed experts
-over expert parallelism and their own data-parallel group). Everything is bytes per GPU on the
-worst pipeline stage, in two phases (training; generation by a colocated vLLM), plus the
-overheads (NON_TORCH_GIB, FRAGMENTATION below: memory outside PyTorch, the allocator's reserve).
+weights, the gradient buffers in fp32 (`grad_reduce_in_fp32`, MemorySettings.grad_reduce; bf16
+where a framework reduces in bf16), and the distributed optimiser's fp32 master copy plus Adam's
+two moments, sharded over the data-parallel ranks (including CP, which megatron-core folds into
+the optimiser's sharding group; a mixture of experts' routed experts over expert parallelism and
+their own data-parallel group). Everything is bytes per GPU on the worst pipeline stage, in two
+phases (training; generation by a colocated engine: planning/generation_memory.py), plus the
+overheads (NON_TORCH_GIB, FRAGMENTATION below: memory outside PyTorch, the allocator's reserve;
+and a colocated engine's own process, generation_memory.ENGINE_PROCESS_GIB).
 The figures are estimates with named assumptions; docs/cluster-planning.md checks their verdicts
 against public runs that ran or went out of memory (tests/test_public_record.py).
 """
@@ -30,7 +32,12 @@ from pathlib import Path
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
 from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.planning.architectures import check_modelled
-from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
+from megatron_ba.planning.generation_memory import EngineShare as EngineShare  # re-exported
+from megatron_ba.planning.generation_memory import VLLMShare as VLLMShare
+from megatron_ba.planning.generation_memory import engine_fields, engine_process_bytes
+from megatron_ba.planning.generation_memory import (
+    kv_cache_bytes_per_token as kv_cache_bytes_per_token,
+)
 
 
 def load_model(name_or_path: str) -> ModelShape:
@@ -58,7 +65,6 @@ def load_model(name_or_path: str) -> ModelShape:
 @dataclass(frozen=True)
 class Precision:
     param_bytes: int = 2  # bf16 weights
-    grad_bytes: int = 4  # fp32 gradient buffer (megatron-core reduces gradients in fp32)
     optimizer_bytes: int = 12  # fp32 master weights + Adam m + Adam v, sharded over DP x CP
     act_bytes: int = 2  # bf16 activations
     logits_bytes: int = 2  # bf16 logits out of the output layer
@@ -88,6 +94,14 @@ def overhead_bytes(torch_bytes: float) -> float:
     return NON_TORCH_GIB * GIB + FRAGMENTATION * torch_bytes
 
 
+# Bytes per parameter of megatron-core's gradient buffer (DDP's main_grad): fp32 with
+# DistributedDataParallelConfig(grad_reduce_in_fp32=True), else the parameters' dtype (bf16).
+# "fp32" is the mixed-precision recipe: Megatron-LM's validate_args sets
+# accumulate_allreduce_grads_in_fp32 for bf16 ("bfloat16 requires gradient accumulation and
+# all-reduce to be done in fp32", megatron/training/arguments.py) and this project's trainer sets
+# grad_reduce_in_fp32=True (megatron_ba/megatron/model.py build_model_chunks, optimizer_choice.py
+# ddp_overrides). NeMo-RL's megatron config reduces in bf16 (grad_reduce_in_fp32: false).
+GRAD_BYTES = {"fp32": 4, "bf16": 2}
 RECOMPUTE = ("none", "selective", "full")
 LOGPROBS = ("chunked", "megatron", "fp32", "naive")
 OFFLOAD = ("auto", "none", "states")
@@ -118,6 +132,11 @@ class MemorySettings:
     # DistributedLogprob on the model's fp32 logits), "naive" (autograd's log_softmax of fp32
     # logits); chunked_logprobs=False means "naive".
     logprobs: str = "chunked"
+    grad_reduce: str = "fp32"  # the gradient buffer's dtype (GRAD_BYTES): "fp32" or "bf16"
+    # Tokens of one optimiser step over every data-parallel rank (its sequences x their padded
+    # length): a rank's share, in micro-batches, gives the micro-batches 1F1B has in flight
+    # (in_flight_tokens). None: unknown (p - s in flight).
+    step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.recompute_mode not in RECOMPUTE:
@@ -128,6 +147,15 @@ class MemorySettings:
             raise ValueError(f"--offload: one of {', '.join(OFFLOAD)}, got {self.offload!r}")
         if not 0 <= self.cpu_adam <= 1:
             raise ValueError(f"--offload cpu-adam=F: F must be in [0, 1], got {self.cpu_adam}")
+        if self.grad_reduce not in GRAD_BYTES:
+            raise ValueError(
+                f"--grad-reduce: one of {', '.join(GRAD_BYTES)}, got {self.grad_reduce!r}"
+            )
+        if self.step_tokens is not None and self.step_tokens < 1:
+            raise ValueError(
+                f"--group-size x --prompts-per-step: {self.step_tokens} tokens per step; a step "
+                "needs at least one sequence"
+            )
 
     @property
     def logprob_mode(self) -> str:
@@ -138,18 +166,6 @@ class MemorySettings:
         if isinstance(self.recompute, bool):
             return "full" if self.recompute else "none"
         return self.recompute
-
-
-@dataclass(frozen=True)
-class VLLMShare:
-    """A colocated vLLM engine: it reserves `gpu_util` of the GPU while it generates; with
-    `sleeps` (NeMo-RL's and verl's colocated mode) it frees that memory while the policy trains,
-    and the trainer keeps only its weights on the GPU during generation (gradients and optimiser
-    states offloaded), else everything of both stays."""
-
-    gpu_util: float = VLLM_GPU_MEMORY_UTILIZATION  # the recipe's rollout.gpu_memory_utilization
-    sleeps: bool = True  # the recipe's rollout.sleep
-    tp: int | None = None  # the engine's tensor parallelism (None: the trainer's tp)
 
 
 @dataclass
@@ -163,19 +179,27 @@ class MemoryEstimate:
     logits: float  # the variant the layout uses (chunked or not)
     logits_naive: float
     logits_chunked: float
-    vllm_train_phase: float
-    vllm_kv_cache: float  # what vLLM's reservation leaves for the KV cache after its weights
+    vllm_train_phase: float  # the engine's pool while the policy trains (an engine awake)
+    vllm_kv_cache: float  # what the engine's pool leaves for the KV cache after its weights
     train_phase: float  # weights + grads + optimizer + activations + logits + vllm_train_phase
-    generate_phase: float  # what the trainer keeps while vLLM generates, + vLLM's reservation
+    generate_phase: float  # the larger of the refit's instant and generation (generation_memory)
     peak: float
     worst_stage: int
     reference: float = 0.0  # a reference policy's weights kept on the GPU
-    overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation (overhead_bytes)
+    overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation, the engine's process
     total: float = 0.0  # peak + overhead: what the GPU must hold
     peak_phase: str = "train"  # "train" or "generate"
+    engine_pool: float = 0.0  # the engine's key x the GPU while it generates
+    engine_weights: float = 0.0  # the engine's weights, inside its pool
+    refit_bucket: float = 0.0  # the refit's bucket (generation_memory)
+    refit_full_param: float = 0.0  # the refit's one full tensor
+    refit_phase: float = 0.0  # the refit's instant (in generate_phase's max)
+    engine_process: float = 0.0  # the engine's own process outside its pool (in overhead)
+    in_flight: int = 0  # micro-batches 1F1B holds at the worst stage before its first backward
+    in_flight_tokens: int = 0  # their tokens, before CP splits them
 
     def breakdown_gib(self) -> dict[str, float]:
-        skip = ("worst_stage", "peak_phase")
+        skip = ("worst_stage", "peak_phase", "in_flight", "in_flight_tokens")
         return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k not in skip}
 
     @property
@@ -224,7 +248,7 @@ def estimate(
     step: MemorySettings,
     *,
     gpu_mem_gib: float,
-    vllm: VLLMShare | None = None,
+    vllm: EngineShare | None = None,
     precision: Precision = PRECISION,
 ) -> MemoryEstimate:
     """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks).
@@ -254,26 +278,43 @@ def _states(shape, layout, step, stage, prec):
     else:
         opt_params = params
     optimizer = opt_params * prec.optimizer_bytes * (1 - step.cpu_adam)
-    return params * prec.param_bytes, params * prec.grad_bytes, optimizer
+    return params * prec.param_bytes, params * GRAD_BYTES[step.grad_reduce], optimizer
+
+
+def in_flight_tokens(step: MemorySettings, layout: ParallelLayout, stage: int) -> tuple[int, int]:
+    """(micro-batches, their tokens) 1F1B has in flight on `stage` before its first backward:
+    min(pp - stage, the micro-batches of a data-parallel rank's share of the step), each with
+    its own tokens (the share's last micro-batch holds what is left of it); pp - stage full
+    micro-batches when the step's size is unknown (step_tokens None)."""
+    mbt, room = step.micro_batch_tokens, layout.pp - stage
+    if step.step_tokens is None:
+        return room, room * mbt
+    share = -(-step.step_tokens // layout.dp)  # a rank's tokens (the search: an equal share)
+    count = min(room, -(-share // mbt))
+    return count, sum(min(mbt, share - i * mbt) for i in range(count))
 
 
 def _activations(shape, layout, step, stage, prec):
-    t, p, c = layout.tp, layout.pp, layout.cp
+    """(no recompute, full recompute, the micro-batch's tokens per GPU, (in flight, their
+    tokens)) of one stage: 1F1B holds in_flight_tokens' micro-batches before its first
+    backward."""
+    t, c = layout.tp, layout.cp
     tokens = step.micro_batch_tokens / c  # CP splits every sequence across c ranks
     layers = layout.stage_layers(shape.num_layers)[stage]
-    # 1F1B: stage s has min(p - s, micro-batches) forwards in flight before its first backward;
-    # the planner assumes at least p micro-batches per step (it proposes enough).
-    in_flight = p - stage
-    per_layer = shape.layer_activation_elements() * prec.act_bytes * tokens
-    per_layer /= t  # TP shards heads and the MLP; sequence parallelism shards the rest
-    if t > 1 and not layout.sequence_parallel:
-        per_layer += 4 * shape.hidden_size * prec.act_bytes * tokens * (1 - 1 / t)
-    no_recompute = in_flight * layers * per_layer
-    kept_inputs = (
-        shape.hidden_size * prec.act_bytes * tokens / (t if layout.sequence_parallel else 1)
-    )
-    full_recompute = in_flight * layers * kept_inputs + per_layer  # + one layer being redone
-    return no_recompute, full_recompute, tokens
+    flight = in_flight_tokens(step, layout, stage)
+    held = flight[1] / c  # the in-flight micro-batches' tokens on this GPU
+
+    def per_layer(n):  # a layer's saved activations for n tokens per GPU
+        out = shape.layer_activation_elements() * prec.act_bytes * n
+        out /= t  # TP shards heads and the MLP; sequence parallelism shards the rest
+        if t > 1 and not layout.sequence_parallel:
+            out += 4 * shape.hidden_size * prec.act_bytes * n * (1 - 1 / t)
+        return out
+
+    no_recompute = layers * per_layer(held)
+    kept_inputs = shape.hidden_size * prec.act_bytes * held / (t if layout.sequence_parallel else 1)
+    full_recompute = layers * kept_inputs + per_layer(tokens)  # + one layer being redone
+    return no_recompute, full_recompute, tokens, flight
 
 
 def _logits(shape, layout, step, stage, tokens, prec):
@@ -303,30 +344,24 @@ def _logits(shape, layout, step, stage, tokens, prec):
 
 def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
     weights, grads, optimizer = _states(shape, layout, step, stage, prec)
-    no_recompute, full_recompute, tokens = _activations(shape, layout, step, stage, prec)
+    no_recompute, full_recompute, tokens, flight = _activations(shape, layout, step, stage, prec)
     activations = full_recompute if step.recompute_mode == "full" else no_recompute
     naive, chunked, megatron, fp32 = _logits(shape, layout, step, stage, tokens, prec)
     logits = {"naive": naive, "chunked": chunked, "megatron": megatron, "fp32": fp32}[
         step.logprob_mode
     ]
-
-    gpu = gpu_mem_gib * GIB
-    reserved = vllm.gpu_util * gpu if vllm is not None else 0.0
-    # vLLM's engine shards the whole model over the same tp (every stage's weights: vLLM does not
-    # pipeline here), and keeps what its reservation leaves for the KV cache.
-    vllm_tp = (vllm.tp if vllm is not None and vllm.tp else None) or layout.tp
-    vllm_weights = shape.total_params() / vllm_tp * prec.param_bytes
-    kv_cache = max(0.0, reserved - vllm_weights) if vllm is not None else 0.0
-    vllm_train = 0.0 if (vllm is None or vllm.sleeps) else reserved
     reference = weights if step.reference else 0.0  # sharded as the policy
-    train_phase = weights + grads + optimizer + activations + logits + vllm_train + reference
-    kept = {"none": weights + grads + optimizer, "states": 0.0}.get(step.offload)
-    if kept is None:  # auto
-        kept = weights if (vllm is None or vllm.sleeps) else weights + grads + optimizer
-    generate_phase = 0.0 if vllm is None else kept + reserved + reference
-    peak = max(train_phase, generate_phase)
-    # vLLM's reservation is its own pool, outside PyTorch's caching allocator
-    overhead = overhead_bytes(peak - (reserved if peak == generate_phase else vllm_train))
+    states = (weights, grads, optimizer, reference)
+    gen = engine_fields(shape, layout, step.offload, stage, gpu_mem_gib * GIB, vllm, states)
+    held = gen.pop("held")
+    train_phase = weights + grads + optimizer + activations + logits + reference
+    train_phase += gen["vllm_train_phase"]
+    generate = gen["generate_phase"]
+    peak = max(train_phase, generate)
+    # the engine's memory (its pool, or its weights) is its own, outside the trainer's allocator
+    torch_bytes = peak - (held if generate > train_phase else gen["vllm_train_phase"])
+    process = engine_process_bytes(vllm)
+    overhead = overhead_bytes(torch_bytes) + process
     return MemoryEstimate(
         weights=weights,
         grads=grads,
@@ -337,20 +372,15 @@ def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec) -> Memo
         logits=logits,
         logits_naive=naive,
         logits_chunked=chunked,
-        vllm_train_phase=vllm_train,
-        vllm_kv_cache=kv_cache,
         train_phase=train_phase,
-        generate_phase=generate_phase,
         peak=peak,
         worst_stage=stage,
         reference=reference,
         overhead=overhead,
         total=peak + overhead,
-        peak_phase="train" if train_phase >= generate_phase else "generate",
+        peak_phase="train" if train_phase >= generate else "generate",
+        engine_process=process,
+        in_flight=flight[0],
+        in_flight_tokens=flight[1],
+        **gen,
     )
-
-
-def kv_cache_bytes_per_token(shape: ModelShape, tp: int, kv_bytes: int = 2) -> float:
-    """vLLM's KV cache per token on one GPU of a TP-`tp` engine (keys and values, every layer)."""
-    kv_heads_local = max(1, shape.num_query_groups // tp)  # vLLM replicates when tp > kv
-    return 2 * shape.num_layers * kv_heads_local * shape.head_dim * kv_bytes

@@ -13,7 +13,8 @@ memory, and what the Slurm launcher's fit check (planning/launch.py) applies bef
 anything. A layout fits when all three hold: the tensors' peak within (1 - headroom) of the GPU
 (the headroom stands for what the estimate leaves out and its error; HEADROOM, the CLI's
 default), the whole estimate, overheads included (planning/memory.py), within the GPU's memory,
-and a colocated vLLM's reservation, after its weights, holding one sequence's KV cache.
+and a colocated engine's pool (vLLM's gpu_memory_utilization, SGLang's mem_fraction_static of
+the GPU), after its weights, holding one sequence's KV cache.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from dataclasses import dataclass, replace
 
 from megatron_ba.model_shape import ModelShape
 from megatron_ba.parallel.parallel_layout import LayoutError, ParallelLayout, balanced_stages
+from megatron_ba.planning.generation_memory import engine_tp, engine_weights_bytes
 from megatron_ba.planning.memory import (
     GIB,
-    PRECISION,
+    EngineShare,
     MemoryEstimate,
     MemorySettings,
-    VLLMShare,
     estimate,
     kv_cache_bytes_per_token,
 )
@@ -68,7 +69,7 @@ def assess(
     step: MemorySettings,
     *,
     gpu_mem_gib: float,
-    vllm: VLLMShare | None,
+    vllm: EngineShare | None,
     seq_len: int,
     headroom: float = HEADROOM,
 ) -> Verdict:
@@ -85,13 +86,12 @@ def assess(
             f"{(1 - headroom) * gpu_mem_gib:.1f} GiB the headroom of {headroom:g} leaves"
         )
     if vllm is not None:
-        vllm_tp = vllm.tp or layout.tp
-        need = kv_cache_bytes_per_token(shape, vllm_tp) * seq_len
+        need = kv_cache_bytes_per_token(shape, engine_tp(vllm, layout)) * seq_len
         if e.vllm_kv_cache < need:
-            weights = shape.total_params() / vllm_tp * PRECISION.param_bytes / GIB
+            weights = engine_weights_bytes(shape, engine_tp(vllm, layout)) / GIB
             failed.append(
-                f"vLLM's {vllm.gpu_util:g} of the GPU, after its {weights:.1f} GiB of weights, "
-                f"cannot hold one sequence's KV cache ({need / GIB:.2f} GiB)"
+                f"{vllm.name}'s {vllm.gpu_util:g} of the GPU, after its {weights:.1f} GiB of "
+                f"weights, cannot hold one sequence's KV cache ({need / GIB:.2f} GiB)"
             )
     if not failed:
         return Verdict(True, e, "")
@@ -138,7 +138,7 @@ def remedies(
     step: MemorySettings,
     *,
     gpu_mem_gib: float,
-    vllm: VLLMShare | None,
+    vllm: EngineShare | None,
     seq_len: int,
     gpus_per_node: int,
     headroom: float = HEADROOM,
@@ -153,13 +153,13 @@ def remedies(
         for flag, key, new, new_step in _changes(shape, layout, step, gpus_per_node)
     ]
     if vllm is not None:
-        engine_tp = 2 * (vllm.tp or layout.tp)
-        while engine_tp <= gpus_per_node:
-            new_vllm = replace(vllm, tp=engine_tp)
+        tp = 2 * engine_tp(vllm, layout)
+        while tp <= gpus_per_node:
+            new_vllm = replace(vllm, tp=tp)
             tries.append(
-                (f"vLLM TP {engine_tp}", f"rollout.engine_tp={engine_tp}", layout, step, new_vllm)
+                (f"{vllm.name} TP {tp}", f"rollout.engine_tp={tp}", layout, step, new_vllm)
             )
-            engine_tp *= 2
+            tp *= 2
     out = []
     for flag, key, new, new_step, new_vllm in tries:
         if new_step.micro_batch_tokens < seq_len:
