@@ -47,7 +47,7 @@ from megatron_ba.cli import main as cli_main
 from megatron_ba.parallel.parallel_layout import ParallelLayout, balanced_stages
 from megatron_ba.planning import verdict
 from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
-from megatron_ba.planning.memory import GIB, MemorySettings, VLLMShare, load_model
+from megatron_ba.planning.memory import GIB, EngineShare, MemorySettings, load_model
 from megatron_ba.planning.verdict import gpu_memory_gib
 
 FIXTURE = Path(__file__).parent / "fixtures" / "public_runs.json"
@@ -62,12 +62,48 @@ CASES = json.loads(FIXTURE.read_text())["cases"]
 # nemo_rl/models/policy/megatron_policy_worker.py and nemo_rl/distributed/model_utils.py
 # @33ca684, August 2025, unchanged in that respect @7ea279a); SkyRL as NeMo-RL but with
 # megatron-core's cross entropy; ms-swift's `megatron sft` (megatron-core's cross entropy).
+#
+# The gradient buffer's dtype (--grad-reduce; megatron-core's grad_reduce_in_fp32):
+# * verl fp32: verl/utils/megatron_utils.py line 104, `"grad_reduce_in_fp32": True` in the DDP
+#   config it builds (verl 0.9.1; verl/workers/engine/megatron/transformer_impl.py ~455 keeps it
+#   True unless a precision-aware optimiser asks for low-precision main gradients);
+# * NeMo-RL bf16: examples/configs/grpo_math_1B_megatron.yaml line 166,
+#   `policy.megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32: false` (the
+#   megatron recipes inherit it);
+# * SkyRL fp32: skyrl-train/skyrl_train/config/megatron_config/policy.yaml (@12ab42b),
+#   `ddp_config.grad_reduce_in_fp32: true`;
+# * ms-swift fp32: its `megatron sft` trains through Megatron-LM's arguments, whose
+#   validate_args turns accumulate_allreduce_grads_in_fp32 on for bf16 ("bfloat16 requires
+#   gradient accumulation and all-reduce to be done in fp32", megatron/training/arguments.py).
+#
+# The colocated engine's process and refit (planning/generation_memory.py):
+# * verl, in the record's period (mid 2025): rollout.mode "sync" (the vmp script sets
+#   rollout_mode="sync"; verl's ppo_trainer.yaml then: `mode: sync # sync: LLM, async:
+#   AsyncLLM`), vLLM built in the trainer's process (`distributed_executor_backend=
+#   "external_launcher"`, verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py @006cefd);
+#   the refit one tensor at a time after waking only vLLM's weights, the KV cache woken after
+#   (verl/workers/sharding_manager/megatron_vllm.py @004c888: wake_up(tags=["weights"]),
+#   per_tensor_generator, load_weights): no bucket, refit before the KV cache;
+# * NeMo-RL: vLLM in Ray workers of their own (nemo_rl/models/generation/vllm/vllm_worker.py);
+#   the refit after waking only the weights (nemo_rl/algorithms/grpo.py refit_policy_generation:
+#   prepare_for_generation(tags=["weights"]), then the stream); its buffer is 0.3 of the memory
+#   then free (NRL_REFIT_BUFFER_MEMORY_RATIO, nemo_rl/weight_sync/http_weight_synchronizer.py),
+#   sized to fit by construction, so no bucket is charged (one full tensor still is);
+# * SkyRL: vLLM engines in Ray actors of their own; buckets of 1 GB
+#   (generator.weight_transfer_threshold_cuda_ipc_GB: 1.0 in its config); the order of its
+#   refit and KV cache not read: the planner's default (the refit beside the KV cache);
+# * ms-swift: SFT only, no engine.
 FRAMEWORK_DEFAULTS = {
-    "verl": {"offload": "none", "vllm_util": 0.5, "logprobs": "megatron"},
-    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "fp32"},
-    "SkyRL": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
-    "ms-swift": {"offload": "auto", "vllm_util": None, "logprobs": "megatron"},
-}
+    "verl": {"offload": "none", "vllm_util": 0.5, "logprobs": "megatron", "grad_reduce": "fp32",
+             "in_process": True, "refit_bucket_mb": 0, "refit_before_kv": True},
+    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "fp32", "grad_reduce": "bf16",
+                "in_process": False, "refit_bucket_mb": 0, "refit_before_kv": True},
+    "SkyRL": {"offload": "auto", "vllm_util": None, "logprobs": "megatron", "grad_reduce": "fp32",
+              "in_process": False, "refit_bucket_mb": 1e9 / 2**20, "refit_before_kv": False},
+    "ms-swift": {"offload": "auto", "vllm_util": None, "logprobs": "megatron",
+                 "grad_reduce": "fp32", "in_process": False, "refit_bucket_mb": 0,
+                 "refit_before_kv": False},
+}  # fmt: skip
 
 # What a source does not state at all, and what the test takes instead.
 ASSUMED = {
@@ -130,9 +166,10 @@ EXPECTED_MISSES: dict[str, str] = {
     ),
     "nemorl-903-qwen-1.5b-sft-32k-cp2": (
         "the reporter's NeMo-RL (August 2025) ran out of memory where NeMo-Aligner did not; with "
-        "NeMo-RL's log-prob path (fp32 logits into DistributedLogprob, the default here) the "
-        "estimate is 73.5 GiB of 79.11, with `--logprobs naive` (fp32 log-softmax through "
-        "autograd) 97.2 GiB, and the CP 4 case 43.2 GiB (right both ways); what else that "
+        "NeMo-RL's log-prob path (fp32 logits into DistributedLogprob, the default here) and "
+        "its bf16 gradients the estimate is 70.5 GiB of 79.11, with `--logprobs naive` (fp32 "
+        "log-softmax through autograd) 94.3 GiB, and the CP 4 case 40.2 GiB (right both ways); "
+        "what else that "
         "version kept (its loss's copies of the logits, the allocator's state) is not in the record"
     ),
 }
@@ -152,11 +189,8 @@ def _within_the_headroom(total: float, peak: float) -> str:
 # Misses the headroom alone causes: each checked to fit the GPU, and to be planned at a 0.05
 # headroom (test_the_headroom_misses_fit_the_gpu_and_miss_only_the_headroom)
 HEADROOM_MISSES = {
-    "nemorl-perf-qwen3-30b-a3b-32xh100-4k": _within_the_headroom(77.5, 71.7),
-    **{
-        f"vmp-grpo-qwen25-7b-{row}": _within_the_headroom(76.9, 72.3)
-        for row in ("row2-tp4-nooffload-dyn", "row3-tp4cp2-nooffload", "row7-tp4-nooffload")
-    },
+    f"vmp-grpo-qwen25-7b-{row}": _within_the_headroom(76.9, 72.3)
+    for row in ("row2-tp4-nooffload-dyn", "row3-tp4cp2-nooffload", "row7-tp4-nooffload")
 }
 EXPECTED_MISSES |= HEADROOM_MISSES
 
@@ -208,19 +242,48 @@ def planner_inputs(case: dict) -> dict:
         logprobs="chunked"
         if case["fused_logprob_kernels"] or case["logprob_chunk_size"]
         else defaults["logprobs"],
+        grad_reduce=_grad_reduce(case, defaults),
     )
-    vllm = None
-    if case["task"] != "SFT" and case["colocated_generation"] is not False:
-        util = case["colocated_vllm_gpu_memory_utilization"] or defaults["vllm_util"]
-        vllm = VLLMShare(util, sleeps=True, tp=case["rollout_tp"]) if util else None
     return {
         "shape": shape,
         "layout": layout,
         "step": step,
         "gpu_mem_gib": gpu,
-        "vllm": vllm,
+        "vllm": engine_of(case, defaults),
         "seq_len": seq_len,
     }
+
+
+def _grad_reduce(case: dict, defaults: dict) -> str:
+    """The case's gradient dtype: its own where it states one (grad_reduce_in_fp32), else its
+    framework's documented default (FRAMEWORK_DEFAULTS)."""
+    stated = case.get("grad_reduce_in_fp32")
+    if stated is None:
+        return defaults["grad_reduce"]
+    return "fp32" if stated else "bf16"
+
+
+def engine_of(case: dict, defaults: dict) -> EngineShare | None:
+    """The case's colocated engine: SGLang where it states a mem_fraction_static, else vLLM at
+    its stated gpu_memory_utilization or its framework's; the process and refit its framework's
+    (FRAMEWORK_DEFAULTS); None for SFT and generation on other GPUs."""
+    if case["task"] == "SFT" or case["colocated_generation"] is False:
+        return None
+    engine, share = "vllm", case["colocated_vllm_gpu_memory_utilization"]
+    if case.get("sglang_mem_fraction_static"):
+        engine, share = "sglang", case["sglang_mem_fraction_static"]
+    share = share or defaults["vllm_util"]
+    if not share:
+        return None
+    return EngineShare(
+        share,
+        sleeps=True,
+        tp=case["rollout_tp"],
+        engine=engine,
+        in_process=defaults["in_process"],
+        refit_bucket_mb=defaults["refit_bucket_mb"],
+        refit_before_kv=defaults["refit_before_kv"],
+    )
 
 
 def published_gib(case: dict) -> float | None:
@@ -253,9 +316,20 @@ def cli_args(case: dict) -> list[str]:
     args += ["--offload", step.offload + cpu_adam]
     args += [] if step.distributed_optimizer else ["--no-distributed-optimizer"]
     args += ["--reference"] if step.reference else []
-    args += ["--vllm-gpu-util", str(vllm.gpu_util if vllm else 0)]
-    args += ["--vllm-tp", str(vllm.tp)] if vllm and vllm.tp else []
-    return args
+    args += ["--grad-reduce", step.grad_reduce]
+    return args + engine_args(vllm)
+
+
+def engine_args(vllm: EngineShare | None) -> list[str]:
+    """The flags of a case's colocated engine (its key, TP, process and refit)."""
+    if vllm is None:
+        return ["--vllm-gpu-util", "0"]
+    key = "--sglang-mem-fraction" if vllm.engine == "sglang" else "--vllm-gpu-util"
+    args = ["--engine", vllm.engine, key, str(vllm.gpu_util)]
+    args += ["--vllm-tp", str(vllm.tp)] if vllm.tp else []
+    args += ["--engine-in-process"] if vllm.in_process else []
+    args += ["--refit-bucket-mb", repr(vllm.refit_bucket_mb)]
+    return args + (["--refit-before-kv"] if vllm.refit_before_kv else [])
 
 
 def run_layout(args: list[str]) -> tuple[int, dict | None]:
@@ -402,13 +476,13 @@ LONG_CONTEXT_READINGS: dict[str, str] = {
         "the record (no step times for the alternatives)"
     ),
     "nemorl-pr957-qwen3-32b-32xh100-128k": (
-        "with NeMo-RL's log-prob path (fp32 logits, 12 bytes per logit: 27.8 GiB at 131,072 "
-        "tokens on one GPU of TP8) TP8 CP1 needs 81.6 GiB and does not fit, so the planner "
-        "splits the sequence too, but takes the least CP that fits: TP8 CP2 DP2 with full "
-        "recomputation (55.0 GiB of training tensors, 59.3 GiB with the generation phase's "
-        "vLLM share); the run used CP4 (44.7 GiB of training tensors). The PR reports the "
-        "layout that ran, not that CP2 went out of memory, so the record cannot say which is "
-        "right; with megatron-core's cross entropy (8 bytes per logit) CP1 would fit (72.1 GiB)"
+        "with NeMo-RL's bf16 gradients (grad_reduce_in_fp32: false) TP8 CP1 fits even with its "
+        "log-prob path (fp32 logits, 12 bytes per logit: 27.8 GiB at 131,072 tokens on one GPU "
+        "of TP8): 68.1 GiB of training tensors, within the 71.2 the headroom leaves, 77.0 GiB "
+        "per GPU with the overheads and the engine's process, so the planner takes the least CP, "
+        "TP8 CP1 DP4 with full recomputation; the run used CP4 (37.0 GiB of training tensors, "
+        "62.5 GiB with the generation phase). The PR reports the layout that ran, not that a "
+        "smaller CP went out of memory, so the record cannot say which is right"
     ),
     "nemorl-903-qwen-1.5b-sft-32k-cp4": (
         "the reporter moved from CP2 (out of memory) to CP4; the planner, choosing among "
@@ -423,7 +497,7 @@ LONG_CONTEXT_READINGS: dict[str, str] = {
     ),
     "nemorl-nightly-qwen3-30b-a3b-32xgpu-32k-tp4ep8": (
         "the recipe sets the trainer's TP to its vLLM engine's TP4; the planner takes TP1 DP32 "
-        "with full recomputation (75.2 GiB), or by compute TP4 CP2 without it (66.4 GiB), "
+        "with full recomputation (68.5 GiB), or by compute TP4 CP2 without it (62.4 GiB), "
         "both with the same engine"
     ),
     "nemorl-swe1-qwen3-30b-a3b-thinking-128k-tp2pp2cp4ep8": _SWE,
@@ -445,6 +519,7 @@ def propose_for(case: dict, prefer: str):
         logprobs=step.logprob_mode,
         reference=step.reference,
         prefer=prefer,
+        grad_reduce=step.grad_reduce,
     )
     world = lo.world
     try:
