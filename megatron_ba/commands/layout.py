@@ -13,9 +13,12 @@ max_position_embeddings are not the models'). The estimate's terms and
 assumptions: megatron_ba/planning/memory.py; its verdicts against public runs that ran or went
 out of memory: docs/cluster-planning.md. Exit status: 0 a layout fits, 1 none does (with
 --json the closest is printed, "fits" false), 2 a bad option; "fits" is exactly what the exit
-status says (planning.verdict.assess at --headroom: the tensors' peak, the whole estimate, vLLM's
-KV cache). A --pp that does not divide the layers splits them as evenly as megatron-core allows,
-unless --pp-first-stage-layers / --pp-last-stage-layers give the split.
+status says (planning.verdict.assess at --headroom: the tensors' peak, the whole estimate, the
+colocated engine's KV cache). The engine (--engine vllm|sglang, each with its memory key), its
+process and its refit, and the gradients' dtype (--grad-reduce) are the generation and training
+phases' settings (planning/generation_memory.py, planning/memory.py). A --pp that does not
+divide the layers splits them as evenly as megatron-core allows, unless --pp-first-stage-layers /
+--pp-last-stage-layers give the split.
 """
 
 from __future__ import annotations

@@ -16,11 +16,12 @@ What each engine's memory key covers, read off the engines' own code:
   megatron_ba/generation/vllm_engine.py). The process's CUDA context and NCCL communicators are
   made before that snapshot (`init_device`: "Initialize the distributed environment BEFORE
   taking memory snapshot"), so they are outside U: ENGINE_PROCESS_GIB below.
-* SGLang's `mem_fraction_static` F: F x the GPU holds the weights and the KV cache pool; its
-  activations and CUDA graph buffers live outside F (SGLang's server arguments: "the fraction of
-  the memory used for static allocation (model weights and KV cache memory pool)"). How large
-  they are depends on its chunked-prefill size and captured batch sizes, which no source gives
-  per model: the planner leaves them out (docs/cluster-planning.md, "optimistic").
+* SGLang's `mem_fraction_static` F: F x the GPU holds the weights and the KV cache pool
+  (python/sglang/srt/server_args.py, `--mem-fraction-static`: "The fraction of the memory used
+  for static allocation (model weights and KV cache memory pool)"), so its activations and CUDA
+  graph buffers come out of the rest. How large they are depends on its chunked-prefill size and
+  captured batch sizes, which no source gives per model: the planner leaves them out
+  (docs/cluster-planning.md, "optimistic").
 
 Terms the engine adds beyond its pool, each with its source:
 
