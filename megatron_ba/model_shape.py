@@ -369,6 +369,61 @@ PRESETS: dict[str, ModelShape] = {
         moe_ffn_hidden_size=1536,
         moe_router_topk=8,
     ),
+    # The models of the second validation set (tests/fixtures/validation_runs.json) that the
+    # record lacks, from each config.json as published (copies that keep the hub's
+    # `_name_or_path`). Llama is read as from_hf_config reads a `llama` config: grouped-query
+    # attention without biases, untied, family "qwen2" (the conversion table's name only); its
+    # llama3 RoPE scaling changes no memory term and is left out (no context check).
+    # meta-llama/Llama-3.1-8B-Instruct (_name_or_path of e.g. huggingface.co/NaniDAO/
+    # Meta-Llama-3.1-8B-Instruct-ablated config.json): hidden 4096, 32 layers, 32 heads, 8 KV
+    # heads, intermediate 14336, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, untied.
+    "Llama-3.1-8B": ModelShape(
+        128256,
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        name="Llama-3.1-8B",
+    ),
+    # meta-llama/Llama-3.3-70B-Instruct (_name_or_path of huggingface.co/relaxml/
+    # Llama-3.3-70B-Instruct-QTIP-3Bit config.json): hidden 8192, 80 layers, 64 heads, 8 KV
+    # heads, intermediate 28672, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, untied.
+    "Llama-3.3-70B": ModelShape(
+        128256,
+        8192,
+        80,
+        64,
+        8,
+        28672,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        name="Llama-3.3-70B",
+    ),
+    # Qwen/Qwen1.5-MoE-A2.7B (qwen2_moe; _name_or_path of huggingface.co/MaziyarPanahi/
+    # Qwen1.5-MoE-A2.7B-Wikihow config.json): hidden 2048, 24 layers, 16 heads, 16 KV heads,
+    # intermediate 5632, 60 experts of moe_intermediate_size 1408, top 4 (norm_topk_prob false),
+    # a shared expert of shared_expert_intermediate_size 5632 with its sigmoid gate (counted by
+    # the planner; the model build refuses it), decoder_sparse_step 1 (every layer MoE), vocab
+    # 151936, untied, QKV bias (Qwen2).
+    "Qwen1.5-MoE-A2.7B": ModelShape(
+        151936,
+        2048,
+        24,
+        16,
+        16,
+        5632,
+        name="Qwen1.5-MoE-A2.7B",
+        num_experts=60,
+        moe_router_topk=4,
+        moe_ffn_hidden_size=1408,
+        shared_expert_ffn_hidden_size=5632,
+        moe_norm_topk_prob=False,
+    ),
     # The benchmarks' and the GPU check's real-sized shapes, from the public config.json
     # (Qwen2.5-0.5B and -1.5B tie the output layer to the embedding).
     "qwen2.5-0.5b": ModelShape(

@@ -195,22 +195,28 @@ HEADROOM_MISSES = {
 EXPECTED_MISSES |= HEADROOM_MISSES
 
 
-def _field(case: dict, key: str):
-    if key in ASSUMED.get(case["id"], {}):
-        return ASSUMED[case["id"]][key][0]
+def _field(case: dict, key: str, assumed: dict | None = None):
+    """A case's field, or what `assumed` (default ASSUMED) takes in its place."""
+    assumed = ASSUMED if assumed is None else assumed
+    if key in assumed.get(case["id"], {}):
+        return assumed[case["id"]][key][0]
     return case[key]
 
 
-def planner_inputs(case: dict) -> dict:
+def planner_inputs(case: dict, assumed: dict | None = None, frameworks: dict | None = None) -> dict:
     """The planner's view of a case: shape, layout, step settings, GPU memory, vLLM share,
-    sequence length."""
+    sequence length. assumed / frameworks: the tables of what a source leaves out and of each
+    framework's defaults (default ASSUMED and FRAMEWORK_DEFAULTS: this record's)."""
     framework = case["framework"].split()[0]
-    defaults = FRAMEWORK_DEFAULTS[framework]
-    shape = load_model(_field(case, "model").split()[0])
-    gpu = gpu_memory_gib(_field(case, "gpu").split()[0].split("-")[0])
+    defaults = (FRAMEWORK_DEFAULTS if frameworks is None else frameworks)[framework]
+    shape = load_model(_field(case, "model", assumed).split()[0])
+    gpu = gpu_memory_gib(_field(case, "gpu", assumed).split()[0].split("-")[0])
     tp, pp, cp, ep = (case[k] or 1 for k in ("tp", "pp", "cp", "ep"))
-    world = case["nodes"] * _field(case, "gpus_per_node")
-    seq_len = _field(case, "max_total_seq_len") or case["max_prompt_len"] + case["max_response_len"]
+    world = case["nodes"] * _field(case, "gpus_per_node", assumed)
+    seq_len = (
+        _field(case, "max_total_seq_len", assumed)
+        or case["max_prompt_len"] + case["max_response_len"]
+    )
     if case["max_tokens_per_gpu"]:
         per_gpu = case["max_tokens_per_gpu"]
         if framework == "NeMo-RL":  # train_mb_tokens counts a CP group's tokens
@@ -294,16 +300,18 @@ def published_gib(case: dict) -> float | None:
     return case["peak_mem_gib"] * scale
 
 
-def cli_args(case: dict) -> list[str]:
+def cli_args(case: dict, assumed: dict | None = None, frameworks: dict | None = None) -> list[str]:
     """`megatron-ba layout --json` for a case, its inputs (planner_inputs) pinned by flags as a
     user spells them: the layout (a pp that does not divide the layers given alone: the command
     splits the layers itself), recomputation, the micro-batch (sequences, or a token budget per
-    GPU), offload, the log-prob path, the optimiser, a reference policy, vLLM's share and TP."""
-    i = planner_inputs(case)
+    GPU), offload, the log-prob path, the optimiser, a reference policy, vLLM's share and TP.
+    assumed / frameworks: as planner_inputs."""
+    i = planner_inputs(case, assumed, frameworks)
     lo, step, vllm, seq = i["layout"], i["step"], i["vllm"], i["seq_len"]
-    args = ["layout", "--model", _field(case, "model").split()[0], "--json",
-            "--gpu", _field(case, "gpu").split()[0].split("-")[0],
-            "--nodes", str(case["nodes"]), "--gpus-per-node", str(_field(case, "gpus_per_node")),
+    per_node = str(_field(case, "gpus_per_node", assumed))
+    args = ["layout", "--model", _field(case, "model", assumed).split()[0], "--json",
+            "--gpu", _field(case, "gpu", assumed).split()[0].split("-")[0],
+            "--nodes", str(case["nodes"]), "--gpus-per-node", per_node,
             "--seq-len", str(seq), "--tp", str(lo.tp), "--pp", str(lo.pp), "--cp", str(lo.cp),
             "--recompute", step.recompute_mode, "--logprobs", step.logprob_mode]  # fmt: skip
     if i["shape"].is_moe:
@@ -346,10 +354,14 @@ def cli_run(case_id: str) -> tuple[int, dict | None]:
     return run_layout(cli_args(next(c for c in CASES if c["id"] == case_id)))
 
 
-def evaluate(cases: list[dict]) -> list[dict]:
+def evaluate(cases: list[dict], run=None) -> list[dict]:
+    """Each case's row: the command's verdict (exit status) against the outcome, the estimate's
+    error on a published peak. run: case -> (exit status, JSON); default this record's
+    cli_run."""
+    run = run or (lambda case: cli_run(case["id"]))
     rows = []
     for case in cases:
-        status, j = cli_run(case["id"])
+        status, j = run(case)
         assert j is not None, (case["id"], status)  # a refused case prints no JSON
         fits = status == 0  # the verdict as a user's script reads it
         peak = published_gib(case)

@@ -43,7 +43,21 @@ from megatron_ba.planning.memory import (
 # * H200: 139.81 GiB (https://github.com/THUDM/slime/issues/1951)
 # * H20: 95.08 GiB (https://github.com/verl-project/verl/issues/5840)
 # * A100 / A800 80 GB: 79.15 GiB (vLLM's and PyTorch users' messages for the 80 GB part)
-GPU_MEMORY_GIB = {"H100": 79.11, "H200": 139.81, "H20": 95.08, "A100": 79.15, "A800": 79.15}
+# * H800 80 GB: the H100 SXM's 80 GB of HBM3 at 3.35 TB/s (NVIDIA's H800 datasheet gives the
+#   H100's memory), so the H100's 79.11 GiB; no H800 out-of-memory message was found
+# * GB200: 184 GiB, the total SGLang reports on a real GB200 ("0.75 x 184 GB = 138 GB" of
+#   --mem-fraction-static, SGLang's "GB" being GiB: https://github.com/sgl-project/sglang/pull/
+#   31900); NVIDIA gives 186 GB per GPU (13.4 TB of HBM3e per 72-GPU NVL72); no torch
+#   out-of-memory message of a GB200 was found
+GPU_MEMORY_GIB = {
+    "H100": 79.11,
+    "H200": 139.81,
+    "H20": 95.08,
+    "A100": 79.15,
+    "A800": 79.15,
+    "H800": 79.11,
+    "GB200": 184.0,
+}
 
 HEADROOM = 0.1  # the fraction of the GPU the tensors' peak must leave free (module docstring)
 
