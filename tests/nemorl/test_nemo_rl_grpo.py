@@ -179,9 +179,15 @@ def test_setup_on_the_master_config_of_the_stock_yaml():
     assert isinstance(loss_fn, BalancedPGLossFn)
     assert (loss_fn.aggregation.rule, loss_fn.group_size) == ("balanced", 16)
     assert loss_fn.reference_policy_kl_penalty == 0.01  # the stock KL term, kept
-    master.policy["train_global_batch_size"] = 256  # two optimizer steps per rollout batch
-    with pytest.raises(ValueError, match=r"^policy\.train_global_batch_size: must equal"):
-        balanced_setup(lambda master_config, *a, **k: tuple(result))(master, None, None, None)
+    assert loss_fn.step_size == master.policy["train_global_batch_size"]
+    per_batch = master.grpo["num_prompts_per_step"] * master.grpo["num_generations_per_prompt"]
+    master.policy["train_global_batch_size"] = per_batch // 2  # two optimizer steps per batch
+    out = balanced_setup(lambda master_config, *a, **k: tuple(result))(master, None, None, None)
+    assert out[SETUP_LOSS_FN].step_size == per_batch // 2
+    for size in (24, 3 * per_batch // 4 + 16):  # not whole groups of 16; not dividing the batch
+        master.policy["train_global_batch_size"] = size
+        with pytest.raises(ValueError, match=r"^policy\.train_global_batch_size: must be whole"):
+            balanced_setup(lambda master_config, *a, **k: tuple(result))(master, None, None, None)
 
 
 def test_the_documented_command_gets_past_configuration(tmp_path):

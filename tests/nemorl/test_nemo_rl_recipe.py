@@ -50,11 +50,10 @@ NODES = {
     "qwen3-30b-a3b-dapo17k-16k": 4,  # mixture of experts at EP 8
 }
 POLARIS = ["qwen2.5-math-7b-polaris", "qwen3-1.7b-polaris"]
-# What a cluster user adds for NeMo-RL (docs/integrations.md): one optimizer step per rollout
-# batch, one validation sample per prompt, local benchmark files without livecodebench
+# What a cluster user adds for NeMo-RL (docs/integrations.md): one validation sample per prompt,
+# local benchmark files without livecodebench
 USER = [
     "backend=nemo_rl",
-    "grpo.mini_batches=1",
     "eval.samples=1",
     "eval.benchmarks=math500,aime24,aime25,olympiad,minerva",
     "eval.data_dir=/data/bench",
@@ -96,7 +95,8 @@ def test_paper_recipe_validates_into_nemo_rls_master_config(name, tmp_path):
     assert (mc["activation_checkpointing"], mc["recompute_granularity"]) == (True, "full")
     assert master.grpo["num_prompts_per_step"] == g.prompts_per_step == 128
     assert master.grpo["num_generations_per_prompt"] == g.group_size == 16
-    assert master.policy["train_global_batch_size"] == 128 * 16
+    assert g.mini_batches == 4  # the paper's 4 optimizer steps of 32 prompts per batch
+    assert master.policy["train_global_batch_size"] == 32 * 16
     assert master.policy["train_micro_batch_size"] == p.micro_batch_size
     assert master.policy["logprob_batch_size"] == p.micro_batch_size  # the stock interpolation
     total = recipe.data.max_prompt_tokens + g.max_new_tokens
@@ -128,8 +128,9 @@ def test_paper_recipe_validates_into_nemo_rls_master_config(name, tmp_path):
     assert validation[0]["data_path"] == "/data/bench/math500.jsonl"
     assert len(validation) == 5 and master.env["math"]["math_verify_impl"] == "dapo_math_verify"
     # run_grpo_balanced's own checks, as its entry point runs them before NeMo-RL starts
-    assert run_grpo_balanced.check_master_config(master) == 16
-    fn = BalancedPGLossFn(master.loss_fn, group_size=16)
+    sizes = run_grpo_balanced.check_master_config(master)
+    assert sizes == {"group_size": 16, "step_size": master.policy["train_global_batch_size"]}
+    fn = BalancedPGLossFn(master.loss_fn, **sizes)
     assert (fn.aggregation.rule, fn.aggregation.scope) == ("balanced", "group")
 
 
@@ -137,7 +138,7 @@ def test_paper_recipe_validates_into_nemo_rls_master_config(name, tmp_path):
 def test_each_rule_reaches_balanced_pg_loss_fn(rule):
     extra = [f"loss.rule={rule}", "loss.kl_coef=0.01", "loss.dual_clip=3.0", "loss.scope=batch"]
     master = _master(recipe_to_nemo_rl_overrides(_recipe("qwen3-1.7b-dapo17k", *extra)))
-    fn = BalancedPGLossFn(master.loss_fn, group_size=run_grpo_balanced.check_master_config(master))
+    fn = BalancedPGLossFn(master.loss_fn, **run_grpo_balanced.check_master_config(master))
     assert (fn.aggregation.rule, fn.aggregation.scope) == (rule, "batch")
     assert fn.reference_policy_kl_penalty == 0.01 and master.loss_fn.ratio_clip_c == 3.0
     if rule == "dr_grpo":

@@ -7,6 +7,11 @@ Per layout, one global batch of 4 prompts x 4 responses (a filtered response inc
 - `balanced` and `group_token_mean` give a float64 single-process reference (reference.py) of the
   same model, to float32 round-off (the step computes log-probs in float32);
 - negative control: the plan attached to each DP shard (instead of the global batch) does not.
+
+Two optimizer steps per rollout batch (train_global_batch_size = half the batch, 2 prompts each):
+NeMo-RL's sharding gives each step one consecutive half (checked on the rows each rank's global
+batch holds), and each step with BalancedPGLossFn(step_size=8) is the float64 reference of its
+own half; the control, the whole batch's plan, is off by its group count.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.multiprocessing as mp
 from reference import importance_weights, plan_weights, reference_loss
 
 G, PROMPTS, PROMPT, SEQ, VOCAB, DP = 4, 4, 3, 14, 13, 2
+STEP = 2 * G  # rows of one optimizer step in the two-step cases
 LOSS_CFG = {
     "reference_policy_kl_penalty": 0.05,
     "ratio_clip_min": 0.2,
@@ -85,7 +91,9 @@ def _loss_fn(kind, rule):
 
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
-    from worker_loop import TokenModel, policy_config, train_step
+    from worker_loop import TokenModel, policy_config, step_rows, train_step
+
+    from megatron_ba.integrations.nemo_rl import BalancedPGLossFn
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=DP)  # fmt: skip
@@ -107,6 +115,18 @@ def _rank(rank: int, port: int, out: str) -> None:
                 TokenModel(VOCAB), data, loss_fn, policy_config(layout), rank, DP
             )
             results[layout, kind, rule] = (loss, grads[0])
+    for layout in LAYOUTS:  # two optimizer steps per rollout batch
+        data, loss_fn = batch(), _loss_fn("balanced", "balanced")
+        data["row"] = torch.arange(data.size)
+        stepped = BalancedPGLossFn(LOSS_CFG | {"ba_rule": "balanced"}, group_size=G, step_size=STEP)
+        for kind, fn in (("steps", stepped), ("steps_whole_plan", loss_fn)):
+            fn.attach_plan(data)
+            for step in range(2):
+                grads, loss, _ = train_step(
+                    TokenModel(VOCAB), data, fn, policy_config(layout), rank, DP, steps=2, step=step
+                )
+                rows = step_rows(data, policy_config(layout), rank, DP, steps=2, step=step)
+                results[layout, kind, step] = (loss, grads[0], rows)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -126,12 +146,12 @@ def results(tmp_path_factory):
     return torch.load(out)
 
 
-def _reference(rule: str, tis: bool = False):
-    """Loss and gradient of the whole batch in one process, float64 (with NeMo-RL's TIS
-    weights on each token's term when `tis`)."""
+def _reference(rule: str, tis: bool = False, rows: slice = slice(None)):
+    """Loss and gradient of the whole batch (or its `rows`) in one process, float64 (with
+    NeMo-RL's TIS weights on each token's term when `tis`)."""
     from worker_loop import TokenModel
 
-    data = batch()
+    data = batch().slice(rows.start or 0, rows.stop or G * PROMPTS)
     model = TokenModel(VOCAB, dtype=torch.float64)
     logits = model(data["input_ids"])
     logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, data["input_ids"][:, 1:, None])[
@@ -186,3 +206,19 @@ def test_with_nemo_rls_truncated_importance_sampling(results, layout):
     _close(results[layout, "balanced_tis", "token"], results[layout, "clipped_tis", None], 1e-6)
     _close(tis, _reference("balanced", tis=True), 1e-5)
     assert abs(float(tis[0]) - float(_reference("balanced")[0])) > 1e-3 * abs(float(tis[0]))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_optimizer_step_holds_a_consecutive_chunk_and_its_own_plan(results, layout):
+    """Two steps per rollout batch: NeMo-RL gives step j rows [8j, 8j + 8) (whole groups, on
+    each DP rank), and each step is the float64 reference of its own rows; the whole batch's
+    plan there (the control) is half the loss: its group count is 4, a step's 2."""
+    for step in range(2):
+        rows = slice(step * STEP, (step + 1) * STEP)
+        loss, grad, seen = results[layout, "steps", step]
+        assert set(seen) <= set(range(rows.start, rows.stop)) and len(seen) == STEP // DP
+        _close((loss, grad), _reference("balanced", rows=rows), 1e-5)
+        whole_loss = results[layout, "steps_whole_plan", step][0]
+        ref_loss = float(_reference("balanced", rows=rows)[0])
+        assert abs(float(whole_loss) - ref_loss) > 1e-3 * abs(ref_loss)

@@ -95,15 +95,18 @@ def cpu_device():
         torch.tensor, torch.Tensor.cuda = tensor, cuda
 
 
-def train_step(model, data, loss_fn, cfg: dict, dp_rank: int, dp_size: int):
-    """One global batch through NeMo-RL's step: (gradients averaged over DP as FSDP does, the
-    summed loss over ranks and micro-batches, the metrics of every micro-batch of every rank)."""
+def train_step(model, data, loss_fn, cfg: dict, dp_rank: int, dp_size: int, *, steps: int = 1,
+               step: int = 0):  # fmt: skip
+    """Global batch `step` of `steps` (NeMo-RL's train_global_batch_size = data.size / steps)
+    through NeMo-RL's step: (gradients averaged over DP as FSDP does, the summed loss over ranks
+    and micro-batches, the metrics of every micro-batch of every rank)."""
     group = dist.group.WORLD
     tokenizer = SimpleNamespace(eos_token_id=0, pad_token_id=0)
+    step_rows = data.size // steps
     with cpu_device():
-        shard = _shards(data, cfg, data.size, dp_size)[dp_rank]
+        shard = _shards(data, cfg, step_rows, dp_size)[dp_rank]
         gb = process_global_batch(
-            shard, loss_fn, group, batch_idx=0, batch_size=data.size // dp_size
+            shard, loss_fn, group, batch_idx=step, batch_size=step_rows // dp_size
         )
         iterator, iterator_len = get_microbatch_iterator(
             gb["batch"], cfg, cfg["train_micro_batch_size"], None, tokenizer
@@ -123,6 +126,14 @@ def train_step(model, data, loss_fn, cfg: dict, dp_rank: int, dp_size: int):
     loss = torch.stack([r[0].detach().to(torch.float64) for r in results[:iterator_len]]).sum()
     dist.all_reduce(loss)
     return grads, loss, [r[1] for r in results[:iterator_len]]
+
+
+def step_rows(data, cfg: dict, dp_rank: int, dp_size: int, *, steps: int, step: int) -> list:
+    """The `row` entries of the data that global batch `step` of `steps` holds on this DP rank,
+    as NeMo-RL's sharding and `get_batch` give them to its worker."""
+    step_rows = data.size // steps
+    shard = _shards(data, cfg, step_rows, dp_size)[dp_rank]
+    return shard.get_batch(batch_idx=step, batch_size=step_rows // dp_size)["row"].tolist()
 
 
 def policy_train(model, data, loss_fn, cfg: dict, lr: float = 0.0) -> dict:

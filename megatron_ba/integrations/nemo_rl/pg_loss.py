@@ -8,11 +8,15 @@ automodel path, `* num_microbatches / cp_size` against Megatron's averaging): ea
 micro-batch's additive share of the global loss. No hook receives a prompt-group id.
 
 The plan is built on the driver, where `policy.train(train_data, loss_fn)` still holds the whole
-global batch (`attach_plan`): whole-response lengths from token_mask * sample_mask, one advantage
+rollout batch (`attach_plan`): whole-response lengths from token_mask * sample_mask, one advantage
 per response, group ids from GRPO's layout (prompts repeated `num_generations_per_prompt` times,
-consecutively). The core reduces the per-group statistics to per-sequence weights, carried in the
-data dict as rows (`ba_weights`), the only form that survives NeMo-RL's slicing of the dict into DP
-shards, length-sorted dynamic batches and packed sequences.
+consecutively). One plan per optimizer step: `policy.train` cuts the batch into consecutive chunks
+of `train_global_batch_size` rows, one per step, before sharding each over the DP ranks
+(`BatchedDataDict.shard_by_batch_size`), so with `step_size` (that size, a multiple of the group
+size) each chunk holds whole groups and gets the plan of its own rows: the paper's mini-batches. The
+core reduces the per-group statistics to per-sequence weights, carried in the data dict as rows
+(`ba_weights`), the only form that survives NeMo-RL's slicing of the dict into DP shards, length-
+sorted dynamic batches and packed sequences.
 
 Per micro-batch, the loss is NeMo-RL's own `ClippedPGLossFn` on the micro-batch with each response's
 advantage multiplied by its plan weight and by the normaliser that ClippedPGLossFn divides by:
@@ -82,6 +86,20 @@ def _nemo_rl_loss():
     return loss, interfaces
 
 
+def _step_size(step_size, group_size: int) -> int | None:
+    """step_size checked: None, or a positive multiple of group_size (whole groups per step)."""
+    if step_size is None:
+        return None
+    if isinstance(step_size, bool) or not (isinstance(step_size, int) and step_size >= 1):
+        raise ValueError(f"step_size: must be an integer >= 1, got {step_size!r}")
+    if step_size % group_size:
+        raise ValueError(
+            f"step_size: {step_size} rows per optimizer step are not whole groups of "
+            f"group_size={group_size} (each step's plan needs its groups whole)"
+        )
+    return step_size
+
+
 class BalancedPGLossFn:
     """NeMo-RL LossFunction: the clipped PG loss with per-sequence weights from `attach_plan`.
 
@@ -91,13 +109,15 @@ class BalancedPGLossFn:
             fields, the extra keys ba_rule, ba_scope, ba_neutral_eps, ba_max_length choose the
             plan (megatron_ba.loss_settings.AggregationSettings).
         group_size: responses per prompt (grpo.num_generations_per_prompt).
+        step_size: rows of one optimizer step (policy.train_global_batch_size), a multiple of
+            group_size; None: the whole rollout batch is one step.
 
     A setting of `REFUSED` at another value, or an unknown `ba_*` key, raises ValueError naming
     it, as does a data dict without a key the step reads (`DATA_KEYS`, the plan's keys) or with
     plan rows that are not this micro-batch's.
     """
 
-    def __init__(self, cfg: Any, *, group_size: int):
+    def __init__(self, cfg: Any, *, group_size: int, step_size: int | None = None):
         nemo_loss, interfaces = _nemo_rl_loss()
         if not isinstance(cfg, nemo_loss.ClippedPGLossConfig):
             cfg = nemo_loss.ClippedPGLossConfig(**dict(cfg))
@@ -125,6 +145,7 @@ class BalancedPGLossFn:
                     f"ClippedPGLossFn"
                 )
         self.group_size = group_size
+        self.step_size = _step_size(step_size, group_size)
         # NeMo-RL's own loss, called with folded advantages (module docstring).
         self.clipped = nemo_loss.ClippedPGLossFn(cfg)
         # What NeMo-RL reads off a loss function: its enums (compared by identity), and the KL
@@ -158,9 +179,21 @@ class BalancedPGLossFn:
             raise ValueError(
                 f"data: {n} sequences are not whole groups of group_size={self.group_size}"
             )
-        group_ids = torch.arange(n) // self.group_size
-        plan = LossPlan.build(self.aggregation, lengths, advantages.to(torch.float64), group_ids)
-        data[PLAN_KEY] = plan.pg_weights
+        step = self.step_size or n
+        if n % step:
+            raise ValueError(
+                f"data: {n} sequences do not split into optimizer steps of step_size={step} "
+                "(policy.train_global_batch_size)"
+            )
+        weights = torch.empty(n, dtype=torch.float64)
+        for start in range(0, n, step):  # one plan per optimizer step (module docstring)
+            rows = slice(start, start + step)
+            group_ids = torch.arange(step) // self.group_size
+            plan = LossPlan.build(
+                self.aggregation, lengths[rows], advantages[rows].to(torch.float64), group_ids
+            )
+            weights[rows] = plan.pg_weights.to(torch.float64)
+        data[PLAN_KEY] = weights
 
     def __call__(
         self,

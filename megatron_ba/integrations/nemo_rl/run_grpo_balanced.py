@@ -8,15 +8,15 @@ NeMo-RL's own: they go to its examples/run_grpo.py, found from NEMO_RL_ROOT or n
 `nemo_rl` package. First the config is built as run_grpo.py builds it and checked
 (`check_master_config`, and the loss settings BalancedPGLossFn refuses): a refusal stops the run
 before Ray or any model starts; `--check` stops after the check. Then nemo_rl_preflight.py puts the
-tokenizer, the data and the math reward through NeMo-RL's own code; without a CUDA GPU it prints
-one line (`[megatron-ba] nemo_rl: checked MasterConfig, ...: stopping before training`) and exits
-with status NEEDS_GPU (69, integrations/exit_status.py). With a GPU, NeMo-RL's
+tokenizer, the data and the math reward through NeMo-RL's own code; without a CUDA GPU it prints one
+line (`[megatron-ba] nemo_rl: checked MasterConfig, ...: stopping before training`) and exits with
+status NEEDS_GPU (69, integrations/exit_status.py). With a GPU, NeMo-RL's
 `nemo_rl.algorithms.grpo.setup` is wrapped (`balanced_setup`): the loss function in its result is
-replaced by BalancedPGLossFn(master_config.loss_fn, group_size=grpo.num_generations_per_prompt),
-and the returned policy's `train(data, loss_fn, ...)` first calls `loss_fn.attach_plan(data)` on
-the global batch. Positions in setup's result and the call `policy.train(train_data, loss_fn,
-...)` are NeMo-RL v0.7.0's; tests/nemorl/ runs them against its code. What has run:
-docs/status.md.
+replaced by BalancedPGLossFn(master_config.loss_fn, group_size=grpo.num_generations_per_prompt,
+step_size=policy.train_global_batch_size), and the returned policy's `train(data, loss_fn, ...)`
+first calls `loss_fn.attach_plan(data)` on the global batch. Positions in setup's result and the
+call `policy.train(train_data, loss_fn, ...)` are NeMo-RL v0.7.0's; tests/nemorl/ runs them against
+its code. What has run: docs/status.md.
 """
 
 from __future__ import annotations
@@ -35,22 +35,26 @@ from megatron_ba.integrations.nemo_rl.pg_loss import BalancedPGLossFn
 SETUP_POLICY, SETUP_LOSS_FN, SETUP_MASTER_CONFIG = 0, 6, 10
 
 
-def check_master_config(master_config) -> int:
-    """The group size, after refusing a NeMo-RL `MasterConfig` the plan cannot serve.
+def check_master_config(master_config) -> dict[str, int]:
+    """BalancedPGLossFn's sizes (group_size, step_size), after refusing a NeMo-RL `MasterConfig`
+    the plan cannot serve.
 
-    One optimizer step per rollout batch: policy.train shards a larger batch over DP ranks before
-    splitting it into steps, and the plan is built per rollout batch. Async GRPO trains on batches
-    assembled from trajectories of several policy versions, which need not be whole groups; the
-    data-plane trainer never holds the batch on the driver, where the plan is built.
+    An optimizer step of `policy.train_global_batch_size` rows: policy.train cuts the rollout
+    batch into consecutive chunks of that size, one per step, so the size must be whole groups and
+    divide the batch (each step then gets the plan of its own groups). Async GRPO trains on
+    batches assembled from trajectories of several policy versions, which need not be whole
+    groups; the data-plane trainer never holds the batch on the driver, where the plan is built.
     """
     grpo, policy = master_config.grpo, master_config.policy
     group_size = int(grpo["num_generations_per_prompt"])
-    per_step = int(grpo["num_prompts_per_step"]) * group_size
-    if int(policy["train_global_batch_size"]) != per_step:
+    per_batch = int(grpo["num_prompts_per_step"]) * group_size
+    step_size = int(policy["train_global_batch_size"])
+    if step_size % group_size or per_batch % step_size:
         raise ValueError(
-            f"policy.train_global_batch_size: must equal grpo.num_prompts_per_step * "
-            f"num_generations_per_prompt = {per_step} for BalancedPGLossFn (one optimizer step "
-            f"per rollout batch), got {policy['train_global_batch_size']}"
+            f"policy.train_global_batch_size: must be whole groups of num_generations_per_prompt "
+            f"= {group_size} and divide num_prompts_per_step * num_generations_per_prompt = "
+            f"{per_batch} for BalancedPGLossFn (each optimizer step plans its own whole groups), "
+            f"got {step_size}"
         )
     if (grpo.get("async_grpo") or {}).get("enabled", False):
         raise ValueError(
@@ -62,7 +66,7 @@ def check_master_config(master_config) -> int:
             "data_plane.enabled: must be false for BalancedPGLossFn (the TransferQueue trainer "
             "hands the workers batch metadata, never the whole batch to plan on the driver)"
         )
-    return group_size
+    return {"group_size": group_size, "step_size": step_size}
 
 
 def balanced_setup(setup):
@@ -71,12 +75,10 @@ def balanced_setup(setup):
     @functools.wraps(setup)
     def wrapped(master_config, *args, **kwargs):
         # Refused settings stop the run here, before setup starts Ray and loads any model.
-        group_size = check_master_config(master_config)
-        BalancedPGLossFn(master_config.loss_fn, group_size=group_size)
+        BalancedPGLossFn(master_config.loss_fn, **check_master_config(master_config))
         result = list(setup(master_config, *args, **kwargs))
         master_config = result[SETUP_MASTER_CONFIG]
-        group_size = check_master_config(master_config)
-        loss_fn = BalancedPGLossFn(master_config.loss_fn, group_size=group_size)
+        loss_fn = BalancedPGLossFn(master_config.loss_fn, **check_master_config(master_config))
         policy = result[SETUP_POLICY]
         train = policy.train
 
@@ -135,13 +137,13 @@ def main() -> None:
     argv = [a for a in sys.argv[1:] if a != "--check"]
     path = _run_grpo_path()
     master_config = load_master_config(argv, path)
-    group_size = check_master_config(master_config)
-    loss_fn = BalancedPGLossFn(master_config.loss_fn, group_size=group_size)
+    loss_fn = BalancedPGLossFn(master_config.loss_fn, **check_master_config(master_config))
     s = loss_fn.aggregation
     kl = loss_fn.reference_policy_kl_penalty
     print(
         f"[megatron-ba] checked: BalancedPGLossFn rule={s.rule} scope={s.scope}, group size "
-        f"{group_size}, KL coefficient {kl}",
+        f"{loss_fn.group_size}, {loss_fn.step_size} sequences per optimizer step, KL "
+        f"coefficient {kl}",
         flush=True,
     )
     if "--check" in sys.argv[1:]:
