@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # What a cluster user adds for NeMo-RL (docs/integrations.md)
 USER = [
     "backend=nemo_rl",
-    "grpo.mini_batches=1",
     "eval.samples=1",
     "eval.benchmarks=math500,aime24,aime25,olympiad,minerva",
     "eval.data_dir=/data/bench",
@@ -65,7 +64,7 @@ def test_the_paper_recipe_translates_key_by_key():
     o = _as_dict(recipe_to_nemo_rl_overrides(_recipe(), nodes=2, run_dir="/r"))
     assert o["policy.model_name"] == "/models/Qwen3-1.7B"
     assert o["grpo.num_prompts_per_step"] == "128" and o["grpo.num_generations_per_prompt"] == "16"
-    assert o["policy.train_global_batch_size"] == str(128 * 16)
+    assert o["policy.train_global_batch_size"] == str(32 * 16)  # 4 optimizer steps per batch
     assert o["policy.train_micro_batch_size"] == "2"
     assert o["policy.max_total_sequence_length"] == str(1024 + 8192)
     assert o["policy.megatron_cfg.activation_checkpointing"] == "true"
@@ -101,7 +100,6 @@ def test_dr_grpo_gets_its_length_and_the_std_note_its_factor():
 
 # (overrides, the recipe key the error must start with)
 REFUSED = {
-    "several_steps_per_batch": (["grpo.mini_batches=4"], "grpo.mini_batches"),
     "polaris": (["data.dataset=polaris", "data.template=polaris"], "data.dataset"),
     "local_file": (["data.path=/data/dapo.parquet"], "data.path"),
     "arithmetic_task": (["data.task=arithmetic"], "data.task"),
@@ -126,10 +124,14 @@ def test_a_key_nemo_rl_cannot_honour_is_refused_by_name(case):
     assert str(err.value).startswith(f"{key}: "), str(err.value)
 
 
-def test_the_paper_recipe_as_shipped_is_refused_naming_the_optimizer_steps():
-    recipe = load_recipe(ROOT / "recipes/qwen3-1.7b-dapo17k.yaml", ["backend=nemo_rl"])
-    with pytest.raises(ValueError, match=r"^grpo\.mini_batches: .*got 4; set 1$"):
-        recipe_to_nemo_rl_overrides(recipe)
+def test_the_paper_recipes_mini_batches_become_nemo_rls_optimizer_steps():
+    """The paper's 4 optimizer steps per rollout batch of 128 prompts x 16: steps of 32 prompts
+    (BalancedPGLossFn plans each, tests/nemorl/test_nemo_rl_train_loop.py)."""
+    recipe = load_recipe(ROOT / "recipes/qwen3-1.7b-dapo17k.yaml", USER)
+    assert recipe.grpo.mini_batches == 4
+    o = _as_dict(recipe_to_nemo_rl_overrides(recipe, nodes=2, run_dir="/r"))
+    assert o["policy.train_global_batch_size"] == str(32 * 16)
+    assert o["grpo.num_prompts_per_step"] == "128"
 
 
 def test_every_recipe_key_is_translated_or_refused_and_the_docs_table_is_the_dicts():

@@ -1,7 +1,7 @@
 """The engine commands in the recipes' headers (`#   verl: ...`, `#   NeMo-RL: ...`: what a cluster
 user types to run the recipe on verl or NeMo-RL through slurm/grpo_balanced.sh) translate as
 written: the same arguments with `--print-overrides` leave `megatron-ba train` with status 0.
-The control: a header command without the key NeMo-RL needs (grpo.mini_batches=1) is refused."""
+The control: a header command without a key NeMo-RL needs (eval.samples=1) is refused."""
 
 from __future__ import annotations
 
@@ -54,5 +54,5 @@ def test_a_header_command_translates(name, engine, args):
 
 def test_the_control_without_a_key_nemo_rl_needs_is_refused():
     args = next(a for n, e, a in COMMANDS if e == "NeMo-RL" and n == "qwen3-1.7b-dapo17k")
-    p = _translate([a for a in args if a != "grpo.mini_batches=1"])
-    assert p.returncode != 0 and "grpo.mini_batches" in p.stderr, p.stderr
+    p = _translate([a for a in args if a != "eval.samples=1"])
+    assert p.returncode != 0 and "eval.samples" in p.stderr, p.stderr

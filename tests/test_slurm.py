@@ -178,8 +178,8 @@ def test_nemo_aligner_needs_an_allocation_with_a_task_per_process(tmp_path):
 QWEN = ROOT / "recipes/qwen3-1.7b-dapo17k.yaml"
 RAY_ARGS = {  # what each translation needs besides the recipe (the benchmark files' folder...)
     "verl": ["backend=verl", "data.path=F.parquet", "eval.data_dir=DIR"],
-    "nemo_rl": ["backend=nemo_rl", "grpo.mini_batches=1", "eval.samples=1",
-                "eval.benchmarks=aime24,aime25", "eval.data_dir=DIR"],
+    "nemo_rl": ["backend=nemo_rl", "eval.samples=1", "eval.benchmarks=aime24,aime25",
+                "eval.data_dir=DIR"],
 }  # fmt: skip
 RAY_RESUME = {"verl": "trainer.resume_mode=auto", "nemo_rl": "checkpointing.checkpoint_dir="}
 
@@ -277,7 +277,7 @@ def test_dry_run_forms_a_ray_cluster(tmp_path, nodes, backend):
     ("backend", "args", "key"),
     [
         ("verl", ["backend=verl", "eval.data_dir=DIR"], "data.path"),
-        ("nemo_rl", RAY_ARGS["nemo_rl"][:1] + RAY_ARGS["nemo_rl"][2:], "grpo.mini_batches"),
+        ("nemo_rl", RAY_ARGS["nemo_rl"][:1] + RAY_ARGS["nemo_rl"][2:], "eval.samples"),
     ],
 )
 def test_a_recipe_the_ray_backend_refuses_launches_nothing(tmp_path, backend, args, key):

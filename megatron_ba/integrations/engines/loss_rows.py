@@ -115,24 +115,10 @@ ROWS: dict[str, Row] = {
             doc=f"{A}.ppo_mini_batch_size = prompts_per_step / mini_batches, {A}.ppo_epochs=1",
         ),
         Put(
-            (
-                Set(
-                    "policy.train_global_batch_size",
-                    lambda j: j.grpo.prompts_per_step * j.grpo.group_size,
-                ),
-            ),
-            (
-                Need(
-                    lambda j: j.grpo.mini_batches == 1,
-                    lambda j: (
-                        "BalancedPGLossFn takes one optimizer step per rollout batch (its "
-                        "plan is the whole batch's; NeMo-RL shards a batch over DP ranks before "
-                        f"splitting it into steps), got {j.grpo.mini_batches}; set 1"
-                    ),
-                ),
-            ),
-            doc="1 only: policy.train_global_batch_size = prompts_per_step x group_size "
-            "(BalancedPGLossFn: one optimizer step per rollout batch); others refused",
+            (Set("policy.train_global_batch_size", step_sequences),),
+            doc="policy.train_global_batch_size = prompts_per_step x group_size / mini_batches "
+            "(NeMo-RL cuts the rollout batch into consecutive steps of whole groups; "
+            "BalancedPGLossFn plans each step)",
         ),
         put(
             Set("model.global_batch_size", step_sequences),

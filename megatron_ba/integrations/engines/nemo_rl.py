@@ -134,7 +134,6 @@ NEMO_RL = Engine(
         "rollout.engine",
         "rollout.sleep",
         "rollout.dtype",
-        "grpo.mini_batches",
         "eval.benchmarks",
         "eval.data_dir",
         "eval.samples",
