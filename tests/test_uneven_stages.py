@@ -13,7 +13,6 @@ numbers), then repeat the next step. Negative control: the 3 + 1 world restoring
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -30,16 +29,9 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.stack]
 def _setup(rank: int, world: int, port: int, layout):
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
     from megatron_ba.megatron.startup import setup
 
-    return setup(layout, seed=SEED)
+    return setup(layout, seed=SEED, backend="gloo", rank=rank, world_size=world, port=port)
 
 
 def _policy(layout, init_seed: int):
