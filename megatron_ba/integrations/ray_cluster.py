@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     _watchdog(args.timeout + 15, lambda: missing_message(args.address, args.nodes, hosts, seen,
                                                          args.timeout + 15))  # fmt: skip
     _give_up_on(signal.SIGUSR2)
+    # after the handler is set: a sender that reads this line may signal from then on
+    print(f"ray_cluster: waiting for {args.nodes} node(s) at {args.address} (up to "
+          f"{args.timeout:g} s)", file=sys.stderr, flush=True)  # fmt: skip
     try:
         joined = wait_for_nodes(args.address, args.nodes, hosts=hosts, timeout=args.timeout,
                                 every=args.every, seen=seen)  # fmt: skip
