@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from test_checkpoint_resume import _state  # full-shape weights and Adam moments
+
 from megatron_ba.parallel.world import free_port, spawn
 
 SEED, INIT_SEED, STEPS = 11, 3, 2
@@ -72,21 +74,6 @@ def _step(chunks, opt, step: int) -> None:
     forward_backward(chunks, batch, settings, MicroBatchSpec(3), num_groups=NUM_GROUPS)
     applied, _ = opt.step()
     assert applied
-
-
-def _state(chunks, opt) -> dict:
-    """Full-shape parameters and Adam moments (the moments gathered through main_grad, which
-    the next step zeroes)."""
-    from megatron_ba.parallel.full_shape import gather_full_state_dict
-
-    out = {"params": gather_full_state_dict(chunks)}
-    for name in ("exp_avg", "exp_avg_sq"):
-        for p in opt.params:
-            p.main_grad.copy_(opt.optimizer.state[p][name])
-        out[name] = gather_full_state_dict(chunks, grads=True)
-    for p in opt.params:
-        p.main_grad.zero_()
-    return out
 
 
 def _layout(world: int, first: int | None):
