@@ -40,6 +40,7 @@ import copy
 import functools
 import io
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from megatron_ba.cli import main as cli_main
 from megatron_ba.parallel.parallel_layout import ParallelLayout, balanced_stages
 from megatron_ba.planning import verdict
 from megatron_ba.planning.cluster_layout import NoLayoutFits, Settings, propose
+from megatron_ba.planning.logprob_memory import logprob_tokens
 from megatron_ba.planning.memory import GIB, EngineShare, MemorySettings, load_model
 from megatron_ba.planning.verdict import gpu_memory_gib
 
@@ -56,12 +58,20 @@ CASES = json.loads(FIXTURE.read_text())["cases"]
 # What each framework does where a case is silent, from its default configuration and code:
 # verl's verl/trainer/config/ppo_megatron_trainer.yaml (028af31: param/grad/optimizer offload
 # false, rollout gpu_memory_utilization 0.5; use_fused_kernels false: megatron-core's
-# vocab-parallel log-prob); NeMo-RL (optimiser and gradients leave the GPU before generation,
-# the weights stay: the planner's "auto"; vLLM 0.6; the model's logits cast to fp32 unless
+# vocab-parallel log-prob); NeMo-RL (vLLM 0.6; the model's logits cast to fp32 unless
 # defer_fp32_logits, into DistributedLogprob unless logprob_chunk_size: the planner's "fp32",
 # nemo_rl/models/policy/megatron_policy_worker.py and nemo_rl/distributed/model_utils.py
-# @33ca684, August 2025, unchanged in that respect @7ea279a); SkyRL as NeMo-RL but with
-# megatron-core's cross entropy; ms-swift's `megatron sft` (megatron-core's cross entropy).
+# @33ca684, August 2025, unchanged in that respect @7ea279a; the trainer's weights, gradients
+# and optimiser all off the GPU while vLLM generates, the planner's "states":
+# offload_before_refit moves the gradients and optimiser off, offload_after_refit then the
+# weights, before the KV cache is woken, nemo_rl/models/policy/workers/megatron_policy_worker.py
+# v0.7.0 lines 1486-1592 and nemo_rl/algorithms/grpo.py lines 1875-1966, as the older worker's
+# offload_after_refit already did: `self.move_model(self.model, "cpu")`; until 2026-12-07 this
+# table read NeMo-RL as keeping its weights, "auto"; a log-prob pass in micro-batches of
+# logprob_batch_size sequences, by default train_micro_batch_size, examples/configs/
+# grpo_math_1B.yaml line 110: LOGPROB_BATCH below); SkyRL with its weights beside a sleeping
+# engine (the planner's "auto", the record's reading, not re-read) and megatron-core's cross
+# entropy; ms-swift's `megatron sft` (megatron-core's cross entropy).
 #
 # The gradient buffer's dtype (--grad-reduce; megatron-core's grad_reduce_in_fp32):
 # * verl fp32: verl/utils/megatron_utils.py line 104, `"grad_reduce_in_fp32": True` in the DDP
@@ -96,8 +106,9 @@ CASES = json.loads(FIXTURE.read_text())["cases"]
 FRAMEWORK_DEFAULTS = {
     "verl": {"offload": "none", "vllm_util": 0.5, "logprobs": "megatron", "grad_reduce": "fp32",
              "in_process": True, "refit_bucket_mb": 0, "refit_before_kv": True},
-    "NeMo-RL": {"offload": "auto", "vllm_util": 0.6, "logprobs": "fp32", "grad_reduce": "bf16",
-                "in_process": False, "refit_bucket_mb": 0, "refit_before_kv": True},
+    "NeMo-RL": {"offload": "states", "vllm_util": 0.6, "logprobs": "fp32", "grad_reduce": "bf16",
+                "in_process": False, "refit_bucket_mb": 0, "refit_before_kv": True,
+                "logprob_batch": "train_micro_batch_size"},
     "SkyRL": {"offload": "auto", "vllm_util": None, "logprobs": "megatron", "grad_reduce": "fp32",
               "in_process": False, "refit_bucket_mb": 1e9 / 2**20, "refit_before_kv": False},
     "ms-swift": {"offload": "auto", "vllm_util": None, "logprobs": "megatron",
@@ -249,6 +260,7 @@ def planner_inputs(case: dict, assumed: dict | None = None, frameworks: dict | N
         if case["fused_logprob_kernels"] or case["logprob_chunk_size"]
         else defaults["logprobs"],
         grad_reduce=_grad_reduce(case, defaults),
+        logprob_tokens=logprob_tokens(logprob_batch(case, defaults), seq_len),
     )
     return {
         "shape": shape,
@@ -258,6 +270,27 @@ def planner_inputs(case: dict, assumed: dict | None = None, frameworks: dict | N
         "vllm": engine_of(case, defaults),
         "seq_len": seq_len,
     }
+
+
+# LOGPROB_BATCH: the sequences of a log-prob micro-batch (NeMo-RL's logprob_batch_size; the
+# fixtures have no field for it): the first value a case's notes state as "logprob_batch_size N"
+# (a fix's notes state the case's own, pre-fix value first: "logprob_batch_size 4 -> 2"), else
+# its framework's default (FRAMEWORK_DEFAULTS "logprob_batch": NeMo-RL's train_micro_batch_size,
+# the case's micro-batch), else no pass of its own; an SFT case has none (no log-probs before
+# training). Added 2026-12-07 for every case of both sets alike.
+_LOGPROB_STATED = re.compile(r"logprob_batch_size (\d+)")
+
+
+def logprob_batch(case: dict, defaults: dict) -> int | None:
+    """LOGPROB_BATCH: the case's log-prob micro-batch in sequences, or None (no such pass)."""
+    if case["task"] == "SFT":
+        return None
+    stated = _LOGPROB_STATED.search(case["notes"] or "")
+    if stated:
+        return int(stated.group(1))
+    if defaults.get("logprob_batch") == "train_micro_batch_size":
+        return case["micro_batch_size"] or 1
+    return None
 
 
 def _grad_reduce(case: dict, defaults: dict) -> str:
@@ -325,6 +358,8 @@ def cli_args(case: dict, assumed: dict | None = None, frameworks: dict | None = 
     args += [] if step.distributed_optimizer else ["--no-distributed-optimizer"]
     args += ["--reference"] if step.reference else []
     args += ["--grad-reduce", step.grad_reduce]
+    if step.logprob_tokens is not None:
+        args += ["--logprob-batch-size", str(step.logprob_tokens // seq)]
     return args + engine_args(vllm)
 
 
@@ -493,8 +528,9 @@ LONG_CONTEXT_READINGS: dict[str, str] = {
         "of TP8): 68.1 GiB of training tensors, within the 71.2 the headroom leaves, 77.0 GiB "
         "per GPU with the overheads and the engine's process, so the planner takes the least CP, "
         "TP8 CP1 DP4 with full recomputation; the run used CP4 (37.0 GiB of training tensors, "
-        "62.5 GiB with the generation phase). The PR reports the layout that ran, not that a "
-        "smaller CP went out of memory, so the record cannot say which is right"
+        "54.7 GiB with the generation phase, in which NeMo-RL keeps nothing of the trainer "
+        "beside vLLM). The PR reports the layout that ran, not that a smaller CP went out of "
+        "memory, so the record cannot say which is right"
     ),
     "nemorl-903-qwen-1.5b-sft-32k-cp4": (
         "the reporter moved from CP2 (out of memory) to CP4; the planner, choosing among "
@@ -509,7 +545,7 @@ LONG_CONTEXT_READINGS: dict[str, str] = {
     ),
     "nemorl-nightly-qwen3-30b-a3b-32xgpu-32k-tp4ep8": (
         "the recipe sets the trainer's TP to its vLLM engine's TP4; the planner takes TP1 DP32 "
-        "with full recomputation (68.5 GiB), or by compute TP4 CP2 without it (62.4 GiB), "
+        "with full recomputation (68.5 GiB), or by compute TP4 CP2 without it (61.9 GiB), "
         "both with the same engine"
     ),
     "nemorl-swe1-qwen3-30b-a3b-thinking-128k-tp2pp2cp4ep8": _SWE,
@@ -532,6 +568,7 @@ def propose_for(case: dict, prefer: str):
         reference=step.reference,
         prefer=prefer,
         grad_reduce=step.grad_reduce,
+        logprob_batch_size=None if step.logprob_tokens is None else step.logprob_tokens // seq,
     )
     world = lo.world
     try:

@@ -37,15 +37,25 @@ value chosen per case, and none chosen after seeing a verdict):
   (the command's --recompute selective) and `colocated_generation: true` (the engine on the
   trainer's GPUs, as a null), pass through test_public_record.planner_inputs unchanged.
 * NOT INPUTS: what a case's notes state but the fixture has no field for and the command no
-  flag (NeMo-RL's logprob_batch_size, defer_fp32_logits, empty_unused_memory_level; ms-swift's
+  flag (NeMo-RL's defer_fp32_logits, empty_unused_memory_level; ms-swift's
   moe_expert_capacity_factor; the allocator's settings) is not given to the planner: a miss it
-  causes is named as such, never fixed per case.
+  causes is named as such, never fixed per case. NeMo-RL's logprob_batch_size was one until
+  2026-12-07; it is now an input by test_public_record's LOGPROB_BATCH rule (the first value
+  the notes state, else the framework's default), for every case of both sets alike.
 
 The run (test_validation_verdicts), added after the rules above were committed and run once on
 2026-12-07: 12 of the 16 verdicts right through the command's exit status, the median |error|
 5.1 % on the 3 published peaks; each miss is in VALIDATION_MISSES with its cause, read off the
 JSON's breakdown and the case's source (nothing of the planner, its constants or the rules
-above was changed after the run).
+above was changed after that run).
+
+The set is no longer unseen for three terms its four misses motivated, added later on 2026-12-07
+from NeMo-RL's and vLLM's code (never a constant fitted to a case): the log-prob pass
+(planning/logprob_memory.py, --logprob-batch-size, the LOGPROB_BATCH rule), NeMo-RL's trainer
+keeping nothing beside vLLM (offload_after_refit: FRAMEWORK_DEFAULTS offload "states") and
+vLLM's own accounting (planning/generation_memory.py: its CUDA graphs named outside its share,
+not sized). The rerun: 11 of 16 (the 70B at 0.8 now a miss: its right verdict had rested on
+the trainer's weights that NeMo-RL's code moves off), the median |error| 5.1 % as before.
 """
 
 from __future__ import annotations
@@ -252,43 +262,53 @@ def test_every_case_builds_its_cli_arguments():
     assert args[args.index("--offload") + 1] == "states,cpu-adam=1"
 
 
-# The verdicts the planner gets wrong on the set, each with its cause (read after the one run).
+# The verdicts the planner gets wrong on the set, each with its cause (read after the first run,
+# re-read after the run of 2026-12-07).
 VALIDATION_MISSES: dict[str, str] = {
     "nemorl-pr687-llama31-8b-1n8g-pp2-vllm0.8": (
-        "the estimate fits by 0.9 GiB: 78.2 of 79.11 GiB in generation (vLLM's 0.8 of the GPU, "
-        "63.3 GiB, the trainer's stage weights, 7.5 GiB, and 7.4 GiB of overheads, 3.2 of them "
-        "the vLLM worker's process; its tensors' peak 70.8 of the 71.2 the headroom leaves), a "
-        "verdict at 98.8 % of the GPU; the source names neither the phase that ran out nor the "
-        "GPU (H100 by the rule), and NeMo-RL's code of the time (offload_after_refit) moves even "
-        "the trainer's weights off the GPU before generation, so no term the planner counts is "
-        "short: what ran out is not in the record"
+        "the estimate fits: 70.5 of 79.11 GiB in generation (vLLM's 0.8 of the GPU, 63.3 GiB, and "
+        "7.2 GiB of overheads, 3.2 of them the vLLM worker's process); since 2026-12-07 the "
+        "trainer keeps nothing beside it (NeMo-RL's offload_after_refit moves its weights off "
+        "before the KV cache wakes), and the log-prob pass (logprob_batch_size 4: 16,384 tokens, "
+        "23.5 GiB of fp32 logits on the last stage) peaks far lower; what vLLM keeps outside its "
+        "share, its CUDA graphs (captured with NeMo-RL's enforce_eager false, outside "
+        "gpu_memory_utilization in the vLLM of the time), has no size any vLLM source states, so "
+        "no term the planner counts is short: what ran out is not in the record"
+    ),
+    "nemorl-pr687-llama33-70b-8n8g-tp4pp4-vllm0.8": (
+        "a miss since 2026-12-07, when NeMo-RL's generation phase was read off its code: before, "
+        "the trainer's stage weights (8.5 GiB) beside vLLM's 63.3-GiB share put the tensors' "
+        "peak over the headroom's 71.2 GiB, a right verdict for a reason NeMo-RL's code refutes "
+        "(offload_after_refit moves the weights off before the KV cache wakes); now 70.5 GiB as "
+        "its 8B twin, with the same unmodelled remainder (vLLM's CUDA graphs outside its share)"
     ),
     "nemorl-pr971-llama33-70b-8n8g-tp4pp4-vllmtp4-0.6": (
         "the fix, vLLM TP 4 -> 8 at the same 0.6, halves the engine's weights per GPU (32.9 -> "
-        "16.4 GiB) inside its 47.5-GiB pool, so what ran out was inside the engine's share, "
-        "where the planner asks only for the weights and one sequence's KV cache (14.6 GiB left "
-        "for it: fits; 63.4 GiB per GPU with either TP) and counts none of vLLM's own "
-        "activations, sampler or CUDA graphs (left out for want of a source); the same 0.6 with "
-        "TP 4 had been the July fix of nemorl-pr687-llama33-70b-8n8g-tp4pp4-vllm0.8, so the "
+        "16.4 GiB) inside its 47.5-GiB pool, so what ran out was inside or beside the engine's "
+        "share, where the planner asks only for the weights and one sequence's KV cache (14.6 "
+        "GiB left for it: fits) and counts none of vLLM's CUDA graphs (no source sizes them); the "
+        "estimate, 59.0 GiB, is now the training phase's (the trainer keeps nothing beside the "
+        "engine), the log-prob pass (16,384 tokens) 9.5 GiB on the worst stage; the same 0.6 "
+        "with TP 4 had been the July fix of nemorl-pr687-llama33-70b-8n8g-tp4pp4-vllm0.8, so the "
         "software changed in between (not in the record)"
     ),
     "nemorl-pr2333-qwen3-30b-a3b-4n4g-gb200-ep16-logprob4": (
-        "the fix halves logprob_batch_size (the log-prob pass's 16,384 packed tokens -> 8,192); "
-        "neither the fixture nor `megatron-ba layout` has an input for the log-prob pass, so this "
-        "case and its pair (ran) get one estimate, 124.0 of 184 GiB (generation's peak): one of "
-        "the two is a miss by construction; by the planner's own terms even a 16,384-token "
-        "training micro-batch fits (173.6 GiB), so what ran out in that pass (with "
-        "expandable_segments off) is not in its terms"
+        "the fix halves logprob_batch_size (16,384 -> 8,192 tokens per log-prob micro-batch); "
+        "since 2026-12-07 the planner counts that pass (--logprob-batch-size, the notes' value by "
+        "the LOGPROB_BATCH rule): 36.2 GiB at 16,384 tokens (27.8 of them the fp32 logits) "
+        "against 21.2 GiB for the pair that ran, both far under the 184-GiB GPU, so the estimate "
+        "stays generation's 117.6 GiB for both: the term the fix points at is counted and does "
+        "not reach the GPU; what ran out in that pass (with expandable_segments off) is not in "
+        "the planner's terms"
     ),
     "nemorl-pr2300-qwen3-235b-16n4g-gb200-vllm0.6": (
         "the fix lowers vLLM's share to 0.4 on 16 nodes and keeps 0.6 on 32, where only the "
         "optimiser's shard per GPU halves (data parallelism 4 -> 8): something the size of the "
-        "optimiser's states shared the GPU with vLLM's pool; the planner, reading NeMo-RL as its "
-        "code reads (offload_before_refit moves the optimiser and gradients off the GPU), counts "
-        "8.6 GiB of the trainer beside the 110.4-GiB pool and finds 126.4 of 184 GiB; with the "
-        "optimiser and gradients kept (--offload none) its own terms refuse 0.6 (tensors' peak "
-        "168.8 of the 165.6 GiB the headroom leaves) and pass 0.4 (140.7 GiB) and 0.6 on 32 "
-        "nodes (156.1 GiB); which of NeMo-RL's states stayed is not in the record"
+        "optimiser's states shared the GPU with vLLM's pool; NeMo-RL's code (offload_before_refit "
+        "moves the optimiser and gradients off, offload_after_refit the weights) leaves nothing "
+        "of the trainer beside the 110.4-GiB pool: 117.6 of 184 GiB; with the optimiser and "
+        "gradients kept (--offload none) the planner's own terms refuse 0.6 and pass 0.4; which "
+        "of NeMo-RL's states stayed is not in the record"
     ),
 }
 
@@ -304,6 +324,6 @@ def test_validation_verdicts():
         assert r["json"]["fits"] == (r["status"] == 0), r["case"]["id"]
     misses = {r["case"]["id"] for r in rows if not r["right"]}
     assert misses == set(VALIDATION_MISSES), f"unexpected: {misses ^ set(VALIDATION_MISSES)}"
-    assert sum(r["right"] for r in rows) == len(CASES) - len(VALIDATION_MISSES) == 12
+    assert sum(r["right"] for r in rows) == len(CASES) - len(VALIDATION_MISSES) == 11
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     assert len(errors) == 3 and statistics.median(errors) <= 0.15

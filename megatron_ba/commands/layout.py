@@ -14,10 +14,12 @@ assumptions: megatron_ba/planning/memory.py; its verdicts against public runs th
 out of memory: docs/cluster-planning.md. Exit status: 0 a layout fits, 1 none does (with
 --json the closest is printed, "fits" false), 2 a bad option; "fits" is exactly what the exit
 status says (planning.verdict.assess at --headroom: the tensors' peak, the whole estimate, the
-colocated engine's KV cache). The engine (--engine vllm|sglang, each with its memory key), its
-process and its refit, and the gradients' dtype (--grad-reduce) are the generation and training
-phases' settings (planning/generation_memory.py, planning/memory.py). A --pp that does not
-divide the layers splits them as evenly as megatron-core allows, unless --pp-first-stage-layers /
+colocated engine's KV cache). A forward-only log-prob pass in micro-batches of its own
+(--logprob-batch-size, NeMo-RL's) is a third phase (planning/logprob_memory.py). The engine
+(--engine vllm|sglang, each with its memory key), its process and its refit, and the
+gradients' dtype (--grad-reduce) are the generation and training phases' settings
+(planning/generation_memory.py, planning/memory.py). A --pp that does not divide the layers
+splits them as evenly as megatron-core allows, unless --pp-first-stage-layers /
 --pp-last-stage-layers give the split.
 """
 
@@ -203,6 +205,17 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
         ),
     )
     p.add_argument(
+        "--logprob-batch-size",
+        type=int,
+        metavar="N",
+        help=(
+            "sequences per micro-batch of a forward-only log-prob pass before training "
+            "(NeMo-RL's policy.logprob_batch_size, whose default is its train_micro_batch_size): "
+            "its logits over the vocabulary for N x the sequence's tokens at once, by --logprobs' "
+            "path (default: none, this project's trainer has no such pass)"
+        ),
+    )
+    p.add_argument(
         "--prefer",
         choices=PREFER,
         default="parallelism",
@@ -265,6 +278,7 @@ def _check(args: argparse.Namespace) -> None:
         ("--max-tokens-per-gpu", args.max_tokens_per_gpu),
         ("--seq-len", args.seq_len),
         ("--vllm-tp", args.vllm_tp),
+        ("--logprob-batch-size", args.logprob_batch_size),
         ("--pp-first-stage-layers", args.pp_first_stage_layers),
         ("--pp-last-stage-layers", args.pp_last_stage_layers),
     ):
@@ -339,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
         reference=args.reference,
         prefer=args.prefer,
         grad_reduce=args.grad_reduce,
+        logprob_batch_size=args.logprob_batch_size,
     )
     try:
         plan = propose(
@@ -413,6 +428,7 @@ def _text(j: dict) -> str:
         f"full recompute {b['activations_full_recompute']}; {j['in_flight_micro_batches']} "
         f"micro-batch(es) in flight, {j['in_flight_tokens']} tokens)",
         f"    logits {b['logits']} (naive {b['logits_naive']}, chunked {b['logits_chunked']})",
+        *_logprob_lines(j),
         *_engine_lines(j),
         f"    CUDA context, NCCL buffers, fragmentation, engine process {b['overhead']} "
         f"(engine process {b['engine_process']})",
@@ -446,6 +462,17 @@ def _engine_lines(j: dict) -> list[str]:
         f"    refit: bucket {b['refit_bucket']}, one full tensor {b['refit_full_param']}, at its "
         f"instant {b['refit_phase']}",
         f"    training phase {b['train_phase']}, generation phase {b['generate_phase']}",
+    ]
+
+
+def _logprob_lines(j: dict) -> list[str]:
+    """The log-prob pass's line, where the step has one (--logprob-batch-size)."""
+    if j["logprob_tokens"] is None:
+        return []
+    b = j["breakdown_gib"]
+    return [
+        f"    log-prob pass ({j['logprob_tokens']} tokens per micro-batch): logits "
+        f"{b['logprob_logits']}, at its peak {b['logprob_phase']}"
     ]
 
 

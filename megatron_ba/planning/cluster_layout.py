@@ -42,8 +42,9 @@ from megatron_ba.parallel.parallel_layout import (
     balanced_stages,
 )
 from megatron_ba.planning.generation_memory import REFIT_BUCKET_MB, engine_json
+from megatron_ba.planning.logprob_memory import logprob_tokens
 from megatron_ba.planning.memory import EngineShare, MemoryEstimate, MemorySettings, padded_seq_len
-from megatron_ba.planning.verdict import HEADROOM, Verdict, assess
+from megatron_ba.planning.verdict import HEADROOM, Verdict, assess, check_headroom
 from megatron_ba.step_settings import AUTO_CHUNK, AUTO_CHUNK_ABOVE
 
 # A step's compute relative to its model FLOPs (forward 1/3, backward 2/3 of 6 N S): full
@@ -140,6 +141,7 @@ class Plan:
             "chunked_logprobs": step.chunked_logprobs,
             "logprobs": step.logprob_mode,
             "grad_reduce": step.grad_reduce,
+            "logprob_tokens": step.logprob_tokens,
             "in_flight_micro_batches": self.estimate.in_flight,
             "in_flight_tokens": self.estimate.in_flight_tokens,
             **engine_json(self.vllm),
@@ -200,6 +202,9 @@ class Settings:
     reference: bool = False
     prefer: str = "parallelism"
     grad_reduce: str = "fp32"  # MemorySettings.grad_reduce
+    # sequences of one micro-batch of a forward-only log-prob pass (NeMo-RL's
+    # logprob_batch_size; planning/logprob_memory.py); None: no pass of its own
+    logprob_batch_size: int | None = None
 
 
 def rank_key(
@@ -322,6 +327,7 @@ def _base_step(seq_len, recompute, settings: Settings, sequences=None) -> Memory
         reference=settings.reference,
         grad_reduce=settings.grad_reduce,
         step_tokens=None if sequences is None else sequences * seq_len,
+        logprob_tokens=logprob_tokens(settings.logprob_batch_size, seq_len),
     )
 
 
@@ -348,8 +354,7 @@ def _check_inputs(nodes, gpus_per_node, gpu_mem_gib, max_response_len, prompt_le
         raise ValueError(f"--gpu-mem: must be > 0 GiB, got {gpu_mem_gib}")
     if prompt_len < 0:
         raise ValueError(f"--prompt-len: must be >= 0, got {prompt_len}")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom: must be in [0, 1), got {headroom}")
+    check_headroom(headroom)
 
 
 def _search(shape, world, gpus_per_node, seq_len, sequences, only, settings, fit):

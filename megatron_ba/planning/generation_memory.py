@@ -16,6 +16,12 @@ What each engine's memory key covers, read off the engines' own code:
   megatron_ba/generation/vllm_engine.py). The process's CUDA context and NCCL communicators are
   made before that snapshot (`init_device`: "Initialize the distributed environment BEFORE
   taking memory snapshot"), so they are outside U: ENGINE_PROCESS_GIB below.
+* what vLLM's accounting leaves outside U: its CUDA graphs where they are captured after the KV
+  cache is sized (before the profiler's estimate, as in vLLM 0.20.0, the version NeMo-RL
+  v0.7.0's uv.lock pins, with NeMo-RL's `enforce_eager: False`, examples/configs/
+  grpo_math_1B.yaml line 349). vLLM states no size for them, only measures it when it captures
+  ("Graph capturing finished ..., took X GiB"), so the planner counts none: a named gap
+  (docs/cluster-planning.md), not a constant.
 * SGLang's `mem_fraction_static` F: F x the GPU holds the weights and the KV cache pool
   (python/sglang/srt/server_args.py, `--mem-fraction-static`: "The fraction of the memory used
   for static allocation (model weights and KV cache memory pool)"), so its activations and CUDA
@@ -72,10 +78,11 @@ ENGINE_BYTES = 2  # the engine's bf16 weights, and the refit's tensors cast to t
 class EngineShare:
     """A colocated generation engine: its memory key (`gpu_util`: vLLM's gpu_memory_utilization
     or SGLang's mem_fraction_static), whether it sleeps while the policy trains (NeMo-RL's,
-    verl's and this project's colocated mode: the trainer then keeps only its weights during
-    generation), its tensor parallelism, whether it runs in the trainer's process, and the
-    refit's bucket and order (module docstring). A bad value raises ValueError naming the flag
-    of `megatron-ba layout`."""
+    verl's and this project's colocated mode), its tensor parallelism, whether it runs in the
+    trainer's process, and the refit's bucket and order (module docstring). What the trainer
+    keeps beside it is MemorySettings.offload's (trainer_kept: with "auto" its weights beside a
+    sleeping engine, this project's; NeMo-RL's colocated refit moves even the weights off, its
+    "states"). A bad value raises ValueError naming the flag of `megatron-ba layout`."""
 
     gpu_util: float = VLLM_GPU_MEMORY_UTILIZATION  # the recipe's rollout.gpu_memory_utilization
     sleeps: bool = True  # the recipe's rollout.sleep
@@ -195,16 +202,14 @@ def engine_fields(
     engine's own memory on the GPU at the generation phase's peak: its pool, or its weights
     alone at a refit before the KV cache), for the trainer's `states` = (weights, gradients,
     optimiser, reference) there and MemorySettings.offload `offload`."""
-    weights, grads, optimizer, reference = states
+    weights, reference = states[0], states[3]
     out = dict(engine_pool=0.0, engine_weights=0.0, refit_bucket=0.0, refit_full_param=0.0,
                vllm_train_phase=0.0, vllm_kv_cache=0.0, generate_phase=0.0, refit_phase=0.0,
                held=0.0)  # fmt: skip
     if vllm is None:
         return out
     terms = generation_terms(shape, layout, stage, vllm, gpu_bytes)
-    kept = {"none": weights + grads + optimizer, "states": 0.0}.get(offload)
-    if kept is None:  # auto: the weights stay beside a sleeping engine, all beside one awake
-        kept = weights if vllm.sleeps else weights + grads + optimizer
+    kept = trainer_kept(offload, vllm, states)
     generate, refit, held = generation_phase(terms, vllm, kept, weights, reference)
     return out | dict(
         engine_pool=terms.pool,
@@ -217,6 +222,26 @@ def engine_fields(
         refit_phase=refit,
         held=terms.pool if held == "pool" else terms.engine_weights,
     )
+
+
+def trainer_kept(offload: str, share: EngineShare | None, states) -> float:
+    """What the trainer keeps on the GPU between its update and its next training phase, for
+    MemorySettings.offload `offload` and `states` = (weights, gradients, optimiser, reference):
+    "none" all three, "states" nothing (verl's offload; NeMo-RL's colocated refit:
+    `offload_before_refit` moves the gradients and optimiser off, `offload_after_refit` then the
+    weights too, nemo_rl/models/policy/workers/megatron_policy_worker.py v0.7.0 lines 1486-1592,
+    called by nemo_rl/algorithms/grpo.py refit_policy_generation lines 1875-1966 before the KV
+    cache is woken), "auto" the weights beside a sleeping engine, all three beside one awake.
+    Without a colocated engine there is no refit to offload for: the weights and the optimiser,
+    as NeMo-RL's log-prob pass keeps them (planning/logprob_memory.py), whatever `offload`."""
+    weights, grads, optimizer, _ = states
+    if share is None:
+        return weights + optimizer
+    if offload == "states":
+        return 0.0
+    if offload == "none":
+        return weights + grads + optimizer
+    return weights if share.sleeps else weights + grads + optimizer
 
 
 def engine_process_bytes(share: EngineShare | None) -> float:

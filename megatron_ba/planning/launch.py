@@ -21,7 +21,9 @@ path it cannot read here is not checked, and says so). GPU memory from `--gpu-me
 environment's MBA_GPU_MEM_GIB, else `nvidia-smi` on this node (none of them: the check is skipped,
 and says so). A layout that fits prints RECIPE_MEMORY_GIB (the estimate per GPU); one that does
 not exits 3 naming the single changes that would make it fit (e.g.
-"parallel.recompute=full (61.2 GiB)" or "parallel.cp=2").
+"parallel.recompute=full (61.2 GiB)" or "parallel.cp=2"). `--headroom F` is the verdict's headroom
+(the fraction of the GPU the tensors' peak leaves free; default planning.verdict.HEADROOM), the
+same rule `megatron-ba layout --headroom` applies.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from megatron_ba.model_shape import ModelShape
 from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError, ParallelLayout
 from megatron_ba.planning.architectures import Unmodelled
 from megatron_ba.planning.memory import EngineShare, MemorySettings, load_model, padded_seq_len
-from megatron_ba.planning.verdict import Verdict, assess, remedies
+from megatron_ba.planning.verdict import HEADROOM, Verdict, assess, check_headroom, remedies
 from megatron_ba.recipe import RecipeError, load_recipe
 
 
@@ -184,14 +186,19 @@ def recipe_plan(recipe, dp: int) -> tuple[ParallelLayout, MemorySettings, Engine
     return p.layout(dp), step, vllm, seq_len
 
 
-def check_memory(recipe, layout: ParallelLayout, gpus_per_node: int, gpu_mem_gib: float):
+def check_memory(
+    recipe, layout: ParallelLayout, gpus_per_node: int, gpu_mem_gib: float,
+    headroom: float = HEADROOM,
+):  # fmt: skip
     """(the verdict, None) when the recipe on `layout` fits GPUs of `gpu_mem_gib`, else (the
-    verdict, what to change: FitError text); (None, None) when the model cannot be read here."""
+    verdict, what to change: FitError text); (None, None) when the model cannot be read here.
+    `headroom`: the verdict's (planning.verdict.assess), as `megatron-ba layout --headroom`."""
     shape = recipe_shape(recipe)
     if shape is None:
         return None, None
     layout, step, vllm, seq_len = recipe_plan(recipe, layout.dp)
-    v = assess(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len)
+    v = assess(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len,
+               headroom=headroom)  # fmt: skip
     if v.fits:
         return v, None
     fixes = remedies(
@@ -202,6 +209,7 @@ def check_memory(recipe, layout: ParallelLayout, gpus_per_node: int, gpu_mem_gib
         vllm=vllm,
         seq_len=seq_len,
         gpus_per_node=gpus_per_node,
+        headroom=headroom,
     )
     say = ", or ".join(f"{key} ({gib} GiB)" for _, key, gib in fixes)
     hint = f"it fits with {say}" if fixes else "no single change of the layout or vLLM's TP fits"
@@ -221,7 +229,7 @@ def _memory_verdict(args, recipe, layout, gpus) -> tuple[int, Verdict | None]:
               "memory check is skipped", file=sys.stderr)  # fmt: skip
         return 0, None
     try:
-        verdict, problem = check_memory(recipe, layout, gpus, gpu_mem)
+        verdict, problem = check_memory(recipe, layout, gpus, gpu_mem, args.headroom)
     except Unmodelled as e:
         print(f"launch: the memory check is skipped: {e}", file=sys.stderr)
         return 0, None
@@ -308,9 +316,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=0, help="0: CPU, tp*pp*cp processes")
     ap.add_argument("--write-recipe", help="save the resolved recipe here")
     ap.add_argument("--gpu-mem", type=float, metavar="GIB", help="GiB per GPU (memory check)")
+    ap.add_argument(
+        "--headroom",
+        type=float,
+        default=HEADROOM,
+        help="fraction of the GPU the tensors' peak must leave free, part of the memory check's "
+        f"verdict, as for megatron-ba layout (default {HEADROOM})",
+    )
     args = ap.parse_intermixed_args(argv[1:])
     if args.nodes is None and args.hostlist is None:
         ap.error("give --nodes or --hostlist")
+    try:
+        check_headroom(args.headroom)
+    except ValueError as e:
+        ap.error(str(e))
     return _fit(args)
 
 

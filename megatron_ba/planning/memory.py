@@ -34,10 +34,11 @@ from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLay
 from megatron_ba.planning.architectures import check_modelled
 from megatron_ba.planning.generation_memory import EngineShare as EngineShare  # re-exported
 from megatron_ba.planning.generation_memory import VLLMShare as VLLMShare
-from megatron_ba.planning.generation_memory import engine_fields, engine_process_bytes
+from megatron_ba.planning.generation_memory import engine_process_bytes
 from megatron_ba.planning.generation_memory import (
     kv_cache_bytes_per_token as kv_cache_bytes_per_token,
 )
+from megatron_ba.planning.logprob_memory import step_phases
 
 
 def load_model(name_or_path: str) -> ModelShape:
@@ -137,6 +138,10 @@ class MemorySettings:
     # length): a rank's share, in micro-batches, gives the micro-batches 1F1B has in flight
     # (in_flight_tokens). None: unknown (p - s in flight).
     step_tokens: int | None = None
+    # Tokens of one micro-batch of the forward-only log-prob pass before training (NeMo-RL's
+    # logprob_batch_size sequences: planning/logprob_memory.py), before CP splits them. None: no
+    # pass of its own (this project's trainer computes log-probs in its training micro-batches).
+    logprob_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.recompute_mode not in RECOMPUTE:
@@ -151,6 +156,8 @@ class MemorySettings:
             raise ValueError(
                 f"--grad-reduce: one of {', '.join(GRAD_BYTES)}, got {self.grad_reduce!r}"
             )
+        if self.logprob_tokens is not None and self.logprob_tokens < 1:
+            raise ValueError(f"--logprob-batch-size: {self.logprob_tokens} tokens; must be >= 1")
         if self.step_tokens is not None and self.step_tokens < 1:
             raise ValueError(
                 f"--group-size x --prompts-per-step: {self.step_tokens} tokens per step; a step "
@@ -188,7 +195,7 @@ class MemoryEstimate:
     reference: float = 0.0  # a reference policy's weights kept on the GPU
     overhead: float = 0.0  # CUDA context, NCCL buffers, fragmentation, the engine's process
     total: float = 0.0  # peak + overhead: what the GPU must hold
-    peak_phase: str = "train"  # "train" or "generate"
+    peak_phase: str = "train"  # "train", "generate" or "logprob"
     engine_pool: float = 0.0  # the engine's key x the GPU while it generates
     engine_weights: float = 0.0  # the engine's weights, inside its pool
     refit_bucket: float = 0.0  # the refit's bucket (generation_memory)
@@ -197,6 +204,8 @@ class MemoryEstimate:
     engine_process: float = 0.0  # the engine's own process outside its pool (in overhead)
     in_flight: int = 0  # micro-batches 1F1B holds at the worst stage before its first backward
     in_flight_tokens: int = 0  # their tokens, before CP splits them
+    logprob_logits: float = 0.0  # the log-prob pass's logits path (planning/logprob_memory.py)
+    logprob_phase: float = 0.0  # the log-prob pass's peak (0: no pass of its own)
 
     def breakdown_gib(self) -> dict[str, float]:
         skip = ("worst_stage", "peak_phase", "in_flight", "in_flight_tokens")
@@ -294,6 +303,16 @@ def in_flight_tokens(step: MemorySettings, layout: ParallelLayout, stage: int) -
     return count, sum(min(mbt, share - i * mbt) for i in range(count))
 
 
+def layer_activations(shape: ModelShape, layout: ParallelLayout, prec: Precision, n: float):
+    """One layer's saved activations for n tokens per GPU."""
+    t = layout.tp
+    out = shape.layer_activation_elements() * prec.act_bytes * n
+    out /= t  # TP shards heads and the MLP; sequence parallelism shards the rest
+    if t > 1 and not layout.sequence_parallel:
+        out += 4 * shape.hidden_size * prec.act_bytes * n * (1 - 1 / t)
+    return out
+
+
 def _activations(shape, layout, step, stage, prec):
     """(no recompute, full recompute, the micro-batch's tokens per GPU, (in flight, their
     tokens)) of one stage: 1F1B holds in_flight_tokens' micro-batches before its first
@@ -304,12 +323,8 @@ def _activations(shape, layout, step, stage, prec):
     flight = in_flight_tokens(step, layout, stage)
     held = flight[1] / c  # the in-flight micro-batches' tokens on this GPU
 
-    def per_layer(n):  # a layer's saved activations for n tokens per GPU
-        out = shape.layer_activation_elements() * prec.act_bytes * n
-        out /= t  # TP shards heads and the MLP; sequence parallelism shards the rest
-        if t > 1 and not layout.sequence_parallel:
-            out += 4 * shape.hidden_size * prec.act_bytes * n * (1 - 1 / t)
-        return out
+    def per_layer(n):
+        return layer_activations(shape, layout, prec, n)
 
     no_recompute = layers * per_layer(held)
     kept_inputs = shape.hidden_size * prec.act_bytes * held / (t if layout.sequence_parallel else 1)
@@ -351,17 +366,15 @@ def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec) -> Memo
         step.logprob_mode
     ]
     reference = weights if step.reference else 0.0  # sharded as the policy
-    states = (weights, grads, optimizer, reference)
-    gen = engine_fields(shape, layout, step.offload, stage, gpu_mem_gib * GIB, vllm, states)
+    parts = (weights, grads, optimizer, activations, logits, reference)
+    p = step_phases(shape, layout, step, stage, gpu_mem_gib * GIB, vllm, parts,
+                    lambda n: layer_activations(shape, layout, prec, n))  # fmt: skip
+    gen = p["gen"]
     held = gen.pop("held")
-    train_phase = weights + grads + optimizer + activations + logits + reference
-    train_phase += gen["vllm_train_phase"]
-    generate = gen["generate_phase"]
-    peak = max(train_phase, generate)
     # the engine's memory (its pool, or its weights) is its own, outside the trainer's allocator
-    torch_bytes = peak - (held if generate > train_phase else gen["vllm_train_phase"])
+    engine_own = held if p["peak_phase"] == "generate" else gen["vllm_train_phase"]
     process = engine_process_bytes(vllm)
-    overhead = overhead_bytes(torch_bytes) + process
+    overhead = overhead_bytes(p["peak"] - engine_own) + process
     return MemoryEstimate(
         weights=weights,
         grads=grads,
@@ -372,15 +385,17 @@ def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec) -> Memo
         logits=logits,
         logits_naive=naive,
         logits_chunked=chunked,
-        train_phase=train_phase,
-        peak=peak,
+        train_phase=p["train"],
+        peak=p["peak"],
         worst_stage=stage,
         reference=reference,
         overhead=overhead,
-        total=peak + overhead,
-        peak_phase="train" if train_phase >= generate else "generate",
+        total=p["peak"] + overhead,
+        peak_phase=p["peak_phase"],
         engine_process=process,
         in_flight=flight[0],
         in_flight_tokens=flight[1],
+        logprob_logits=p["lp_logits"],
+        logprob_phase=p["lp"],
         **gen,
     )

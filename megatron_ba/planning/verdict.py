@@ -62,6 +62,13 @@ GPU_MEMORY_GIB = {
 HEADROOM = 0.1  # the fraction of the GPU the tensors' peak must leave free (module docstring)
 
 
+def check_headroom(headroom: float) -> float:
+    """`headroom` when it is a fraction in [0, 1), else ValueError naming --headroom."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"--headroom: must be in [0, 1), got {headroom}")
+    return headroom
+
+
 def gpu_memory_gib(name: str) -> float:
     """The capacity of a GPU named in GPU_MEMORY_GIB (case-insensitive); ValueError otherwise."""
     for key, gib in GPU_MEMORY_GIB.items():
