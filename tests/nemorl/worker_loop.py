@@ -136,19 +136,44 @@ def step_rows(data, cfg: dict, dp_rank: int, dp_size: int, *, steps: int, step: 
     return shard.get_batch(batch_idx=step, batch_size=step_rows // dp_size)["row"].tolist()
 
 
-def policy_train(model, data, loss_fn, cfg: dict, lr: float = 0.0) -> dict:
-    """`Policy.train`'s result for one DP rank (dp_size 1): the loss, and every micro-batch's
+def policy_train(model, data, loss_fn, cfg: dict, lr: float = 0.0, *, steps: int = 1,
+                 record: list | None = None) -> dict:  # fmt: skip
+    """`Policy.train`'s result for one DP rank (dp_size 1) over `steps` optimizer steps of
+    data.size / steps rows each (NeMo-RL's train_global_batch_size), each step followed by a
+    plain SGD update of rate `lr` (the optimizer's stand-in): the losses, and every micro-batch's
     metrics with the keys the worker adds to them (lr, global_valid_seqs, global_valid_toks), as
-    lists under `all_mb_metrics` (what grpo_train reads)."""
-    with cpu_device():
-        gb = process_global_batch(data, loss_fn, dist.group.WORLD, batch_idx=0,
-                                  batch_size=data.size)  # fmt: skip
-    grads, loss, metrics = train_step(model, data, loss_fn, cfg, 0, 1)
+    lists under `all_mb_metrics` (what grpo_train reads). `record` gets, per step, its rows, the
+    parameters it started from, its gradients and its loss."""
+    rows = data.size // steps
     all_mb_metrics: dict[str, list] = {}
-    for m in metrics:
-        m |= {"lr": lr, "global_valid_seqs": float(gb["global_valid_seqs"]),
-              "global_valid_toks": float(gb["global_valid_toks"])}  # fmt: skip
-        for k, v in m.items():
-            all_mb_metrics.setdefault(k, []).append(v)
-    norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
-    return {"loss": loss, "grad_norm": norm, "all_mb_metrics": all_mb_metrics}
+    losses, norms = [], []
+    for step in range(steps):
+        with cpu_device():
+            gb = process_global_batch(data, loss_fn, dist.group.WORLD, batch_idx=step,
+                                      batch_size=rows)  # fmt: skip
+        params = [p.detach().clone() for p in model.parameters()]
+        grads, loss, metrics = train_step(model, data, loss_fn, cfg, 0, 1, steps=steps, step=step)
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p -= lr * g
+        if record is not None:
+            record.append({"rows": slice(step * rows, (step + 1) * rows), "params": params,
+                           "grads": grads, "loss": loss})  # fmt: skip
+        for m in metrics:
+            m |= {"lr": lr, "global_valid_seqs": float(gb["global_valid_seqs"]),
+                  "global_valid_toks": float(gb["global_valid_toks"])}  # fmt: skip
+            for k, v in m.items():
+                all_mb_metrics.setdefault(k, []).append(v)
+        losses.append(loss)
+        norms.append(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+    return {"loss": torch.stack(losses), "grad_norm": torch.stack(norms),
+            "all_mb_metrics": all_mb_metrics}  # fmt: skip
+
+
+def logprobs(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's convention for [B, S] ids: position t holds log p(x_t | x_<t), position 0 holds
+    0 (what Policy.get_logprobs returns; float32, no gradient)."""
+    with torch.no_grad():
+        logits = model(input_ids[:, :-1])
+        lp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(input_ids.shape[0], 1), lp], dim=1)

@@ -14,9 +14,10 @@ status NEEDS_GPU (69, integrations/exit_status.py). With a GPU, NeMo-RL's
 `nemo_rl.algorithms.grpo.setup` is wrapped (`balanced_setup`): the loss function in its result is
 replaced by BalancedPGLossFn(master_config.loss_fn, group_size=grpo.num_generations_per_prompt,
 step_size=policy.train_global_batch_size), and the returned policy's `train(data, loss_fn, ...)`
-first calls `loss_fn.attach_plan(data)` on the global batch. Positions in setup's result and the
-call `policy.train(train_data, loss_fn, ...)` are NeMo-RL v0.7.0's; tests/nemorl/ runs them against
-its code. What has run: docs/status.md.
+first calls `loss_fn.attach_plan(data)` on the global batch, in `grpo_train` and in
+`async_grpo_train` (`grpo.async_grpo.enabled`: whole prompt groups of any policy versions,
+`_check_async`). Positions in setup's result and the call `policy.train(train_data, loss_fn, ...)`
+are NeMo-RL v0.7.0's; tests/nemorl/ runs them against its code. What has run: docs/status.md.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def check_master_config(master_config) -> dict[str, int]:
 
     An optimizer step of `policy.train_global_batch_size` rows: policy.train cuts the rollout
     batch into consecutive chunks of that size, one per step, so the size must be whole groups and
-    divide the batch (each step then gets the plan of its own groups). Async GRPO trains on
-    batches assembled from trajectories of several policy versions, which need not be whole
-    groups; the data-plane trainer never holds the batch on the driver, where the plan is built.
+    divide the batch (each step then gets the plan of its own groups). The synchronous trainers:
+    `grpo_train` holds the batch on the driver, where the plan is built; the data-plane one
+    (`data_plane.enabled`) never does. Async GRPO (`_check_async`) trains on whole prompt groups.
     """
     grpo, policy = master_config.grpo, master_config.policy
     group_size = int(grpo["num_generations_per_prompt"])
@@ -56,17 +57,37 @@ def check_master_config(master_config) -> dict[str, int]:
             f"{per_batch} for BalancedPGLossFn (each optimizer step plans its own whole groups), "
             f"got {step_size}"
         )
-    if (grpo.get("async_grpo") or {}).get("enabled", False):
-        raise ValueError(
-            "grpo.async_grpo.enabled: must be false for BalancedPGLossFn (async GRPO's training "
-            "batches mix trajectories of several steps and need not hold whole prompt groups)"
-        )
-    if (master_config.data_plane or {}).get("enabled", False):
+    async_grpo = grpo.get("async_grpo") or {}
+    if async_grpo.get("enabled", False):
+        _check_async(async_grpo)
+    elif (master_config.data_plane or {}).get("enabled", False):
+        # run_grpo.py picks the TransferQueue trainer only when async GRPO is off.
         raise ValueError(
             "data_plane.enabled: must be false for BalancedPGLossFn (the TransferQueue trainer "
             "hands the workers batch metadata, never the whole batch to plan on the driver)"
         )
     return {"group_size": group_size, "step_size": step_size}
+
+
+def _check_async(async_grpo) -> None:
+    """Async GRPO (NeMo-RL v0.7.0's async_grpo_train) as BalancedPGLossFn needs it.
+
+    What the plan needs holds there for every policy version and age: the replay buffer holds one
+    entry per prompt, its num_generations_per_prompt responses scored together; a step samples
+    num_prompts_per_step entries and concatenates them (BatchedDataDict.from_batches), so the
+    training batch is whole groups in contiguous blocks, the layout attach_plan reads, and
+    policy.train cuts it as in synchronous GRPO. A version enters each token's ratio and
+    importance weight through generation_logprobs, never the plan (docs/math.md, section 10).
+    The age must be >= 1: NeMo-RL sizes its buffer as num_prompts_per_step * age * 2 entries, so
+    0 fails inside its Ray actor, after the models have loaded.
+    """
+    age = async_grpo.get("max_trajectory_age_steps")
+    if isinstance(age, bool) or not (isinstance(age, int) and age >= 1):
+        raise ValueError(
+            "grpo.async_grpo.max_trajectory_age_steps: must be an integer >= 1 (NeMo-RL's replay "
+            "buffer holds num_prompts_per_step * max_trajectory_age_steps * 2 prompt groups; "
+            f"any age keeps BalancedPGLossFn's groups whole), got {age!r}"
+        )
 
 
 def balanced_setup(setup):
