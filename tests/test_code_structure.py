@@ -238,7 +238,7 @@ def test_cycle_finder_sees_a_lazy_cycle_and_relative_imports(tmp_path):
 # The math: pure torch, no framework, no process group (reduce is passed in).
 CORE = frozenset(
     {"errors", "loss_settings", "_checks", "aggregation", "advantages", "loss", "diagnostics"}
-    | {"rollout_correction", "step_settings"}
+    | {"rollout_correction", "step_settings", "step_plan"}
 )
 # The model's shape, its presets and its RoPE scaling settings: pure Python that every layer
 # above the math may read.
@@ -256,6 +256,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "diagnostics": frozenset({"_checks", "aggregation"}),
     "rollout_correction": frozenset({"loss", "loss_settings"}),
     "step_settings": frozenset({"errors", "loss_settings"}),
+    "step_plan": frozenset({"_checks", "aggregation", "loss_settings"}),
     "megatron_ba": frozenset({"loss_settings", "aggregation", "advantages", "loss", "diagnostics"}),
     "model_shape": frozenset({"rope_scaling"}),
     "rope_scaling": frozenset(),

@@ -1,4 +1,4 @@
-"""Plans for optimiser steps holding parts of groups (tests/step_plan_reference.py, docs/math.md
+"""Plans for optimiser steps holding parts of groups (megatron_ba/step_plan.py, docs/math.md
 section 10), against a float64 reference written from the definition in exact fractions.
 
     python -m pytest tests/test_step_plan.py
@@ -19,9 +19,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from step_plan_reference import split_step_weights, step_group_count
 
 from megatron_ba.aggregation import apply_weights, sequence_weights
+from megatron_ba.step_plan import split_step_weights, step_group_count, whole_group_weights
 
 LENGTHS = [4, 6, 2, 8, 3, 3]
 ADV = [1.0, -1.0, 1.0, -1.0, 0.5, -0.5]
@@ -143,6 +143,21 @@ def test_steps_add_up_to_the_synchronous_objective(batch, rule):
         s = torch.tensor([x == step for x in steps])
         total += step_group_count(L, g, s) * split_step_weights(rule, L, A, g, s)
     torch.testing.assert_close(total, gamma * sync, rtol=1e-12, atol=1e-15)
+
+
+@settings(max_examples=100, deadline=None)
+@given(split_batches(), st.sampled_from(GROUP_RULES))
+def test_weights_of_each_group_alone_are_its_weights_in_the_batch(batch, rule):
+    """whole_group_weights of one group, computed alone (where a trainer scores it), equals its
+    rows of the whole batch's: a group's weights and shares need no other group."""
+    lengths, advantages, groups, _ = batch
+    L, A, g = t64(lengths), t64(advantages), torch.tensor(groups)
+    whole, share = whole_group_weights(rule, L, A, g)
+    for x in set(groups):
+        rows = g == x
+        alone = whole_group_weights(rule, L[rows], A[rows], torch.zeros_like(g[rows]))
+        torch.testing.assert_close(alone[0], whole[rows], rtol=1e-13, atol=0)
+        torch.testing.assert_close(alone[1], share[rows], rtol=0, atol=0)
 
 
 RULE_SCOPES = [

@@ -43,10 +43,9 @@ import torch
 from trl import GRPOTrainer
 
 from megatron_ba.diagnostics import batch_diagnostics
-from megatron_ba.errors import SettingError
 from megatron_ba.integrations._common import sequence_lengths
-from megatron_ba.loss import GRPOLossConfig, LossPlan, grpo_loss
-from megatron_ba.loss_settings import AggregationSettings
+from megatron_ba.integrations.trl.trl_settings import aggregation_settings, clip_config
+from megatron_ba.loss import LossPlan, grpo_loss
 from megatron_ba.parallel import collectives
 from megatron_ba.parallel.collectives import StatisticsReducer
 
@@ -94,28 +93,16 @@ class BalancedGRPOTrainer(GRPOTrainer):
         reg_scope: str = "batch",
         **kwargs,
     ):
-        try:  # checked before TRL builds anything
-            aggregation_settings = AggregationSettings(
-                rule=aggregation,
-                scope=scope,
-                reg_rule=reg_rule,
-                reg_scope=reg_scope,
-                neutral_eps=neutral_eps,
-            )
-        except SettingError as e:
-            raise ValueError(e.renamed({"rule": "aggregation"})) from None
+        settings = aggregation_settings(  # checked before TRL builds anything
+            aggregation, scope, reg_rule=reg_rule, reg_scope=reg_scope, neutral_eps=neutral_eps
+        )
         self.ba_rule = aggregation
         super().__init__(*args, **kwargs)
         self._refuse_ignored_settings()
         # The plan's settings, with dr_grpo's budget: TRL's max_completion_length.
-        self.ba_aggregation = dataclasses.replace(
-            aggregation_settings, max_length=self.max_completion_length
-        )
-        self.ba_loss_config = GRPOLossConfig(
-            clip_low=self.epsilon_low,
-            clip_high=self.epsilon_high,
-            kl_coef=self.beta,
-            entropy_coef=entropy_coef,
+        self.ba_aggregation = dataclasses.replace(settings, max_length=self.max_completion_length)
+        self.ba_loss_config = clip_config(
+            self.epsilon_low, self.epsilon_high, kl_coef=self.beta, entropy_coef=entropy_coef
         )
         group = collectives.world_group() if self.accelerator.num_processes > 1 else None
         self.ba_reducer = StatisticsReducer(group=group)
