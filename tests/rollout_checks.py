@@ -5,7 +5,7 @@
 Run by tests/test_rollout_dp.py; rank 0 prints one `RESULT {json}` line with every rank's
 findings: whether it held an engine, how many prompts its engine generated, the engine's
 log-probs against the trainer's before a refit (negative control: the policy was moved) and
-after it, and after a whole GRPO step (update, then refit).
+after it, after a whole GRPO step (update, then refit), and after two asynchronous steps.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main(recipe_path: str, cache: str, run_dir: str) -> None:
             for p in trainer.policy.chunks[0].parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
         out["stale_max_abs"] = engine_vs_trainer()
-        out["sync_seconds"] = ro.sync(trainer.policy)
+        out["sync_seconds"] = ro.sync(trainer.policy, 0)
         out["synced_max_abs"] = engine_vs_trainer()
         # 2. One round split over the two engines == rank 0's engine alone on the whole round.
         n_prompts = 5  # odd: unequal shares (3 + 2)
@@ -86,6 +86,25 @@ def main(recipe_path: str, cache: str, run_dir: str) -> None:
         if trainer.ctx.is_main:
             out["step_reward_mean"] = record["reward_mean"]
             out["step_sync_seconds"] = record["time/sync"]
+        # 4. Asynchronous steps (rollout.max_staleness = 1): step 2's batch generated now, step
+        #    3's by both engines during step 2's update (v1 weights), trained at step 3.
+        from megatron_ba.train.rollout_schedule import RolloutSchedule
+
+        one = load_recipe(recipe_path, ["logging.plots=false", "rollout.max_staleness=1"])
+        position = trainer.schedule.data_position
+        trainer.schedule = RolloutSchedule(
+            one, trainer.ctx, ro, task=trainer.task, scorer=trainer.scorer
+        )
+        trainer.schedule.data_position = position
+        generated.clear()
+        records = [trainer.train_step(1), trainer.train_step(2)]
+        out["prompts_generated_async"] = list(generated)
+        out["after_async_max_abs"] = engine_vs_trainer()
+        out["engine_version"] = ro.version
+        out["refits_after_async"] = ro.refits
+        if trainer.ctx.is_main:
+            out["async_staleness"] = [r["async/staleness_max"] for r in records]
+            out["async_rewards"] = [r["reward_mean"] for r in records]
         shm = engine._shared.path
         out["shm_segment_existed"] = shm is not None and os.path.exists(shm)
         ro.close()  # the engine and its shared-memory segment (trainer.close repeats it: no-op)

@@ -68,3 +68,14 @@ def test_no_weights_file_and_the_shared_segment_is_removed(ranks):
     for r in ranks:
         assert not r["weights_dir_exists"]
         assert r["shm_segment_existed"] and r["shm_segment_removed"]
+
+
+def test_async_steps_overlap_both_engines_and_refit_them(ranks):
+    main, other = ranks
+    # Step 2's batch generated now (2 prompts per engine), step 3's during step 2's update (one
+    # step old when step 3 trains it), step 4's during step 3's update.
+    assert main["prompts_generated_async"] == [2, 2, 2] == other["prompts_generated_async"]
+    assert main["async_staleness"] == [0, 1]
+    for r in ranks:
+        assert r["engine_version"] == 3 and r["after_async_max_abs"] < 1e-4
+        assert r["refits_after_async"] == 4

@@ -67,7 +67,7 @@ def check_sync(recipe_path: str, cache: str) -> dict:
         moved, _ = compute_logprobs(trainer.policy.chunks, tokens)
         stale = trainer.rollouts.engine.prompt_logprobs(ids)
         out["stale_vllm_vs_megatron_max_abs"] = _max_abs(stale, moved[0, 1:])  # negative control
-        trainer.rollouts.sync(trainer.policy)
+        trainer.rollouts.sync(trainer.policy, 0)
         synced = trainer.rollouts.engine.prompt_logprobs(ids)
         out["synced_vllm_vs_megatron_max_abs"] = _max_abs(synced, moved[0, 1:])
         out["num_tokens"] = len(ids) - 1

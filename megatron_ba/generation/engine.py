@@ -29,6 +29,9 @@ class Sample:
     # rollout.routing_replay: [len(prompt) + len(token_ids) - 1, L, K] int16, the experts each
     # fed token (prompt, then response but the last) was routed to in each of the L MoE layers.
     routed_experts: Any = None
+    # The optimiser steps of the weights that generated it (the local trainer's engines; None
+    # elsewhere): the trainer's staleness of the sample is its step minus this.
+    policy_version: int | None = None
 
 
 @runtime_checkable

@@ -267,6 +267,11 @@ class RolloutSection:
     # MoE: the engine records each token's experts and the trainer's forwards replay them
     # (megatron_ba.megatron.routing_replay); vLLM engine, local backend, tp = pp = cp = 1
     routing_replay: bool = False
+    # asynchronous GRPO (train/rollout_schedule.py): the engines generate the next step's
+    # rollouts while the trainer updates, on samples at most max_staleness steps old (0: the
+    # synchronous loop); the engines are refit every sync_every steps (<= max_staleness)
+    max_staleness: int = 0
+    sync_every: int = 1
 
 
 @dataclass

@@ -57,6 +57,39 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
         "rollout.gpu_memory_utilization",
         "must be in (0, 1): vLLM's share of the GPU",
     )
+    _check_staleness(r)
+
+
+def _check_staleness(r) -> None:
+    """rollout.max_staleness / sync_every: the asynchronous schedule's bounds."""
+    _need(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
+    _need(r.sync_every >= 1, "rollout.sync_every", f"must be >= 1, got {r.sync_every}")
+    if r.max_staleness == 0:
+        _need(
+            r.sync_every == 1,
+            "rollout.sync_every",
+            f"must be 1 when rollout.max_staleness is 0 (synchronous: the engines are refit "
+            f"after every step), got {r.sync_every}",
+        )
+        return
+    _need(
+        r.sync_every <= r.max_staleness,
+        "rollout.sync_every",
+        f"a refit every {r.sync_every} steps trains on samples up to {r.sync_every} steps old: "
+        f"must be <= rollout.max_staleness ({r.max_staleness})",
+    )
+    _need(
+        r.engine == "vllm",
+        "rollout.max_staleness",
+        "needs rollout.engine=vllm (the built-in sampler samples through the policy being "
+        "trained and cannot generate during the update)",
+    )
+    _need(
+        not r.in_process,
+        "rollout.in_process",
+        "must be false with rollout.max_staleness > 0 (the engine generates in its own "
+        "process while the trainer updates)",
+    )
 
 
 def _check_parallel(p: ParallelSection) -> None:

@@ -6,6 +6,8 @@
                                                megatron_ba_spec.json and hf/ (config, tokenizer)
                                /rng/rank-00000.pt   this rank's RNG states
                                /meta.json      step, data position, layout, world, recipe: last
+                               /pending_rollouts.pt   the scored batch waiting for its step
+                                               (rollout.max_staleness > 0; absent otherwise)
     RUN/checkpoints/latest                     "step-000020"
 
 The tensors are stored with their global offsets, so a checkpoint written at one TP x PP x DP
@@ -43,6 +45,7 @@ from megatron_ba.parallel.parallel_layout import ParallelLayout
 
 DIST = "dist"
 RNG = "rng"
+PENDING = "pending_rollouts.pt"
 
 
 def _rng_state() -> dict:
@@ -118,7 +121,16 @@ def _sharded_state(chunks, optimizer, *, is_loading: bool = False) -> dict:
 
 
 def save(
-    ctx, run_dir: Path, step: int, chunks, optimizer, meta: dict, *, spec, source_dir=None
+    ctx,
+    run_dir: Path,
+    step: int,
+    chunks,
+    optimizer,
+    meta: dict,
+    *,
+    spec,
+    source_dir=None,
+    pending: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` collectively (every rank calls it). Returns its folder.
 
@@ -126,6 +138,7 @@ def save(
     optimiser signature; `load` passes is_loading=True) and `load_sharded(state)` (ShardedAdamW;
     megatron-core's optimiser on CUDA). `spec` and `source_dir` (the HF folder
     the run started from: config and tokenizer) make `dist/` convertible to Hugging Face.
+    `pending` (rank 0): the rollout schedule's batch waiting for its step (plain data).
     """
     root = Path(run_dir) / "checkpoints"
     final = root / step_dir_name(step)
@@ -141,6 +154,8 @@ def save(
         dc.write_model_meta(tmp / DIST, spec, source_dir)
         full_meta = {**meta, "step": step, "layout": ctx.layout.to_dict(), "world": ctx.world}
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2))
+        if pending is not None:
+            torch.save(pending, tmp / PENDING)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = root / ".latest.tmp"
@@ -199,3 +214,9 @@ def load(ctx, ckpt: Path, chunks, optimizer, *, seed: int, log=print) -> dict:
                 f"restored; every generator reseeded from (seed {seed}, step {meta['step']})"
             )
     return meta
+
+
+def load_pending(ckpt: Path) -> dict | None:
+    """The batch a checkpoint holds for its next step (rollout.max_staleness > 0), or None."""
+    path = Path(ckpt) / PENDING
+    return torch.load(path, weights_only=True) if path.is_file() else None

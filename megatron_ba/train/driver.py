@@ -17,7 +17,6 @@ steps; the run folder's files are written by train/run_log.py. This module only 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -33,16 +32,12 @@ from megatron_ba.train import checkpoint, preemption
 from megatron_ba.train.experience import build_experience
 from megatron_ba.train.plots import plot_run
 from megatron_ba.train.policy import Policy
+from megatron_ba.train.rollout_schedule import RolloutSchedule, seed_for
 from megatron_ba.train.rollouts import Rollouts
 from megatron_ba.train.run_log import RunFolder
 from megatron_ba.train.scoring import Scorer
 from megatron_ba.train.update import grpo_update
 from megatron_ba.train.warmstart import run_warmstart
-
-
-def _seed_for(seed: int, step: int, purpose: str) -> int:
-    h = hashlib.sha256(f"{seed}:{step}:{purpose}".encode()).digest()
-    return int.from_bytes(h[:4], "big")
 
 
 class Trainer:
@@ -85,7 +80,7 @@ class Trainer:
         if self.task is not None and getattr(self.task, "report", None):
             self.log(f"[data] {self.task.report}")
         self.start_step = 0
-        self.data_position = 0  # training prompts consumed so far (dynamic sampling draws more)
+        data_position, pending = 0, None  # prompts drawn so far; the batch waiting for its step
         if resume:
             ckpt = checkpoint.latest_dir(self.run_dir)
             if ckpt is None:
@@ -94,7 +89,8 @@ class Trainer:
             meta = checkpoint.load(
                 ctx, ckpt, policy.chunks, policy.optimizer, seed=recipe.seed, log=self.log
             )
-            self.start_step, self.data_position = meta["step"], meta["data_position"]
+            self.start_step, data_position = meta["step"], meta["data_position"]
+            pending = checkpoint.load_pending(ckpt) if ctx.is_main else None
             if ctx.is_main:
                 self.folder.truncate_after(self.start_step)
                 self.log(f"[resume] from {ckpt} (step {self.start_step})")
@@ -110,8 +106,12 @@ class Trainer:
                 self.tokenizer,
                 context=self.policy.spec.max_context,
             )
-        if resume:
-            self.rollouts.sync(self.policy)  # the engine starts from the checkpoint's weights
+        self.schedule = RolloutSchedule(
+            recipe, ctx, self.rollouts, task=self.task, scorer=self.scorer, log=self.log
+        )
+        self.schedule.restore(data_position, pending)
+        if resume:  # the engine starts from the checkpoint's weights
+            self.rollouts.sync(self.policy, self.start_step)
 
     # -- one step -------------------------------------------------------------------------
     def evaluate(self, step: int) -> dict:
@@ -119,101 +119,51 @@ class Trainer:
         (rank 0; {} elsewhere)."""
         if not self.ctx.is_main:
             return {}
-        seed = _seed_for(self.recipe.seed, step, "eval")
+        seed = seed_for(self.recipe.seed, step, "eval")
         return self.scorer.evaluate(self.rollouts, seed=seed)
 
-    def train_step(self, step: int) -> dict:
-        """Rollouts, rewards, the GRPO update and the weight sync; the step's metrics (rank 0)."""
+    def train_step(self, step: int, *, refit_before: bool = False) -> dict:
+        """Rollouts, rewards, the GRPO update and the weight sync; the step's metrics (rank 0).
+        With rollout.max_staleness > 0 the next step's first round is generated during the
+        update (train/rollout_schedule.py); `refit_before`: an evaluation or a checkpoint
+        follows (the engines are refit for it)."""
 
         recipe, ctx, grpo = self.recipe, self.ctx, self.recipe.grpo
         timings: dict[str, float] = {}
+        schedule, started = self.schedule, time.perf_counter()
+        busy_before = self.rollouts.busy_seconds
+        batch = schedule.take(step)
         exp = None
         if ctx.is_main:
-            started = time.perf_counter()
-            prompts, ids, samples, rewards, sampling = self._rollout_batch(step)
-            self.rollouts.end_batch()
-            timings["time/reward"] = sampling.pop("reward_seconds")
-            timings["time/rollout"] = time.perf_counter() - started - timings["time/reward"]
-            self.folder.log_samples(step + 1, prompts, samples, rewards)
+            self.folder.log_samples(step + 1, batch.prompts, batch.samples, batch.rewards)
             exp = build_experience(
-                ids,
-                samples,
-                rewards,
+                batch.ids,
+                batch.samples,
+                batch.rewards,
                 pad_id=self.tokenizer.pad_token_id,
                 normalize_std=grpo.normalize_std,
                 std=grpo.std,
                 drop_zero_variance=grpo.drop_zero_variance,
                 multiple_of=2 * recipe.parallel.cp,
             )
-            exp.report.update(sampling)
-        else:
-            self.rollouts.serve()  # this replica's engine generates its share of each round
+            exp.report.update(batch.report)
+        schedule.start_next(step)  # the engines start the next step's rollouts (async)
         exp = ctx.broadcast(exp)
-        started = time.perf_counter()
+        started_update = time.perf_counter()
         policy = self.policy
         policy.set_lr(step)
         updates = grpo_update(
             policy.chunks, policy.ref_chunks, policy.optimizer, self.step_settings, ctx, exp
         )
-        timings["time/train"] = time.perf_counter() - started
-        timings["time/sync"] = self.rollouts.sync(policy)
+        timings["time/train"] = time.perf_counter() - started_update
+        schedule.finish_next(step)
+        if schedule.refit_due(step + 1, also=refit_before):
+            timings["time/sync"] = self.rollouts.sync(policy, step + 1)
         if not ctx.is_main:
             return {}
+        timings = {**schedule.timings, **timings, **schedule.step_report(batch, busy_before)}
+        timings["time/step"] = time.perf_counter() - started
         return step_record(step, exp, updates, policy.lr, timings, recipe.loss.scope)
-
-    def _rollout_batch(self, step: int):
-        """P prompt groups of G scored samples (rank 0), from the data position on.
-
-        With `grpo.dynamic_sampling` (DAPO) groups whose rewards are all equal (no gradient
-        signal) are set aside and further prompts sampled, up to `grpo.max_sampling_rounds`
-        rounds; groups still missing are filled with set-aside ones (their advantages are 0).
-        """
-        grpo = self.recipe.grpo
-        rounds = grpo.max_sampling_rounds if grpo.dynamic_sampling else 1
-        kept: list[tuple] = []
-        spare: list[tuple] = []
-        reward_seconds, done = 0.0, 0
-        for k in range(rounds):
-            missing = grpo.prompts_per_step - len(kept)
-            if missing == 0:
-                break
-            done += 1
-            prompts = self.task.prompts("train", missing, offset=self.data_position)
-            self.data_position += missing
-            purpose = "rollout" if k == 0 else f"rollout:{k}"
-            ids, samples = self.rollouts.generate(
-                prompts,
-                grpo.group_size,
-                grpo.temperature,
-                _seed_for(self.recipe.seed, step, purpose),
-            )
-            started = time.perf_counter()
-            rewards = self.scorer.score(prompts, samples)
-            reward_seconds += time.perf_counter() - started
-            size = grpo.group_size
-            for i in range(len(prompts)):
-                group = (prompts[i], ids[i], samples[i], rewards[i * size : (i + 1) * size])
-                flat = grpo.dynamic_sampling and len(set(group[3])) == 1
-                (spare if flat else kept).append(group)
-        filled = spare[: grpo.prompts_per_step - len(kept)]
-        groups = kept + filled
-        report = {"reward_seconds": reward_seconds}
-        if grpo.dynamic_sampling:
-            report.update(
-                {
-                    "sampling/rounds": done,
-                    "sampling/zero_variance_set_aside": len(spare),
-                    "sampling/zero_variance_filled": len(filled),
-                }
-            )
-        prompts = [x[0] for x in groups]
-        return (
-            prompts,
-            [x[1] for x in groups],
-            [x[2] for x in groups],
-            [v for x in groups for v in x[3]],
-            report,
-        )
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, progress_stream=None) -> dict:
@@ -234,10 +184,13 @@ class Trainer:
             progress = tqdm(
                 total=steps, initial=self.start_step, desc="grpo", unit="step", file=progress_stream
             )
+        every = recipe.checkpoint.every
         for step in range(self.start_step, steps):
-            record = self.train_step(step)
             done = step + 1
-            if done == steps or (recipe.eval.every and done % recipe.eval.every == 0):
+            evaluate = done == steps or (recipe.eval.every and done % recipe.eval.every == 0)
+            saves = done == steps or (every and done % every == 0)
+            record = self.train_step(step, refit_before=bool(evaluate or saves))
+            if evaluate:
                 last_eval = self.evaluate(done)
                 record.update(last_eval)
             if ctx.is_main:
@@ -248,8 +201,7 @@ class Trainer:
                         post["eval"] = f"{last_eval['eval_accuracy']:.3f}"
                     progress.set_postfix(post)
                     progress.update(1)
-            every = recipe.checkpoint.every
-            if done == steps or (every and done % every == 0):
+            if saves:
                 self._checkpoint(done)
             # [preemption hook 2/2] asked to stop (SIGUSR1 / RUN_DIR/PREEMPT): checkpoint, raise
             if done < steps and preemption.should_stop(ctx, self.run_dir):
@@ -267,7 +219,9 @@ class Trainer:
     def _checkpoint(self, step: int) -> None:
         # Sharded model + optimiser and per-rank RNG; no Hugging Face export here (that is the
         # end of the run's RUN_DIR/hf/, or `megatron-ba convert CKPT OUT --to hf` on demand).
-        meta = {"data_position": self.data_position, "recipe": self.recipe.to_dict()}
+        # The engines hold this step's weights (refit_due), as a resumed run's will.
+        schedule = self.schedule
+        meta = {"data_position": schedule.data_position, "recipe": self.recipe.to_dict()}
         policy = self.policy
         checkpoint.save(
             self.ctx,
@@ -278,6 +232,7 @@ class Trainer:
             meta,
             spec=policy.spec,
             source_dir=policy.source,
+            pending=schedule.pending_state() if self.ctx.is_main else None,
         )
         if self.ctx.is_main:
             checkpoint.prune(self.run_dir, self.recipe.checkpoint.keep)

@@ -238,6 +238,16 @@ ROWS: dict[str, Row] = {
         Absent("the local backend's MoE routing replay (not translated to NeMo-RL)"),
         Absent("the local backend's MoE routing replay (not translated to NeMo-Aligner)"),
     ),
+    "rollout.max_staleness": Row(
+        Absent("the local backend's asynchronous schedule (not translated to verl)"),
+        Absent("the local backend's asynchronous schedule (not translated to NeMo-RL)"),
+        Absent("NeMo-Aligner's GRPO loop is synchronous"),
+    ),
+    "rollout.sync_every": Row(
+        Absent("the local backend's asynchronous schedule (not translated to verl)"),
+        Absent("the local backend's asynchronous schedule (not translated to NeMo-RL)"),
+        Absent("NeMo-Aligner's GRPO loop is synchronous"),
+    ),
     "rollout.engine_tp": Row(
         put(f"{R}.tensor_model_parallel_size"),
         put(f"{VLLM}.tensor_parallel_size"),

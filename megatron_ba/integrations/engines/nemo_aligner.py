@@ -88,6 +88,8 @@ NEMO_ALIGNER = Engine(
     check_order=(
         "loss.rollout_correction.mode",  # the local backend's: refused first
         "rollout.routing_replay",  # the local backend's: refused first
+        "rollout.max_staleness",  # the local backend's: refused first
+        "rollout.sync_every",
         "parallel.cp",
         "parallel.pp_first_stage_layers",
         "parallel.pp_last_stage_layers",
