@@ -40,11 +40,18 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("warmstart-cache")
 
 
+# The same threads in every run, so that runs compare schedules: one trainer thread (an
+# asynchronous run's default on 2 cores: train/rollouts.py cpu_split) and the engine unbound
+# (the variable a user exports wins over the split's binding).
+THREADS = ("rollout.threads=1",)
+ENV = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
 def _cmd(run_dir: Path, cache_dir: Path, *extra: str, resume: bool = False) -> list[str]:
     where = ["--resume", str(run_dir)] if resume else ["--run-dir", str(run_dir)]
     return [
-        sys.executable, "-m", "megatron_ba.cli", "train", str(RECIPE), "grpo.steps=4", *extra,
-        *where, "--cache-dir", str(cache_dir),
+        sys.executable, "-m", "megatron_ba.cli", "train", str(RECIPE), "grpo.steps=4", *THREADS,
+        *extra, *where, "--cache-dir", str(cache_dir),
     ]  # fmt: skip
 
 
@@ -58,6 +65,7 @@ def _terminal(run_dir: Path, cache_dir: Path, *extra: str, resume: bool = False)
     proc = subprocess.run(
         _cmd(run_dir, cache_dir, *extra, resume=resume),
         cwd=ROOT,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=1200,
@@ -120,6 +128,7 @@ def test_a_killed_async_run_resumes_bit_for_bit(runs, cache_dir, tmp_path):
     proc = subprocess.Popen(
         _cmd(run_dir, cache_dir, *ASYNC1),
         cwd=ROOT,
+        env=ENV,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -154,3 +163,21 @@ def test_resumed_with_a_smaller_staleness_the_old_batch_is_dropped(runs, cache_d
     assert last["step"] == 4 and last["async/dropped_samples"] == 16  # 4 prompts x 4
     assert last["async/staleness_max"] == 0  # generated again by the resumed weights
     assert "dropped 16 samples drawn for step 4, 1 steps old: rollout.max_staleness is 0" in said
+
+
+def test_an_async_cpu_run_gives_the_engine_and_the_trainer_their_own_cores():
+    from megatron_ba.recipe import load_recipe
+    from megatron_ba.train.rollouts import cpu_split
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to split")
+    one = load_recipe(RECIPE, ["rollout.max_staleness=1"])
+    engine, trainer = cpu_split(one, world=1)
+    assert engine == cores[-max(1, len(cores) // 2) :] and trainer + engine == cores
+    assert not set(engine) & set(trainer)
+    assert cpu_split(load_recipe(RECIPE, []), world=1) is None  # synchronous: every core each
+    assert cpu_split(one, world=2) is None  # several processes: the launcher's placement
+    every = load_recipe(RECIPE, ["rollout.max_staleness=1", f"rollout.engine_cores={len(cores)}"])
+    with pytest.raises(ValueError, match=r"rollout\.engine_cores: \d+ leaves none"):
+        cpu_split(every, world=1)

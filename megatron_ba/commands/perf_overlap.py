@@ -5,9 +5,11 @@ accuracy. It runs `megatron-ba train` itself, so it lives among the commands.
 
     megatron-ba perf overlap                                   # tiny-cpu, K = 0 and 1, seed 0
     megatron-ba perf overlap --staleness 0 1 2 --seeds 0 1 2 --out runs/overlap eval.every=5
+    megatron-ba perf overlap --summarize docs/runs/async-cpu   # recompute from shipped runs
 
-Each (K, seed) is one `megatron-ba train` of the recipe (evaluation every `eval.every` steps, no
-checkpoints before the end) into OUT/k{K}-seed{S}; `OUT/summary.json` holds the per-run series
+Each (K, seed) is one `megatron-ba train` of the recipe (`rollout.sync_every` K: batches up to K
+steps old; evaluation every `eval.every` steps, no checkpoints before the end) into
+OUT/k{K}-seed{S}; `OUT/summary.json` holds the per-run series
 and the comparison, recomputable from each run's metrics.jsonl (`summarize`). The step's wall
 time is `time/step` (rollouts, rewards, update, refit; evaluation excluded, the same for both);
 the trainer idles while it waits for rollouts (`time/rollout` + `time/reward`, the work not
@@ -23,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_ba.errors import UserError
+from megatron_ba.studies.run_records import read_metrics
 from megatron_ba.train import warmstart_cache
 
 
@@ -33,8 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", type=Path, default=Path("runs/perf-overlap"))
     p.add_argument("--cache-dir", type=Path, default=warmstart_cache(), help="warm-start cache")
+    p.add_argument(
+        "--summarize",
+        type=Path,
+        metavar="DIR",
+        help="recompute the comparison from DIR's k<K>-seed<S> runs (metrics.jsonl[.gz]); "
+        "train nothing",
+    )
     p.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     args = p.parse_args(argv)
+    if args.summarize:
+        print(json.dumps(summarize(args.summarize)["comparison"], indent=1))
+        return 0
     if 0 not in args.staleness:
         p.error("--staleness: include 0 (the synchronous run every other is compared with)")
     runs = {}
@@ -53,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, k: int, seed: int, run_dir: Path) -> None:
     cmd = [
         sys.executable, "-m", "megatron_ba.cli", "train", args.recipe,
-        f"rollout.max_staleness={k}", f"seed={seed}", "checkpoint.every=0",
+        f"rollout.max_staleness={k}", f"rollout.sync_every={max(k, 1)}", f"seed={seed}",
+        "checkpoint.every=0",
         "logging.progress=false", "logging.plots=false", *args.overrides,
         "--run-dir", str(run_dir), "--cache-dir", str(args.cache_dir),
     ]  # fmt: skip
@@ -62,9 +77,20 @@ def _train(args, k: int, seed: int, run_dir: Path) -> None:
     subprocess.run(cmd, check=True)
 
 
+def summarize(folder: Path) -> dict:
+    """The comparison of the runs in `folder` (k<K>-seed<S>/ with metrics.jsonl[.gz])."""
+    runs = {}
+    for run in sorted(Path(folder).glob("k*-seed*")):
+        k, seed = run.name[1:].split("-seed")
+        runs[run.name] = {"staleness": int(k), "seed": int(seed), **series(run)}
+    if not runs:
+        raise UserError(f"--summarize: no k<K>-seed<S> run folders in {folder}")
+    return {"runs": runs, "comparison": compare(runs)}
+
+
 def series(run_dir: Path) -> dict:
     """A run's per-step wall time and idle times, and its held-out accuracy per evaluation."""
-    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(Path(run_dir))
     steps = [r for r in rows if r["step"] > 0]
     return {
         "step_seconds": [r["time/step"] for r in steps],

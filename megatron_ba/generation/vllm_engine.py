@@ -33,6 +33,8 @@ from megatron_ba.generation.vllm_routing import match_routing
 from megatron_ba.generation.weight_buckets import SharedBucket, iter_buckets
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
+_USER_ENV = frozenset(os.environ)  # the variables set before this module: the user's to keep
+
 
 def _sampling_params(count, n, temperature, max_tokens, seed, top_p=1.0, first_index=0):
     """One SamplingParams per prompt, each with its own seed derived from `seed` and the
@@ -107,6 +109,7 @@ class VLLMEngine:  # an Engine (generation.engine) that the trainer refits in me
         gpu_memory_utilization: float = VLLM_GPU_MEMORY_UTILIZATION,
         dtype: torch.dtype | None = None,
         routing_replay: bool = False,
+        cpu_bind: str | None = None,
     ) -> None:
         """device: the trainer rank's CUDA device, where a colocated engine must run (its
         process sees only that device and the next engine_tp - 1); None on CPU.
@@ -115,10 +118,13 @@ class VLLMEngine:  # an Engine (generation.engine) that the trainer refits in me
         `rollout.gpu_memory_utilization`, whose default the layout planner assumes).
         dtype: the engine's weights and arithmetic (None: bf16 on CUDA, fp32 on CPU).
         routing_replay: record the experts of every token (Sample.routed_experts; prefix
-        caching off: generation/vllm_routing.py)."""
+        caching off: generation/vllm_routing.py).
+        cpu_bind: CPU ids ("1" or "2,3") the engine's process binds its OpenMP threads to (CPU
+        only; None: unbound), so that an engine generating during the update keeps off the
+        trainer's cores; a VLLM_CPU_OMP_THREADS_BIND the user exported wins."""
         cuda = torch.cuda.is_available()
         _check_cuda_only(tensor_parallel_size, sleep_mode, cuda)
-        _vllm_environment(in_process, kv_cache_gb)
+        _vllm_environment(in_process, kv_cache_gb, cpu_bind)
         set_threads = torch.set_num_threads  # an in-process CPU worker replaces it with a no-op
         threads = threads or torch.get_num_threads()
         try:
@@ -317,10 +323,12 @@ def _check_cuda_only(tensor_parallel_size: int, sleep_mode: bool, cuda: bool) ->
         )
 
 
-def _vllm_environment(in_process: bool, kv_cache_gb: float) -> None:
+def _vllm_environment(in_process: bool, kv_cache_gb: float, cpu_bind: str | None = None) -> None:
     """vLLM reads these at import and engine start; values the user exported win."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+    if cpu_bind is not None and "VLLM_CPU_OMP_THREADS_BIND" not in _USER_ENV:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

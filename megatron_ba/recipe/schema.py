@@ -272,6 +272,9 @@ class RolloutSection:
     # synchronous loop); the engines are refit every sync_every steps (<= max_staleness)
     max_staleness: int = 0
     sync_every: int = 1
+    # asynchronous single-process CPU runs: the cores the engine binds to (the last ones; the
+    # trainer keeps the rest); default half of them, at least one
+    engine_cores: int | None = None
 
 
 @dataclass

@@ -64,6 +64,14 @@ def _check_staleness(r) -> None:
     """rollout.max_staleness / sync_every: the asynchronous schedule's bounds."""
     _need(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
     _need(r.sync_every >= 1, "rollout.sync_every", f"must be >= 1, got {r.sync_every}")
+    if r.engine_cores is not None:
+        _need(r.engine_cores >= 1, "rollout.engine_cores", f"must be >= 1, got {r.engine_cores}")
+        _need(
+            r.max_staleness > 0,
+            "rollout.engine_cores",
+            "splits the cores between an engine and a trainer that run at once: it needs "
+            "rollout.max_staleness > 0",
+        )
     if r.max_staleness == 0:
         _need(
             r.sync_every == 1,

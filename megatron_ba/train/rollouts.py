@@ -32,6 +32,7 @@ of the weights the engines hold; every sample records it (Sample.policy_version)
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -122,7 +123,14 @@ class Rollouts:
         groups = ReplicaGroups.of_this_rank()
         engines = _engines_group() if groups.is_engine_rank else None
         device = getattr(ctx, "device", None)  # DistContext.device (cuda:LOCAL_RANK or cpu)
-        engine = _vllm_engine(recipe, hf_dir, policy, device) if groups.is_engine_rank else None
+        split = cpu_split(recipe, ctx.world)
+        engine = None
+        if groups.is_engine_rank:
+            bind = None if split is None else ",".join(map(str, split[0]))
+            engine = _vllm_engine(recipe, hf_dir, policy, device, bind)
+        if split is not None:  # after the engine's start: its process must not inherit it
+            os.sched_setaffinity(0, split[1])
+            torch.set_num_threads(recipe.rollout.threads or len(split[1]))
         return cls(
             engine, tokenizer, recipe, groups=groups, engines_group=engines, is_main=ctx.is_main
         )
@@ -300,6 +308,25 @@ class Rollouts:
             self.engine.close()
 
 
+def cpu_split(recipe: Recipe, world: int) -> tuple[list[int], list[int]] | None:
+    """(engine's cores, trainer's cores) of an asynchronous single-process CPU run: the engine
+    generates while the trainer updates, and OpenMP threads of both on one core wait on each
+    other (measured: docs/performance.md, "Asynchronous GRPO"), so each gets its own cores:
+    `rollout.engine_cores` (default half, at least 1) of this process's, the last ones. None
+    when synchronous, on CUDA, or with several processes (their placement is the launcher's)."""
+    r = recipe.rollout
+    if not r.max_staleness or torch.cuda.is_available() or world != 1:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    n = r.engine_cores or max(1, len(cores) // 2)
+    if n >= len(cores):
+        raise ValueError(
+            f"rollout.engine_cores: {n} leaves none of this process's {len(cores)} cores to "
+            "the trainer"
+        )
+    return cores[-n:], cores[:-n]
+
+
 def _check_device_keys(recipe: Recipe) -> None:
     """rollout.engine_tp > 1 and rollout.sleep need CUDA (checked on every rank, before any
     engine starts, so that all ranks fail alike)."""
@@ -325,7 +352,7 @@ def _engine_dtype(recipe: Recipe) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
+def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device, cpu_bind: str | None):
     r = recipe.rollout
     return VLLMEngine(
         str(hf_dir),
@@ -340,6 +367,7 @@ def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device):
         gpu_memory_utilization=r.gpu_memory_utilization,
         dtype=_engine_dtype(recipe),
         routing_replay=r.routing_replay,
+        cpu_bind=cpu_bind,
     )
 
 
