@@ -145,6 +145,26 @@ def test_each_rule_reaches_balanced_pg_loss_fn(rule):
         assert fn.aggregation.max_length == 8192  # grpo.max_new_tokens
 
 
+def test_rollout_max_staleness_becomes_nemo_rls_async_grpo():
+    """rollout.max_staleness K > 0 composes through NeMo-RL's Hydra and MasterConfig into
+    async_grpo_train's settings, which the entry's checks accept; 0 leaves grpo_train."""
+    master = _master(
+        recipe_to_nemo_rl_overrides(_recipe("qwen3-1.7b-dapo17k", "rollout.max_staleness=2"))
+    )
+    assert master.grpo["async_grpo"]["enabled"] is True
+    assert master.grpo["async_grpo"]["max_trajectory_age_steps"] == 2
+    assert master.policy["generation"]["vllm_cfg"]["async_engine"] is True
+    assert master.loss_fn.use_importance_sampling_correction is True  # async_grpo_train's assert
+    sizes = run_grpo_balanced.check_master_config(master)
+    assert sizes["group_size"] == 16
+    sync = _master(recipe_to_nemo_rl_overrides(_recipe("qwen3-1.7b-dapo17k")))
+    assert sync.grpo["async_grpo"]["enabled"] is False  # the stock config's, untouched
+    with pytest.raises(ValueError, match=r"^rollout\.sync_every: not available on the nemo_rl"):
+        recipe_to_nemo_rl_overrides(
+            _recipe("qwen3-1.7b-dapo17k", "rollout.max_staleness=2", "rollout.sync_every=2")
+        )
+
+
 @pytest.mark.parametrize("name", POLARIS)
 def test_polaris_recipes_are_refused_naming_the_data_set(name):
     with pytest.raises(ValueError, match=r"^data\.dataset: .*'polaris'"):

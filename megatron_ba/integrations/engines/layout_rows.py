@@ -8,13 +8,19 @@ own layout, so the local backend's vLLM settings have no counterpart there.
 
 from __future__ import annotations
 
-from megatron_ba.integrations.engines.cells import Absent, Dropped, Need, Put, Row, Set, put
+from megatron_ba.integrations.engines.cells import ROW, Absent, Dropped, Need, Put, Row, Set, put
 from megatron_ba.integrations.engines.data_rows import data_parallel
 from megatron_ba.integrations.engines.loss_rows import step_sequences
 from megatron_ba.integrations.engines.model_rows import GEN, MC, A, M, R
 
 VLLM = f"{GEN}.vllm_cfg"
 OVER = f"{M}.override_transformer_config"  # verl's transformer config settings
+
+
+def _asynchronous(job) -> bool:
+    return job.rollout.max_staleness > 0
+
+
 LOCAL_VLLM = "the local backend's vLLM engine's (NeMo-Aligner generates without vLLM)"
 NEMO_GENERATES = "NeMo-Aligner's loop generates with the policy's own layout"
 
@@ -240,12 +246,30 @@ ROWS: dict[str, Row] = {
     ),
     "rollout.max_staleness": Row(
         Absent("the local backend's asynchronous schedule (not translated to verl)"),
-        Absent("the local backend's asynchronous schedule (not translated to NeMo-RL)"),
+        Put(
+            tuple(
+                Set(key, value, when=_asynchronous)
+                for key, value in (
+                    ("grpo.async_grpo.enabled", True),
+                    ("grpo.async_grpo.max_trajectory_age_steps", ROW),
+                    (f"{VLLM}.async_engine", True),
+                    ("loss_fn.use_importance_sampling_correction", True),
+                )
+            ),
+            doc="K > 0: grpo.async_grpo.enabled=true, grpo.async_grpo.max_trajectory_age_steps=K "
+            f"(NeMo-RL's async_grpo_train), {VLLM}.async_engine=true and "
+            "loss_fn.use_importance_sampling_correction=true (both required by it); 0: grpo_train",
+        ),
         Absent("NeMo-Aligner's GRPO loop is synchronous"),
     ),
     "rollout.sync_every": Row(
         Absent("the local backend's asynchronous schedule (not translated to verl)"),
-        Absent("the local backend's asynchronous schedule (not translated to NeMo-RL)"),
+        Absent("NeMo-RL refits after every step; grpo.async_grpo.max_trajectory_age_steps bounds"),
+        Absent("NeMo-Aligner's GRPO loop is synchronous"),
+    ),
+    "rollout.engine_cores": Row(
+        Absent("the local backend's CPU placement (verl places its own)"),
+        Absent("the local backend's CPU placement (NeMo-RL places its own)"),
         Absent("NeMo-Aligner's GRPO loop is synchronous"),
     ),
     "rollout.engine_tp": Row(

@@ -90,6 +90,7 @@ NEMO_ALIGNER = Engine(
         "rollout.routing_replay",  # the local backend's: refused first
         "rollout.max_staleness",  # the local backend's: refused first
         "rollout.sync_every",
+        "rollout.engine_cores",
         "parallel.cp",
         "parallel.pp_first_stage_layers",
         "parallel.pp_last_stage_layers",

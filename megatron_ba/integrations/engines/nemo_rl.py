@@ -90,6 +90,11 @@ NEMO_RL = Engine(
         f"{GEN}.colocated.enabled",
         f"{VLLM}.tensor_parallel_size",
         f"{VLLM}.gpu_memory_utilization",
+        # asynchronous GRPO (rollout.max_staleness > 0)
+        "grpo.async_grpo.enabled",
+        "grpo.async_grpo.max_trajectory_age_steps",
+        f"{VLLM}.async_engine",
+        "loss_fn.use_importance_sampling_correction",
         # BalancedPGLossFn
         "++loss_fn.ba_rule",
         "++loss_fn.ba_scope",
