@@ -1,8 +1,13 @@
-"""Reading a run's metrics.jsonl for comparisons between runs (shared by the training tests)."""
+"""Reading a run's metrics.jsonl for comparisons between runs, and killing a run after a
+checkpoint (shared by the training tests)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 
@@ -22,3 +27,29 @@ def trajectory_mismatches(a: list[dict], b: list[dict]) -> list[str]:
             if ra.get(k, "absent") != rb.get(k, "absent"):
                 out.append(f"step {ra['step']} {k}: {ra.get(k, 'absent')} != {rb.get(k, 'absent')}")
     return out
+
+
+def kill_after_checkpoint(cmd: list[str], run_dir: Path, at_least: int, **popen) -> int:
+    """Start `megatron-ba train` (cmd), SIGKILL it and its vLLM engine process once its latest
+    checkpoint is at least step `at_least`; the step of that checkpoint."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        **popen,
+    )
+    latest = Path(run_dir) / "checkpoints" / "latest"
+    deadline = time.time() + 900
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if latest.is_file() and latest.read_text().strip() >= f"step-{at_least:06d}":
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run ended before it could be killed"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its vLLM engine process
+        proc.wait()
+    name = latest.read_text().strip()
+    assert (latest.parent / name / "meta.json").is_file()
+    return int(name.split("-")[1])

@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from run_metrics import trajectory, trajectory_mismatches
+from run_metrics import kill_after_checkpoint, trajectory, trajectory_mismatches
 
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
@@ -125,28 +123,9 @@ def test_each_step_reports_the_schedules_staleness(runs):
 
 def test_a_killed_async_run_resumes_bit_for_bit(runs, cache_dir, tmp_path):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _cmd(run_dir, cache_dir, *ASYNC1),
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    latest = run_dir / "checkpoints" / "latest"
-    deadline = time.time() + 900
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if latest.is_file() and latest.read_text().strip() >= "step-000002":
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the run ended before it could be killed"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its vLLM engine process
-        proc.wait()
-    step = int(latest.read_text().strip().split("-")[1])
+    step = kill_after_checkpoint(_cmd(run_dir, cache_dir, *ASYNC1), run_dir, 2, cwd=ROOT, env=ENV)
     assert 2 <= step < 4
-    assert (latest.parent / latest.read_text().strip() / "pending_rollouts.pt").is_file()
+    assert (run_dir / "checkpoints" / f"step-{step:06d}" / "pending_rollouts.pt").is_file()
     _train(run_dir, cache_dir, resume=True)
     a, b = trajectory(runs["async1"]), trajectory(run_dir)
     assert trajectory_mismatches(a, b) == [], f"resumed from step {step}"

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from run_metrics import trajectory, trajectory_mismatches
+from run_metrics import kill_after_checkpoint, trajectory, trajectory_mismatches
 
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
@@ -83,27 +81,8 @@ TRACKING = ("logging.tensorboard=true", "logging.wandb.mode=offline",
 def resumed_run(cache_dir, tmp_path_factory):
     """A 6-step run SIGKILLed after its checkpoint of step >= 2, then resumed to the end."""
     run_dir = tmp_path_factory.mktemp("killed") / "run"
-    proc = subprocess.Popen(
-        _train_cmd(run_dir, cache_dir, *TRACKING),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    latest = run_dir / "checkpoints" / "latest"
-    deadline = time.time() + 600
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if latest.is_file() and latest.read_text().strip() >= "step-000002":
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, "the run ended before it could be killed"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its vLLM engine process
-        proc.wait()
-    step = int(latest.read_text().strip().split("-")[1])
+    step = kill_after_checkpoint(_train_cmd(run_dir, cache_dir, *TRACKING), run_dir, 2, cwd=ROOT)
     assert 2 <= step < 6
-    assert (run_dir / "checkpoints" / latest.read_text().strip() / "meta.json").is_file()
     return run_dir, step, _run_check("resume", str(RECIPE), str(run_dir), str(cache_dir))
 
 
