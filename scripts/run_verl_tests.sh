@@ -5,7 +5,9 @@
 #
 # Sets up .venv-verl (scripts/setup_verl_env.sh, idempotent), then runs
 #   1. tests/test_integration_verl*.py (the hooks' numerics, check_config, the main_ppo entry
-#      point, multi-output sessions through verl's v1 trainer module) and tests/test_backend_verl.py
+#      point, multi-output sessions through verl's v1 trainer module, the asynchronous entries
+#      one_step_off_policy / fully_async_policy and BA through verl's fully async trainer's own
+#      queue and batch assembly) and tests/test_backend_verl.py
 #      (recipes translated by `megatron-ba train RECIPE backend=verl`, composed into verl's config),
 #      tests/test_verl_preflight.py (the entry's preflight on CPU: config, data, reward through
 #      verl's code, then its NEEDS_GPU line) and tests/test_verl_slurm.py (a backend=verl job on a
@@ -22,7 +24,8 @@ VENV=${MEGATRON_BA_VERL_VENV:-.venv-verl}
 case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$VENV/bin/python" -m pytest \
   tests/test_integration_verl.py tests/test_integration_verl_config.py \
-  tests/test_integration_verl_sessions.py tests/test_backend_verl.py tests/test_verl_reward.py \
+  tests/test_integration_verl_sessions.py tests/test_integration_verl_async.py \
+  tests/test_integration_verl_async_config.py tests/test_backend_verl.py tests/test_verl_reward.py \
   tests/test_verl_preflight.py tests/test_verl_slurm.py -p no:cacheprovider "$@"
 
 version=$(sed -n 's/^verl==\([0-9.]*\).*/\1/p' requirements/verl.txt)

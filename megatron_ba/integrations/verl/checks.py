@@ -18,10 +18,21 @@ of optimizer steps a rollout batch is split into must match verl's batch sizes. 
 reads it from the config (main_ppo.py exports it); a MEGATRON_BA_STEPS_PER_BATCH the user set must
 agree with it.
 
+verl's asynchronous trainers (one_step_off_policy.py, fully_async_policy.py) train on whole
+groups too, so the pair runs there unchanged: one-step-off generates each batch of
+data.train_batch_size prompts x n with the policy one step behind, and the fully asynchronous
+trainer takes ppo_mini_batch_size x async_training.require_batches prompts from its message queue,
+each queue sample one prompt's n responses (its rollouter sets one uid per sample), and plans them
+together. Two things differ. Their configs set `bypass_mode: true`, refused here as above (decoupled
+mode recomputes old_log_prob; `rollout_is` corrects for the older policies). And in the fully
+asynchronous config (the one with an `async_training` node) data.train_batch_size is 0: the steps
+per planned batch are require_batches x ppo_epochs. `async_training.partial_rollout=false` is warned
+about: verl then keeps a response cut by a weight sync as it is.
+
 `check_config(cfg)` reads verl's composed trainer config (ppo_trainer.yaml,
-ppo_megatron_trainer.yaml) and raises a ValueError naming the keys and the fix.
-`python -m megatron_ba.integrations.verl.main_ppo` calls it before verl starts anything
-(main_ppo.py).
+ppo_megatron_trainer.yaml and the asynchronous trainers' configs built on them) and raises a
+ValueError naming the keys and the fix. The entries (`python -m megatron_ba.integrations.verl.
+main_ppo`, `.one_step_off_policy`, `.fully_async_policy`) call it before verl starts anything.
 """
 
 from __future__ import annotations
@@ -39,10 +50,21 @@ BYPASS = "algorithm.rollout_correction.bypass_mode"
 TRAIN_BATCH = "data.train_batch_size"
 MINI_BATCH = "actor_rollout_ref.actor.ppo_mini_batch_size"
 EPOCHS = "actor_rollout_ref.actor.ppo_epochs"
+# verl's fully asynchronous trainer (verl.experimental.fully_async_policy): its config alone has
+# this node; each trainer step plans ppo_mini_batch_size x require_batches prompts from its queue.
+ASYNC = "async_training"
+REQUIRE_BATCHES = "async_training.require_batches"
+PARTIAL = "async_training.partial_rollout"
 # Ray's runtime env for every process of the run (verl merges it into ray.init's); main_ppo.py
 # puts the MEGATRON_BA_* settings there.
 RUNTIME_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 SETTINGS_ENV = (*ENV_KEYS.values(), STEPS_ENV)
+# The checked entries (python -m ...): verl's synchronous, one-step-off and fully async trainers.
+ENTRIES = (
+    "megatron_ba.integrations.verl.main_ppo",
+    "megatron_ba.integrations.verl.one_step_off_policy",
+    "megatron_ba.integrations.verl.fully_async_policy",
+)
 
 # What each half does without its partner (the error says it, so the user sees why it matters).
 _ALONE = {
@@ -72,8 +94,10 @@ def check_config(cfg) -> None:
     pass: they compose); MEGATRON_BA_SCOPE / _NEUTRAL_EPS valid; `ppo_mini_batch_size` dividing
     `data.train_batch_size`, and MEGATRON_BA_STEPS_PER_BATCH, where set, equal to
     `steps_per_batch(cfg)`; no MEGATRON_BA_* variable in the config's Ray runtime env (main_ppo.py
-    puts the checked ones there). A `loss_agg_mode` other than token-mean is warned about (the
-    balanced loss ignores it for its policy-gradient term). Any other config passes untouched.
+    puts the checked ones there); the fully asynchronous config's `async_training.require_batches`
+    >= 1 (its steps, see steps_per_batch). A `loss_agg_mode` other than token-mean is warned about
+    (the balanced loss ignores it for its policy-gradient term), and so is
+    `async_training.partial_rollout=false`. Any other config passes untouched.
     """
     if not uses_plan(cfg):
         return
@@ -91,6 +115,7 @@ def check_config(cfg) -> None:
     _settings(estimator)  # MEGATRON_BA_SCOPE / _NEUTRAL_EPS / _STEPS_PER_BATCH parse, or raise
     _check_steps(cfg)
     _check_runtime_env(cfg)
+    _warn_partial_rollout(cfg)
     mode = str(_get(cfg, AGG_MODE, "token-mean"))
     if mode != "token-mean":
         warnings.warn(
@@ -111,7 +136,11 @@ def uses_plan(cfg) -> bool:
 def steps_per_batch(cfg) -> int | None:
     """The optimizer steps verl makes per rollout batch: `data.train_batch_size /
     ppo_mini_batch_size x ppo_epochs` (verl splits the batch into mini-batches of that size, one
-    step each, every epoch); None where the config lacks the batch sizes (verl checks those)."""
+    step each, every epoch), `async_training.require_batches x ppo_epochs` for the fully
+    asynchronous trainer (its batch is that many mini-batches); None where the config lacks the
+    batch sizes (verl checks those)."""
+    if _get(cfg, ASYNC, None) is not None:
+        return _async_steps(cfg)
     train, mini = _get(cfg, TRAIN_BATCH, None), _get(cfg, MINI_BATCH, None)
     if train is None or mini is None:
         return None
@@ -124,6 +153,31 @@ def steps_per_batch(cfg) -> int | None:
             f"step a full-scale objective. Choose a {MINI_BATCH} that divides {TRAIN_BATCH}"
         )
     return train // mini * int(_get(cfg, EPOCHS, 1))
+
+
+def _async_steps(cfg) -> int:
+    """require_batches x ppo_epochs: the fully asynchronous trainer plans (and steps on) exactly
+    require_batches mini-batches of prompts at a time, whatever data.train_batch_size says (0)."""
+    batches = int(_get(cfg, REQUIRE_BATCHES, 1))
+    if batches < 1:
+        raise ValueError(
+            f"{REQUIRE_BATCHES}: is {batches}; each trainer step takes {MINI_BATCH} x "
+            f"require_batches prompts from the queue and plans them. Set it to 1 or more"
+        )
+    return batches * int(_get(cfg, EPOCHS, 1))
+
+
+def _warn_partial_rollout(cfg) -> None:
+    """Without partial rollouts verl's fully asynchronous rollouter keeps a response that a weight
+    sync aborted, cut where the sync came: its length (and reward) then depend on the sync's
+    timing, which the plan weighs like any other length."""
+    if _get(cfg, ASYNC, None) is not None and not bool(_get(cfg, PARTIAL, True)):
+        warnings.warn(
+            f"{PARTIAL}=false: verl keeps the responses a weight sync aborts, cut at the sync, and "
+            f"the plan weighs them by that cut length; set {PARTIAL}=true to have them resumed",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_pair(estimator: str, loss_mode: str) -> None:
@@ -152,8 +206,9 @@ def _check_rollout_correction(cfg) -> None:
             f"{BYPASS}: must be false with the balanced loss; verl's bypass mode replaces "
             f"{LOSS_MODE} with its own 'bypass_mode' loss, which would train on the folded "
             f"advantages aggregated by {AGG_MODE} (the plan divided once more). Set "
-            f"{BYPASS}=false: algorithm.rollout_correction.rollout_is and rollout_rs work with "
-            f"the balanced loss in verl's decoupled mode"
+            f"{BYPASS}=false (verl's one_step_off_policy and fully_async_policy configs set it "
+            f"true): algorithm.rollout_correction.rollout_is and rollout_rs work with the "
+            f"balanced loss in verl's decoupled mode"
         )
 
 
@@ -165,12 +220,16 @@ def _check_steps(cfg) -> None:
         return
     _, steps = _settings("balanced")
     if steps != expected:
-        train, mini = _get(cfg, TRAIN_BATCH), _get(cfg, MINI_BATCH)
+        if _get(cfg, ASYNC, None) is not None:
+            split = f"{REQUIRE_BATCHES}={_get(cfg, REQUIRE_BATCHES)} x {EPOCHS}"
+        else:
+            split = f"{TRAIN_BATCH}={_get(cfg, TRAIN_BATCH)} / {MINI_BATCH}={_get(cfg, MINI_BATCH)}"
+            split += f" x {EPOCHS}"
         raise ValueError(
             f"{STEPS_ENV}: is {steps:g}, but verl splits each rollout batch into {expected} "
-            f"optimizer steps ({TRAIN_BATCH}={train} / {MINI_BATCH}={mini} x {EPOCHS}); each step "
-            f"would carry {steps / expected:g} of the objective. Set {STEPS_ENV}={expected}, or "
-            f"unset it: python -m megatron_ba.integrations.verl.main_ppo sets it from the config"
+            f"optimizer steps ({split}); each step would carry {steps / expected:g} of the "
+            f"objective. Set {STEPS_ENV}={expected}, or unset it: the entries (python -m "
+            f"{' / '.join(ENTRIES)}) set it from the config"
         )
 
 

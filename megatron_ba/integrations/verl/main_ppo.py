@@ -74,22 +74,28 @@ def _export_settings(config) -> None:
             OmegaConf.update(config, f"{RUNTIME_ENV_VARS}.{name}", os.environ[name], force_add=True)
 
 
-@hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
-def main(config) -> None:
+def run_checked(config, verl_main, **preflight_options) -> None:
     """check_config(config), the settings handed on, the preflight (which stops here without a
-    CUDA GPU), then verl's main_ppo on the same config."""
+    CUDA GPU; `preflight_options` go to verl_preflight.run), then `verl_main` (a verl entry's
+    hydra.main function) on the same config. The asynchronous entries call it too."""
     check_config(config)
     if uses_plan(config):
         _export_settings(config)
     _export_hooks()
     try:
-        line = preflight.run(config)
+        line = preflight.run(config, **preflight_options)
     except preflight.PreflightError as err:  # one line naming the key, not Hydra's dump
         message = " ".join(str(err).split())  # verl's and HF's own messages span lines
         print(f"{preflight.PREFIX} preflight failed: {message}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     print(f"{line}; starting verl's trainer", file=sys.stderr, flush=True)
-    verl_main_ppo.main.__wrapped__(config)
+    verl_main.__wrapped__(config)  # its hydra.main wrapper skipped: the config is composed
+
+
+@hydra.main(config_path="pkg://verl.trainer.config", config_name="ppo_trainer", version_base=None)
+def main(config) -> None:
+    """run_checked on verl's main_ppo."""
+    run_checked(config, verl_main_ppo.main)
 
 
 if __name__ == "__main__":

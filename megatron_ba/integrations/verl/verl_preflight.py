@@ -61,18 +61,30 @@ class Checked:
         )
 
 
-def run(config) -> str:
-    """The checks above; the summary line. Without a CUDA GPU: the line and exit NEEDS_GPU."""
-    check_engine_config(config)
+def run(
+    config,
+    *,
+    trainer: str = "ppo_megatron_trainer",
+    validate: bool = True,
+    step: tuple[int, str] | None = None,
+) -> str:
+    """The checks above; the summary line. Without a CUDA GPU: the line and exit NEEDS_GPU.
+
+    For verl's other entries: `trainer` names it in that line; `validate=False` skips verl's
+    validate_config where that entry does not call it (the fully asynchronous one, whose
+    data.train_batch_size of 0 it would refuse); `step` is (prompts, the keys that set them) of
+    one step's batch where data.train_batch_size is not it."""
+    if validate:
+        check_engine_config(config)
     model = load_model(config)
     train = dataset(config, "data.train_files", model, is_train=True)
     val = dataset(config, "data.val_files", model, is_train=False)
-    batch = first_batch(config, train)
+    batch = first_batch(config, train, step)
     right, wrong = score_batch(config, model.tokenizer, batch)
     line = Checked(len(train), len(val), len(batch["data_source"]), right, wrong).line()
     if not torch.cuda.is_available():
         print(
-            f"{line}; verl's ppo_megatron_trainer needs CUDA GPUs (megatron-core actor, vLLM "
+            f"{line}; verl's {trainer} needs CUDA GPUs (megatron-core actor, vLLM "
             f"rollout) and none is visible: stopping before training",
             flush=True,
         )
@@ -172,18 +184,18 @@ def _why_empty(config, path: str) -> str:
     )
 
 
-def first_batch(config, train) -> dict:
+def first_batch(config, train, step: tuple[int, str] | None = None) -> dict:
     """The first batch of the training set as the trainer draws it: its sampler (data.shuffle,
-    data.seed) and verl's collate_fn, data.train_batch_size prompts (one step's)."""
+    data.seed) and verl's collate_fn, data.train_batch_size prompts (one step's), or `step`'s."""
     from torch.utils.data import DataLoader
     from verl.trainer.ppo.utils import create_rl_sampler
     from verl.utils.dataset.rl_dataset import collate_fn
 
-    size = config.data.train_batch_size
+    size, keys = step or (config.data.train_batch_size, "data.train_batch_size")
     if len(train) < size:  # the trainer's loader drops the short last batch: it would yield none
         raise PreflightError(
             f"data.train_files: {len(train)} prompt(s) after verl's filters, fewer than one "
-            f"step's data.train_batch_size={size}"
+            f"step's {keys}={size}"
         )
     # in this process (num_workers=0): data.dataloader_num_workers only moves the same rows
     loader = DataLoader(train, batch_size=size, sampler=create_rl_sampler(config.data, train),
