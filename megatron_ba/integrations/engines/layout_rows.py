@@ -245,7 +245,10 @@ ROWS: dict[str, Row] = {
         Absent("the local backend's MoE routing replay (not translated to NeMo-Aligner)"),
     ),
     "rollout.max_staleness": Row(
-        Absent("the local backend's asynchronous schedule (not translated to verl)"),
+        Absent(
+            "verl's asynchronous trainers split the GPUs between rollout and training: run "
+            "python -m megatron_ba.integrations.verl.one_step_off_policy or fully_async_policy"
+        ),
         Put(
             tuple(
                 Set(key, value, when=_asynchronous)
