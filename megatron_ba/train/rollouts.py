@@ -352,7 +352,7 @@ def _engine_dtype(recipe: Recipe) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device, cpu_bind: str | None):
+def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device, cpu_bind: str | None = None):
     r = recipe.rollout
     return VLLMEngine(
         str(hf_dir),
