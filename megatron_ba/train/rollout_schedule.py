@@ -85,6 +85,7 @@ class RolloutSchedule:
         self.pending: RolloutBatch | None = None  # rank 0: the next step's batch, collected
         self._next = None  # the next step's first round in flight: (prompts, PendingRound)
         self._wait = 0.0  # seconds the trainer waited for that round after its update
+        self._dropped: int | None = None  # samples this step's `take` dropped as too old
         # this step's seconds on the trainer's path (rank 0): generating (not overlapped) and
         # scoring; a step that takes a pending batch spent them in the step before
         self.timings = {"time/rollout": 0.0, "time/reward": 0.0}
@@ -93,12 +94,12 @@ class RolloutSchedule:
     def take(self, step: int) -> RolloutBatch | None:
         """Every rank: step's batch (rank 0; None elsewhere): the pending one if it is recent
         enough, else generated now (the other engine ranks serve their shares meanwhile)."""
-        report, started = {}, time.perf_counter()
+        started, self._dropped = time.perf_counter(), None
         self.timings = {"time/rollout": 0.0, "time/reward": 0.0}
         if self.ctx.is_main and self.pending is not None:
             age = step - int(self.pending.versions().min())
             if self.pending.step != step or age > self.max_staleness:
-                report["async/dropped_samples"] = self._drop(step, age)
+                self._dropped = self._drop(step, age)
         now = self.ctx.broadcast(self.pending is None if self.ctx.is_main else None)
         if not self.ctx.is_main:
             if now:
@@ -106,12 +107,10 @@ class RolloutSchedule:
             return None
         if not now:
             batch, self.pending = self.pending, None
-            batch.report.update(report)
             return batch
         batch = self._rounds(step, first=None)
         self.rollouts.end_batch()
         self._add_timings(batch, started)
-        batch.report.update(report)
         return batch
 
     def _add_timings(self, batch: RolloutBatch, started: float) -> None:
@@ -174,7 +173,7 @@ class RolloutSchedule:
         """The step's `time/engine_busy` (rank 0's engine generating during the step) and, when
         asynchronous (or a batch was dropped), its async/* metrics and `time/rollout_wait`."""
         report = {"time/engine_busy": self.rollouts.busy_seconds - busy_before}
-        if not self.max_staleness and "async/dropped_samples" not in batch.report:
+        if not self.max_staleness and self._dropped is None:
             return report
         age = batch.step - batch.versions().double()
         wait, self._wait = self._wait, 0.0
@@ -182,7 +181,7 @@ class RolloutSchedule:
             **report,
             "async/staleness_mean": float(age.mean()),
             "async/staleness_max": int(age.max()),
-            "async/dropped_samples": batch.report.pop("async/dropped_samples", 0),
+            "async/dropped_samples": self._dropped or 0,
             "time/rollout_wait": wait,
         }
 
