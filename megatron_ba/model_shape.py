@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from megatron_ba.rope_scaling import RopeScaling, coerce, rope_scaling_from_hf
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 _POSITIVE = (
     "vocab_size",
     "hidden_size",
@@ -78,6 +78,26 @@ class ModelShape:
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] | None = None
     moe_aux_loss_coeff: float = 0.0
+    # Qwen3.5's hybrid decoder. linear_attention_pattern: 1 (a Gated DeltaNet layer: causal
+    # conv1d of kernel linear_conv_kernel_dim over q, k, v, then the gated delta rule with
+    # linear_num_key_heads key heads of linear_key_head_dim and linear_num_value_heads value
+    # heads of linear_value_head_dim, a gated RMSNorm on its output) or 0 (full attention) per
+    # layer; None: every layer full attention. attention_output_gate: the full-attention output
+    # is multiplied by sigmoid of a per-head gate that the q projection also produces.
+    # rotary_percent: the fraction of each head's channels that RoPE rotates (HF
+    # partial_rotary_factor). norm_zero_centered: every RMSNorm but the DeltaNet output's scales
+    # by (1 + weight) (HF Qwen3.5's weights are stored so). mtp_num_layers: the checkpoint's
+    # multi-token-prediction layers (carried through conversion unchanged; not trained).
+    linear_attention_pattern: tuple[int, ...] | None = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    attention_output_gate: bool = False
+    rotary_percent: float = 1.0
+    norm_zero_centered: bool = False
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         for key in _POSITIVE:
@@ -106,6 +126,45 @@ class ModelShape:
             object.__setattr__(self, "moe_layer_pattern", tuple(self.moe_layer_pattern))
         if self.num_experts:
             self._check_moe()
+        if self.linear_attention_pattern is not None:
+            object.__setattr__(
+                self, "linear_attention_pattern", tuple(self.linear_attention_pattern)
+            )
+            self._check_linear_attention()
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent: must be in (0, 1], got {self.rotary_percent!r}")
+
+    def _check_linear_attention(self) -> None:
+        pattern = self.linear_attention_pattern
+        if len(pattern) != self.num_layers or set(pattern) - {0, 1}:
+            raise ValueError(
+                f"linear_attention_pattern: one 1 (Gated DeltaNet) or 0 (full attention) per "
+                f"layer ({self.num_layers}); got {pattern}"
+            )
+        for key in (
+            "linear_conv_kernel_dim",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        ):
+            v = getattr(self, key)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{key}: must be an integer >= 1 with linear attention, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_key_heads: {self.linear_num_key_heads} must divide "
+                f"linear_num_value_heads ({self.linear_num_value_heads})"
+            )
+
+    def is_linear_attention_layer(self, index: int) -> bool:
+        """Whether layer `index` (0-based) is a Gated DeltaNet layer instead of full attention."""
+        pattern = self.linear_attention_pattern
+        return pattern is not None and pattern[index] == 1
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return self.linear_attention_pattern is not None and 1 in self.linear_attention_pattern
 
     def _check_moe(self) -> None:
         if not 1 <= self.moe_router_topk <= self.num_experts:
@@ -134,7 +193,10 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "model") -> ModelShape:
-        """The shape of a Hugging Face Qwen2 / Qwen3 config.json (a dict)."""
+        """The shape of a Hugging Face Qwen2 / Qwen3 / Qwen3.5 config.json (a dict; Qwen3.5's
+        ConditionalGeneration layout keeps its text model under `text_config`)."""
+        if _is_qwen3_5(cfg):
+            return _qwen3_5_from_hf_config(cfg, name)
         need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
         missing = [k for k in (*need, "vocab_size") if k not in cfg]
         if missing:
@@ -266,6 +328,98 @@ class ModelShape:
         return 4 * h + (q + 2 * kv) + q + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
 
 
+QWEN3_5_MODEL_TYPES = {
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
+
+
+def _is_qwen3_5(cfg: dict) -> bool:
+    return str(cfg.get("model_type")) in QWEN3_5_MODEL_TYPES
+
+
+def qwen3_5_text_config(cfg: dict) -> dict:
+    """The text model's fields of a Qwen3.5 config.json: its `text_config` when nested (the
+    ConditionalGeneration layout), else the config itself; a top-level tie_word_embeddings
+    applies to the text model (the multimodal configs keep it there)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    merged = dict(text)
+    if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in text:
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return merged
+
+
+def qwen3_5_layer_pattern(text: dict, num_layers: int, where: str) -> tuple[int, ...]:
+    """1 (linear_attention) / 0 (full_attention) per layer, from `layer_types` or, as
+    transformers derives it, from `full_attention_interval` (every n-th layer full)."""
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = int(text.get("full_attention_interval", 4))
+        return tuple(int(bool((i + 1) % interval)) for i in range(num_layers))
+    known = {"linear_attention": 1, "full_attention": 0}
+    unknown = sorted({str(t) for t in layer_types} - set(known))
+    if unknown or len(layer_types) != num_layers:
+        raise ValueError(
+            f"{where}: layer_types must hold {num_layers} entries of {sorted(known)}; got "
+            f"{len(layer_types)} entries{f', unknown {unknown}' if unknown else ''}"
+        )
+    return tuple(known[t] for t in layer_types)
+
+
+def _qwen3_5_from_hf_config(cfg: dict, name: str) -> ModelShape:
+    where = f"--model {name}"
+    family = QWEN3_5_MODEL_TYPES[str(cfg["model_type"])]
+    text = qwen3_5_text_config(cfg)
+    need = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim")
+    missing = [k for k in need if k not in text]
+    if missing:
+        raise ValueError(f"{where}: the text config lacks {', '.join(missing)}")
+    rope = text.get("rope_parameters") or {}
+    layers = int(text["num_hidden_layers"])
+    experts = int(text.get("num_experts") or 0) if family == "qwen3_5_moe" else 0
+    moe_ffn = int(text.get("moe_intermediate_size") or 0) if experts else 0
+    return ModelShape(
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=int(text["hidden_size"]),
+        num_layers=layers,
+        num_attention_heads=int(text["num_attention_heads"]),
+        num_query_groups=int(text.get("num_key_value_heads") or text["num_attention_heads"]),
+        # the MoE text config has no dense MLP (every layer routes): its width is unused
+        ffn_hidden_size=int(text.get("intermediate_size") or moe_ffn),
+        max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        rope_theta=float(rope.get("rope_theta") or text.get("rope_theta") or 1e7),
+        norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(text.get("attention_bias", False)),
+        family=family,
+        qk_layernorm=True,
+        kv_channels=int(text["head_dim"]),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        name=name,
+        num_experts=experts,
+        moe_ffn_hidden_size=moe_ffn,
+        moe_router_topk=int(text.get("num_experts_per_tok") or 0) if experts else 0,
+        shared_expert_ffn_hidden_size=_shared_ffn(text) if experts else 0,
+        moe_norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+        moe_aux_loss_coeff=float(text.get("router_aux_loss_coef") or 0.0) if experts else 0.0,
+        linear_attention_pattern=qwen3_5_layer_pattern(text, layers, where),
+        linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+        attention_output_gate=bool(text.get("attn_output_gate", True)),
+        rotary_percent=float(
+            rope.get("partial_rotary_factor") or text.get("partial_rotary_factor") or 0.25
+        ),
+        norm_zero_centered=True,
+        mtp_num_layers=int(text.get("mtp_num_hidden_layers") or 0),
+    )
+
+
 def _rope_scaling_or_none(cfg: dict, name: str) -> RopeScaling | None:
     """The config's YaRN for the planner's context check; None for plain RoPE and for rope types
     the megatron model does not build (llama3, DeepSeek's YaRN with mscale, ...): their shape and
@@ -293,6 +447,31 @@ def _family(cfg: dict, qwen3: bool) -> str:
 def _qwen3(name: str, **fields) -> ModelShape:
     defaults = {"family": "qwen3", "qkv_bias": False, "qk_layernorm": True}
     return ModelShape(name=name, **{**defaults, **fields})
+
+
+# The tiny Qwen3.5 presets' shared fields (see "tiny-qwen3.5" below).
+_TINY_QWEN3_5 = dict(
+    vocab_size=512,
+    hidden_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=256,
+    max_position_embeddings=1024,
+    rope_theta=10_000_000.0,
+    qkv_bias=False,
+    qk_layernorm=True,
+    kv_channels=32,
+    linear_attention_pattern=(1, 1, 1, 0),
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    attention_output_gate=True,
+    rotary_percent=0.25,
+    norm_zero_centered=True,
+)
 
 
 PRESETS: dict[str, ModelShape] = {
@@ -483,6 +662,27 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=8,
         moe_router_topk=2,
         moe_ffn_hidden_size=64,
+        moe_aux_loss_coeff=0.001,
+    ),
+    # CPU-sized Qwen3.5 (megatron_ba.testing.tiny_hf; `megatron-ba tiny-model --family qwen3_5`,
+    # `--family qwen3_5_moe`): 4 layers, 3 Gated DeltaNet then 1 full attention (Qwen3.5's
+    # every-4th pattern; PP2 splits it 2 + 2), head_dim 32 for vLLM's CPU attention with a
+    # quarter of it rotated, 2 key and 4 value heads in the DeltaNet (TP2 splits both), untied
+    # (a tied model cannot run PP > 1 on CPU: megatron_ba.megatron.model.build_gpt_model).
+    "tiny-qwen3.5": ModelShape(
+        name="tiny-qwen3.5",
+        family="qwen3_5",
+        **_TINY_QWEN3_5,
+    ),
+    # Its mixture of experts: 8 routed experts, top-2, and a gated shared expert in every layer.
+    "tiny-qwen3.5-moe": ModelShape(
+        name="tiny-qwen3.5-moe",
+        family="qwen3_5_moe",
+        **{**_TINY_QWEN3_5, "ffn_hidden_size": 64},
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        shared_expert_ffn_hidden_size=64,
         moe_aux_loss_coeff=0.001,
     ),
 }
