@@ -48,6 +48,39 @@ def test_tp_shard_hand_computed_stride_2():
     assert tp_shard(full, dim=0, stride=1, rank=1, size=2).view(-1).tolist() == [4, 5, 6, 7]
 
 
+def test_tp_shard_hand_computed_unequal_sections():
+    # A fused weight of unequal parts [q (4 rows); k (4); v (2)] at TP = 2: every rank holds its
+    # half of each part, in order (megatron-core's Gated DeltaNet in_proj and conv1d).
+    full = torch.arange(10).view(10, 1)
+    sections = (4, 4, 2)
+    rank0 = tp_shard(full, dim=0, stride=sections, rank=0, size=2).view(-1).tolist()
+    rank1 = tp_shard(full, dim=0, stride=sections, rank=1, size=2).view(-1).tolist()
+    assert rank0 == [0, 1, 4, 5, 8]
+    assert rank1 == [2, 3, 6, 7, 9]
+    # A uniform stride of 3 over the same rows would give different pieces: sections matter.
+    assert tp_shard(torch.arange(12).view(12, 1), dim=0, stride=3, rank=0, size=2).view(
+        -1
+    ).tolist() == [0, 1, 4, 5, 8, 9]
+    with pytest.raises(ValueError, match=r"parts \(4, 4, 3\) must add up"):
+        tp_shard(torch.zeros(11, 1), dim=0, stride=(4, 4, 3), rank=0, size=2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.sampled_from([1, 2, 4]),
+    parts=st.lists(st.integers(1, 3), min_size=1, max_size=5),
+    dim=st.sampled_from([0, 1]),
+    seed=st.integers(0, 1000),
+)
+def test_tp_unshard_inverts_sectioned_shard(size, parts, dim, seed):
+    sections = tuple(p * size for p in parts)
+    g = torch.Generator().manual_seed(seed)
+    shape = [sum(sections), 3] if dim == 0 else [3, sum(sections)]
+    full = torch.randn(shape, generator=g)
+    shards = [tp_shard(full, dim=dim, stride=sections, rank=r, size=size) for r in range(size)]
+    assert torch.equal(tp_unshard(shards, dim=dim, stride=sections), full)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     size=st.sampled_from([1, 2, 4]),

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ba.aggregation import NUM_COLUMNS
-from megatron_ba.parallel.sharding import cp_unshard, tp_unshard
+from megatron_ba.parallel.sharding import Stride, cp_unshard, tp_unshard
 
 
 def comm_device(group) -> torch.device:
@@ -89,7 +89,7 @@ def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def gather_tensor_parallel(shard: torch.Tensor, *, dim: int, stride: int, group) -> torch.Tensor:
+def gather_tensor_parallel(shard: torch.Tensor, *, dim: int, stride: Stride, group) -> torch.Tensor:
     """The full tensor from the TP shards of every rank of `group` (megatron-core layout)."""
     size = _world(group)
     if size == 1:
@@ -131,7 +131,7 @@ def gather_pipeline_stages(local: dict[str, torch.Tensor], *, group) -> dict[str
 
 
 def gather_tensor_parallel_to(
-    shard: torch.Tensor, *, dim: int, stride: int, group, dst: int = 0
+    shard: torch.Tensor, *, dim: int, stride: Stride, group, dst: int = 0
 ) -> torch.Tensor | None:
     """The full tensor from the TP shards of `group` on its rank `dst` only (None elsewhere):
     the weight refit needs it on the engine's rank alone, not on every rank."""

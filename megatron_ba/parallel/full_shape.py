@@ -71,13 +71,16 @@ def local_to_full_names(chunks: list[torch.nn.Module]) -> dict[str, tuple[torch.
     return out
 
 
-def tp_sharding(param: torch.nn.Parameter) -> tuple[bool, int, int]:
-    """(sharded over TP, partition dim, partition stride) of a megatron-core parameter."""
+def tp_sharding(param: torch.nn.Parameter) -> tuple[bool, int, int | tuple[int, ...]]:
+    """(sharded over TP, partition dim, partition stride) of a megatron-core parameter. The
+    stride is the tuple `partition_sections` (full sizes of unequal fused parts; set by the
+    model builder where megatron-core's layout needs it: sharding.tp_shard) when present."""
     sharded = bool(getattr(param, "tensor_model_parallel", False))
+    sections = getattr(param, "partition_sections", None)
     return (
         sharded,
         int(getattr(param, "partition_dim", 0)),
-        int(getattr(param, "partition_stride", 1)),
+        tuple(sections) if sections is not None else int(getattr(param, "partition_stride", 1)),
     )
 
 

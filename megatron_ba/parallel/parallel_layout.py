@@ -230,6 +230,8 @@ class ParallelLayout:
             )
         }
         self._check_tensor_split(size)
+        if getattr(model, "has_linear_attention", False):
+            self._check_linear_attention(model)
         layers = size["num_layers"]
         if layers is not None:
             self.stage_layers(layers)
@@ -244,6 +246,24 @@ class ParallelLayout:
         ]
         if problems:
             raise LayoutError("tp", "; ".join(problems))
+
+    def _check_linear_attention(self, model) -> None:
+        """Gated DeltaNet layers (Qwen3.5): TP splits their key and value heads; megatron-core
+        0.16.1's GatedDeltaNet has no context parallelism ("TODO: support CP" in
+        ssm/gated_delta_net.py), so cp must be 1."""
+        problems = [
+            f"{key}={getattr(model, key)} is not a multiple of tp={self.tp}"
+            for key in ("linear_num_key_heads", "linear_num_value_heads")
+            if getattr(model, key) % self.tp
+        ]
+        if problems:
+            raise LayoutError("tp", "; ".join(problems))
+        if self.cp > 1:
+            raise LayoutError(
+                "cp",
+                f"{self.cp} with Gated DeltaNet layers: megatron-core 0.16.1's GatedDeltaNet has "
+                "no context parallelism; use cp=1",
+            )
 
     def _check_experts(self, size: dict) -> None:
         experts = size["num_experts"] or 0

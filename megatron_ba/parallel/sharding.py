@@ -6,7 +6,10 @@ this module says which piece is which, so both can be tested apart.
 Tensor parallelism (megatron-core's layout of a sharded parameter): a full tensor is split along
 `dim` into `stride * size` equal blocks and rank r holds blocks r, r + size, r + 2 size, ...
 concatenated. stride is 1 for most layers; SwiGLU's fused `linear_fc1` has stride 2 (its full
-weight is [gate; up] and every rank holds [gate_r; up_r]).
+weight is [gate; up] and every rank holds [gate_r; up_r]). A fused weight of unequal parts gives
+`stride` as the tuple of the parts' full sizes along `dim`: each part is split over the ranks and
+rank r holds its piece of every part, in order (megatron-core's Gated DeltaNet: in_proj rows
+[q; k; v; z; beta; alpha], every rank [q_r; k_r; v_r; z_r; beta_r; alpha_r]).
 
 Context parallelism (megatron-core's load-balanced causal layout): a sequence of length S is cut
 into 2 * cp equal chunks and rank r holds chunks r and 2 cp - 1 - r, in that order. Under causal
@@ -26,9 +29,24 @@ def _check_rank(name: str, rank: int, size: int) -> None:
         raise ValueError(f"{name}: rank must be in [0, {size}), got {rank!r}")
 
 
-def tp_shard(full: torch.Tensor, *, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+Stride = int | tuple[int, ...]
+
+
+def _check_sections(name: str, length: int, sections: tuple[int, ...], size: int) -> None:
+    if sum(sections) != length or any(s % size for s in sections):
+        raise ValueError(
+            f"{name}: parts {sections} must add up to the dimension's {length} and each split "
+            f"over the tensor-parallel size {size}"
+        )
+
+
+def tp_shard(full: torch.Tensor, *, dim: int, stride: Stride, rank: int, size: int) -> torch.Tensor:
     """The piece of `full` that tensor-parallel rank `rank` of `size` holds (a copy)."""
     _check_rank("tp_shard", rank, size)
+    if isinstance(stride, tuple):
+        _check_sections("tp_shard", full.shape[dim], stride, size)
+        parts = torch.split(full, list(stride), dim=dim)
+        return torch.cat([torch.chunk(p, size, dim=dim)[rank] for p in parts], dim=dim).clone()
     blocks = stride * size
     if full.shape[dim] % blocks:
         raise ValueError(
@@ -39,11 +57,15 @@ def tp_shard(full: torch.Tensor, *, dim: int, stride: int, rank: int, size: int)
     return torch.cat(pieces[rank::size], dim=dim).clone()
 
 
-def tp_unshard(shards: list[torch.Tensor], *, dim: int, stride: int) -> torch.Tensor:
+def tp_unshard(shards: list[torch.Tensor], *, dim: int, stride: Stride) -> torch.Tensor:
     """Inverse of `tp_shard`: the full tensor from every rank's shard (in rank order)."""
     size = len(shards)
     if size == 0:
         raise ValueError("tp_unshard: needs at least one shard")
+    if isinstance(stride, tuple):
+        _check_sections("tp_unshard", sum(s.shape[dim] for s in shards), stride, size)
+        local = [torch.split(s, [p // size for p in stride], dim=dim) for s in shards]
+        return torch.cat([local[r][j] for j in range(len(stride)) for r in range(size)], dim=dim)
     per_rank = [torch.chunk(s, stride, dim=dim) for s in shards]
     if any(len(p) != stride for p in per_rank):
         raise ValueError(f"tp_unshard: every shard must split into stride={stride} blocks")
