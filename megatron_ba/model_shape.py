@@ -1,4 +1,5 @@
-"""The shape of a Qwen-family decoder, and the named shapes every part of the project uses.
+"""The shape of a Qwen-family decoder, its parameter and activation counts, and the named shapes
+every part of the project uses.
 
     shape = PRESETS["Qwen2.5-Math-7B"]          # or preset("qwen2.5-math-7b"), case-insensitive
     shape.total_params(), shape.head_dim       # a layout against it: parallel_layout
@@ -15,7 +16,10 @@ scaled by YaRN: `rope_scaling`), grouped-query
 attention with a bias on the fused QKV projection (Qwen2) or RMSNorms on each q and k head (Qwen3,
 `qk_layernorm`), an explicit head dimension (`kv_channels`), tied or untied output layer. Field
 names follow megatron-core where they overlap (Hugging Face's num_key_value_heads is
-num_query_groups, intermediate_size is ffn_hidden_size, head_dim is kv_channels).
+num_query_groups, intermediate_size is ffn_hidden_size, head_dim is kv_channels). Qwen3.5's
+hybrid decoder (Gated DeltaNet layers between gated full-attention layers) is described by the
+fields below; the counts take each layer by its type (`total_params` equals transformers'
+Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM parameter count: tests/test_planner_qwen3_5.py).
 """
 
 from __future__ import annotations
@@ -252,29 +256,67 @@ class ModelShape:
         return self.num_experts > 0
 
     # -- parameter counts -------------------------------------------------------------------
-    def layer_params(self) -> int:
-        return self.layer_dense_params() + self.layer_expert_params()
+    # Per layer, by its type (`index`, 0-based; None: layer 0, which is every layer of a model
+    # without linear attention or a moe_layer_pattern). The multi-token-prediction layers of a
+    # Qwen3.5 checkpoint (mtp_num_layers) are not trained and are counted nowhere.
+    def layer_params(self, index: int | None = None) -> int:
+        return self.layer_dense_params(index) + self.layer_expert_params(index)
 
-    def layer_dense_params(self) -> int:
-        """A layer's parameters outside the routed experts: attention, norms, the dense MLP (or,
-        for MoE, the router and the shared expert with its gate)."""
+    def layer_dense_params(self, index: int | None = None) -> int:
+        """A layer's parameters outside the routed experts: its token mixer (full attention or a
+        Gated DeltaNet), its two RMSNorms, the dense MLP (or, for a MoE layer, the router and
+        the shared expert with its gate)."""
+        i = 0 if index is None else index
+        return self.mixer_params(i) + self.mlp_dense_params(i) + 2 * self.hidden_size
+
+    def mixer_params(self, index: int = 0) -> int:
+        """Layer `index`'s token mixer: full attention (attention_params) or, where
+        linear_attention_pattern says so, a Gated DeltaNet (linear_attention_params)."""
+        if self.is_linear_attention_layer(index):
+            return self.linear_attention_params()
+        return self.attention_params()
+
+    def attention_params(self) -> int:
+        """Full attention: the q, k, v, o projections (q's doubled with attention_output_gate:
+        it also produces the per-head output gate), the QKV bias (Qwen2), the q / k RMSNorms of
+        one head each (Qwen3, Qwen3.5)."""
         h, d = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_query_groups * d
-        attn = h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        attn = h * q * (2 if self.attention_output_gate else 1) + 2 * h * kv + q * h
         if self.qkv_bias:
             attn += q + 2 * kv
         if self.qk_layernorm:
             attn += 2 * d
-        if self.is_moe:
-            mlp = h * self.num_experts  # the router
-            if self.shared_expert_ffn_hidden_size:
-                mlp += 3 * h * self.shared_expert_ffn_hidden_size + h  # + its sigmoid gate
-        else:
-            mlp = 3 * h * self.ffn_hidden_size  # gate, up, down
-        return attn + mlp + 2 * h  # + the two RMSNorms
+        return attn
 
-    def layer_expert_params(self) -> int:
-        """A layer's routed experts (sharded over expert parallelism): gate, up, down each."""
+    def linear_attention_params(self) -> int:
+        """A Gated DeltaNet (Qwen3.5; megatron-core's GatedDeltaNet, transformers'
+        Qwen3_5GatedDeltaNet): the input projection h x (2 Kd + 2 Vd + 2 nv) (q, k, v, the
+        output gate z, beta and alpha), the depthwise causal conv1d over q, k, v ((2 Kd + Vd) x
+        kernel, no bias), dt_bias and A_log (nv each), the gated RMSNorm of one value head
+        (linear_value_head_dim) and the output projection Vd x h, where Kd = key heads x key head
+        dim, Vd = value heads x value head dim, nv = value heads."""
+        h, nv = self.hidden_size, self.linear_num_value_heads
+        kd = self.linear_num_key_heads * self.linear_key_head_dim
+        vd = nv * self.linear_value_head_dim
+        in_proj = h * (2 * kd + 2 * vd + 2 * nv)
+        conv = (2 * kd + vd) * self.linear_conv_kernel_dim
+        return in_proj + conv + 2 * nv + self.linear_value_head_dim + vd * h
+
+    def mlp_dense_params(self, index: int = 0) -> int:
+        """Layer `index`'s MLP outside the routed experts: the dense SwiGLU (gate, up, down) or,
+        for a MoE layer, the router and the shared expert with its sigmoid gate."""
+        h = self.hidden_size
+        if not self.is_moe_layer(index):
+            return 3 * h * self.ffn_hidden_size
+        fs = self.shared_expert_ffn_hidden_size
+        return h * self.num_experts + (3 * h * fs + h if fs else 0)
+
+    def layer_expert_params(self, index: int | None = None) -> int:
+        """A layer's routed experts (sharded over expert parallelism): gate, up, down each; 0
+        for a dense layer."""
+        if not self.is_moe_layer(0 if index is None else index):
+            return 0
         return self.num_experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
 
     def embedding_params(self) -> int:
@@ -292,40 +334,68 @@ class ModelShape:
         return self.num_experts * (h + 3 * h * self.moe_ffn_hidden_size)
 
     def total_params(self) -> int:
-        # layer_params() counts every layer of a MoE model as a MoE layer; the layers that
-        # moe_layer_pattern makes dense hold a dense MLP (no router, experts or shared expert)
-        dense = sum(not self.is_moe_layer(i) for i in range(self.num_layers)) if self.is_moe else 0
-        h, fs = self.hidden_size, self.shared_expert_ffn_hidden_size
-        moe_mlp = self.moe_mlp_params() + (3 * h * fs + h if fs else 0)
-        mlp_swap = dense * (3 * h * self.ffn_hidden_size - moe_mlp)
-        return (
-            self.num_layers * self.layer_params()
-            + mlp_swap
-            + self.embedding_params()
-            + self.head_params()
-            + self.hidden_size  # final norm
-        )
+        """Every layer by its type, the embedding, the output layer (untied) and the final
+        norm: the parameters a training run updates (a Qwen3.5 checkpoint's multi-token
+        prediction layers and vision tower are not among them)."""
+        layers = sum(self.layer_params(i) for i in range(self.num_layers))
+        return layers + self.embedding_params() + self.head_params() + self.hidden_size
 
     # -- activation elements per token per layer (bf16 tensors saved for the backward) ---------
-    def layer_activation_elements(self) -> int:
-        """Elements one token leaves in memory per transformer layer for the backward, with flash
-        attention (no S x S scores) and no dropout (Qwen trains without): the inputs of the two
-        RMSNorms (h each), the inputs of the QKV and MLP projections (h each), q, k and v, the
-        attention output (the out-projection's input), the MLP's gate and up outputs (SwiGLU's
-        backward needs both) and SwiGLU's output (the down projection's input)."""
-        h, f, d = self.hidden_size, self.ffn_hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * d, self.num_query_groups * d
-        if not self.is_moe:
-            return 4 * h + (q + 2 * kv) + q + 2 * f + f
-        # MoE: the router's logits, each of the top-k copies of the token as dispatched (the
-        # experts' input) and as returned (before the weighted sum), and per copy the expert's
-        # gate, up and SwiGLU outputs; the shared expert as a dense MLP.
+    def layer_activation_elements(self, index: int | None = None) -> int:
+        """Elements one token leaves in memory in layer `index` for the backward (None: the
+        largest of the model's layers), with flash attention (no S x S scores) and no dropout
+        (Qwen trains without).
+
+        Every layer: the inputs of its two RMSNorms and of its mixer's and MLP's input
+        projections (4h). Full attention: q, k and v, the attention output (the out-projection's
+        input); with attention_output_gate also the gate and the gated output (2q more).
+        Gated DeltaNet: linear_attention_activation_elements. Dense MLP: its gate and up
+        outputs (SwiGLU's backward needs both) and SwiGLU's output (the down projection's
+        input). MoE: the router's logits, each of the top-k copies of the token as dispatched
+        (the experts' input) and as returned (before the weighted sum), and per copy the
+        expert's gate, up and SwiGLU outputs; the shared expert as a dense MLP."""
+        if index is None:
+            kinds = {(self.is_linear_attention_layer(i), self.is_moe_layer(i)): i
+                     for i in range(self.num_layers)}  # fmt: skip
+            return max(self.layer_activation_elements(i) for i in kinds.values())
+        h, d = self.hidden_size, self.head_dim
+        if self.is_linear_attention_layer(index):
+            mixer = self.linear_attention_activation_elements()
+        else:
+            q, kv = self.num_attention_heads * d, self.num_query_groups * d
+            mixer = (q + 2 * kv) + q + (2 * q if self.attention_output_gate else 0)
+        if not self.is_moe_layer(index):
+            f = self.ffn_hidden_size
+            return 4 * h + mixer + 2 * f + f
         k, fe, fs = (
             self.moe_router_topk,
             self.moe_ffn_hidden_size,
             self.shared_expert_ffn_hidden_size,
         )
-        return 4 * h + (q + 2 * kv) + q + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
+        return 4 * h + mixer + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
+
+    def linear_attention_activation_elements(self) -> int:
+        """What a Gated DeltaNet (megatron-core 0.16.1's GatedDeltaNet with FLA's
+        chunk_gated_delta_rule) keeps per token for its backward, in bf16 elements, beside the
+        layer's 4h: the causal conv1d's input (2 Kd + Vd, the q, k, v part of the input
+        projection, copied for the convolution); the L2-normalised q and k (2 Kd); q and k
+        repeated to the value heads where those outnumber the key heads (2 nv dk); v (Vd);
+        the delta rule's saved within-chunk matrix A (GDN_CHUNK = 64 per value head, bf16), its
+        fp32 decay g and alpha (2 each per value head) and beta (1); the delta rule's output,
+        the gated norm's input (Vd); the output gate in fp32 (2 Vd); the gated norm's output,
+        the output projection's input (Vd). The chunk states are recomputed in the backward
+        (FLA saves q, k, v, g, beta, A; fla/ops/gated_delta_rule/chunk.py) and not counted."""
+        nv, dk = self.linear_num_value_heads, self.linear_key_head_dim
+        kd = self.linear_num_key_heads * dk
+        vd = nv * self.linear_value_head_dim
+        repeated = 2 * nv * dk if nv > self.linear_num_key_heads else 0
+        conv_in, normed = 2 * kd + vd, 2 * kd
+        return conv_in + normed + repeated + vd + nv * (GDN_CHUNK + 5) + vd + 2 * vd + vd
+
+
+# FLA's chunk size for the gated delta rule (chunk_gated_delta_rule: chunk_size=64), the width
+# of the within-chunk matrix its forward saves per value head and token.
+GDN_CHUNK = 64
 
 
 QWEN3_5_MODEL_TYPES = {
@@ -404,7 +474,8 @@ def _qwen3_5_from_hf_config(cfg: dict, name: str) -> ModelShape:
         moe_router_topk=int(text.get("num_experts_per_tok") or 0) if experts else 0,
         shared_expert_ffn_hidden_size=_shared_ffn(text) if experts else 0,
         moe_norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-        moe_aux_loss_coeff=float(text.get("router_aux_loss_coef") or 0.0) if experts else 0.0,
+        # transformers' default when the config leaves it out (the published ones do)
+        moe_aux_loss_coeff=float(text.get("router_aux_loss_coef", 0.001)) if experts else 0.0,
         linear_attention_pattern=qwen3_5_layer_pattern(text, layers, where),
         linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
         linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
@@ -449,6 +520,34 @@ def _qwen3(name: str, **fields) -> ModelShape:
     return ModelShape(name=name, **{**defaults, **fields})
 
 
+# What the published Qwen3.5 text configs share (each config.json's `text_config`): vocabulary
+# 248320, head_dim 256, a Gated DeltaNet of 16 key heads of 128 and value heads of 128 with a
+# convolution of 4, full attention every 4th layer (full_attention_interval 4; layer_types
+# spells the same), attn_output_gate true, rope_theta 10000000 with partial_rotary_factor 0.25,
+# rms_norm_eps 1e-06, max_position_embeddings 262144, untied, one MTP layer
+# (mtp_num_hidden_layers 1, not counted: ModelShape.total_params), mamba_ssm_dtype float32 (the
+# engine's recurrent state: planning/generation_memory.py).
+def _qwen3_5(name: str, num_layers: int, **fields) -> ModelShape:
+    shared = dict(
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rope_theta=10_000_000.0,
+        qkv_bias=False,
+        qk_layernorm=True,
+        kv_channels=256,
+        linear_attention_pattern=tuple(int(bool((i + 1) % 4)) for i in range(num_layers)),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        attention_output_gate=True,
+        rotary_percent=0.25,
+        norm_zero_centered=True,
+        mtp_num_layers=1,
+    )
+    return ModelShape(name=name, num_layers=num_layers, **{**shared, **fields})
+
+
 # The tiny Qwen3.5 presets' shared fields (see "tiny-qwen3.5" below).
 _TINY_QWEN3_5 = dict(
     vocab_size=512,
@@ -464,8 +563,8 @@ _TINY_QWEN3_5 = dict(
     kv_channels=32,
     linear_attention_pattern=(1, 1, 1, 0),
     linear_conv_kernel_dim=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     attention_output_gate=True,
@@ -603,6 +702,75 @@ PRESETS: dict[str, ModelShape] = {
         shared_expert_ffn_hidden_size=5632,
         moe_norm_topk_prob=False,
     ),
+    # Qwen3.5 (hybrid Gated DeltaNet and gated full attention; `text_config` of each
+    # config.json on the hub, the shared values in _qwen3_5 above). No copy of the hub's files is
+    # vendored here: the values were read from public copies that quote each config.json (its
+    # revision where they give one), and cross-checked against the megatron-core arguments of
+    # THUDM/slime's scripts/models/qwen3.5-{27B,35B-A3B,397B-A17B}.sh; each preset's total_params
+    # is checked against the size its name gives (tests/test_planner_qwen3_5.py).
+    # https://huggingface.co/Qwen/Qwen3.5-9B/blob/main/config.json (revision c2022362): hidden
+    # 4096, 32 layers, 16 heads, 4 KV heads, intermediate 12288, 32 DeltaNet value heads.
+    "Qwen3.5-9B": _qwen3_5(
+        "Qwen3.5-9B",
+        32,
+        family="qwen3_5",
+        hidden_size=4096,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=12288,
+        linear_num_value_heads=32,
+    ),
+    # https://huggingface.co/Qwen/Qwen3.5-27B/blob/main/config.json (revision fc05daec, the one
+    # NVIDIA-NeMo/Megatron-Bridge's src/megatron/bridge/recipes/qwen/h100/qwen35.py pins): hidden
+    # 5120, 64 layers, 24 heads, 4 KV heads, intermediate 17408, 48 DeltaNet value heads
+    # (THUDM/slime scripts/models/qwen3.5-27B.sh gives the same attention and MLP sizes).
+    "Qwen3.5-27B": _qwen3_5(
+        "Qwen3.5-27B",
+        64,
+        family="qwen3_5",
+        hidden_size=5120,
+        num_attention_heads=24,
+        num_query_groups=4,
+        ffn_hidden_size=17408,
+        linear_num_value_heads=48,
+    ),
+    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json (revision 59d61f3c):
+    # hidden 2048, 40 layers, 16 heads, 2 KV heads, 32 DeltaNet value heads, 256 experts of
+    # moe_intermediate_size 512, top 8, a gated shared expert of shared_expert_intermediate_size
+    # 512 in every layer; no dense MLP (its ffn_hidden_size, unused, is the expert width).
+    # THUDM/slime scripts/models/qwen3.5-35B-A3B.sh gives the same values.
+    "Qwen3.5-35B-A3B": _qwen3_5(
+        "Qwen3.5-35B-A3B",
+        40,
+        family="qwen3_5_moe",
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        linear_num_value_heads=32,
+        num_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=512,
+        shared_expert_ffn_hidden_size=512,
+    ),
+    # https://huggingface.co/Qwen/Qwen3.5-397B-A17B/blob/main/config.json: hidden 4096, 60
+    # layers, 32 heads, 2 KV heads, 64 DeltaNet value heads, 512 experts of
+    # moe_intermediate_size 1024, top 10, a gated shared expert of 1024 (THUDM/slime
+    # scripts/models/qwen3.5-397B-A17B.sh: --moe-shared-expert-intermediate-size 1024).
+    "Qwen3.5-397B-A17B": _qwen3_5(
+        "Qwen3.5-397B-A17B",
+        60,
+        family="qwen3_5_moe",
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=2,
+        ffn_hidden_size=1024,
+        linear_num_value_heads=64,
+        num_experts=512,
+        moe_router_topk=10,
+        moe_ffn_hidden_size=1024,
+        shared_expert_ffn_hidden_size=1024,
+    ),
     # The benchmarks' and the GPU check's real-sized shapes, from the public config.json
     # (Qwen2.5-0.5B and -1.5B tie the output layer to the embedding).
     "qwen2.5-0.5b": ModelShape(
@@ -667,8 +835,9 @@ PRESETS: dict[str, ModelShape] = {
     # CPU-sized Qwen3.5 (megatron_ba.testing.tiny_hf; `megatron-ba tiny-model --family qwen3_5`,
     # `--family qwen3_5_moe`): 4 layers, 3 Gated DeltaNet then 1 full attention (Qwen3.5's
     # every-4th pattern; PP2 splits it 2 + 2), head_dim 32 for vLLM's CPU attention with a
-    # quarter of it rotated, 2 key and 4 value heads in the DeltaNet (TP2 splits both), untied
-    # (a tied model cannot run PP > 1 on CPU: megatron_ba.megatron.model.build_gpt_model).
+    # quarter of it rotated, 2 key and 4 value heads of 64 channels in the DeltaNet (TP2 splits
+    # both; vLLM's CPU delta-rule kernel takes head dims 64 and 128 only), untied (a tied model
+    # cannot run PP > 1 on CPU: megatron_ba.megatron.model.build_gpt_model).
     "tiny-qwen3.5": ModelShape(
         name="tiny-qwen3.5",
         family="qwen3_5",

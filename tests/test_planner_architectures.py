@@ -1,10 +1,11 @@
 """The planner refuses, by name, architectures its memory model does not describe
 (megatron_ba/planning/architectures.py), through `megatron-ba layout` as users run it:
 DeepSeek-V3 (multi-head latent attention; read as plain attention its config counts 706.7 B
-parameters for a 671 B model), Qwen3.5 (linear-attention layers, its text model nested under
-text_config), a model type it does not know. Controls: the same configs without the one property
-are planned. The Slurm launcher's fit check skips its memory check for such a model, saying why,
-instead of refusing the launch."""
+parameters for a 671 B model), Qwen3-Next (linear-attention layers outside Qwen3.5, which is
+modelled: tests/test_planner_qwen3_5.py), a model type it does not know. Controls: the same
+configs without the one property are planned, and a nested text_config is read only for Qwen3.5.
+The Slurm launcher's fit check skips its memory check for such a model, saying why, instead of
+refusing the launch."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from megatron_ba.planning.memory import load_model
 
 # The configs as transformers writes them (save_pretrained of its own config types, whose defaults
 # are the released models' shapes): DeepSeek-V3 (61 layers, kv_lora_rank 512, 3 dense layers
-# first) and Qwen3.5-35B-A3B's ForConditionalGeneration layout (its text model under text_config,
-# 40 layers, 3 of every 4 Gated DeltaNet).
+# first), Qwen3-Next (48 layers, 3 of every 4 Gated DeltaNet) and Qwen3.5-35B-A3B's
+# ForConditionalGeneration layout (its text model under text_config, 40 layers, 3 of every 4
+# Gated DeltaNet).
 DEEPSEEK_V3 = json.loads(transformers.DeepseekV3Config().to_json_string())
+QWEN3_NEXT = json.loads(transformers.Qwen3NextConfig().to_json_string())
 QWEN3_5_MOE = json.loads(transformers.Qwen3_5MoeConfig().to_json_string())
 # Qwen/Qwen3-8B's config.json, the keys the planner reads
 QWEN3_8B = {
@@ -44,8 +47,8 @@ def _layout(tmp_path, cfg: dict, capsys) -> tuple[int, str]:
     [
         (DEEPSEEK_V3, "model_type 'deepseek_v3' has multi-head latent attention (kv_lora_rank "
                       "512)"),
-        (QWEN3_5_MOE, "model_type 'qwen3_5_moe' (its text model under text_config) has "
-                      "linear-attention layers (30 of its 40 layers are 'linear_attention'"),
+        (QWEN3_NEXT, "model_type 'qwen3_next' has linear-attention layers (36 of its 48 "
+                     "layers are 'linear_attention'"),
         ({**QWEN3_8B, "model_type": "gemma3_text"}, "model_type 'gemma3_text' is not one the "
                                                     "planner models (qwen2, qwen2_moe, qwen3"),
     ],
@@ -65,12 +68,16 @@ def test_the_controls_differ_in_the_one_property_and_are_planned(tmp_path, capsy
     mla_off = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("kv_lora_rank", "q_lora_rank")}
     with pytest.raises(Unmodelled, match="3 dense layers before its expert layers"):
         load_model(_write(tmp_path, mla_off))  # the next thing it does not model: named too
-    text = {k: v for k, v in QWEN3_5_MOE["text_config"].items()
+    text = {k: v for k, v in QWEN3_NEXT.items()
             if k != "layer_types" and not k.startswith("linear_")}  # fmt: skip
-    text.update(model_type="qwen3_moe", intermediate_size=text["moe_intermediate_size"])
-    assert load_model(_write(tmp_path, text)).num_layers == 40
+    text.update(model_type="qwen3_moe")
+    assert load_model(_write(tmp_path, text)).num_layers == 48
+    # a nested text model is read for Qwen3.5, and for no other model type
+    qwen3_5 = load_model(_write(tmp_path, QWEN3_5_MOE))
+    assert qwen3_5.num_layers == 40 and sum(qwen3_5.linear_attention_pattern) == 30
     with pytest.raises(Unmodelled, match="nests its text model under text_config"):
-        load_model(_write(tmp_path, {**QWEN3_5_MOE, "text_config": text}))
+        load_model(_write(tmp_path, {**QWEN3_5_MOE, "model_type": "qwen3_vl_moe",
+                                     "text_config": text}))  # fmt: skip
     assert load_model(_write(tmp_path, {**QWEN3_8B, "model_type": "llama"})).num_layers == 36
 
 

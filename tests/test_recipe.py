@@ -186,6 +186,7 @@ def test_the_papers_recipes_are_shipped():
         "qwen2.5-math-7b-dapo17k-32k",  # YaRN (model.rope_scaling) past the 4K context
         "qwen3-32b-dapo17k-64k",  # YaRN past the 32K context
         "qwen3-30b-a3b-dapo17k-16k",  # mixture of experts, expert parallelism 8
+        "qwen3.5-35b-a3b-dapo17k-16k",  # Gated DeltaNet hybrid, mixture of experts, EP 8
     }
 
 

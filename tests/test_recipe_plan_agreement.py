@@ -10,7 +10,8 @@ header plans for (`# layout: megatron-ba layout ...`), or one node of the GPUs a
 layout needs; the model is Qwen3-30B-A3B's config.json as its release ships it
 (tests/fixtures/hf_configs/), a config.json of the header's preset for the other paper recipes,
 the tiny checkpoint `megatron-ba tiny-model` builds for tiny-hf-cpu, and the fresh model's shape
-keys for the CPU recipes without a checkpoint.
+keys for the CPU recipes without a checkpoint. A Qwen3.5 preset's config.json is written in the
+release's layout (its text model under text_config) and reads back as the preset.
 
 The flagship mixture-of-experts recipe fits 4 x 8 GPUs of 80 GiB with its expert parallelism 8
 and is refused at ep=1 (the control: the one property changed); a launcher that plans without the
@@ -65,7 +66,44 @@ def hf_config(shape: ModelShape, rope_scaling: dict | None = None) -> dict:
             "num_experts_per_tok": shape.moe_router_topk,
             "moe_intermediate_size": shape.moe_ffn_hidden_size,
         }
+    if shape.family.startswith("qwen3_5"):
+        return _qwen3_5_config(shape, cfg)
     return cfg
+
+
+def _qwen3_5_config(shape: ModelShape, cfg: dict) -> dict:
+    """A Qwen3.5 config.json in its release layout (ConditionalGeneration: the text model under
+    text_config) with the keys the planner reads."""
+    text = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_theta")}
+    text |= {
+        "model_type": f"{shape.family}_text",
+        "layer_types": [
+            "linear_attention" if shape.is_linear_attention_layer(i) else "full_attention"
+            for i in range(shape.num_layers)
+        ],
+        "linear_conv_kernel_dim": shape.linear_conv_kernel_dim,
+        "linear_key_head_dim": shape.linear_key_head_dim,
+        "linear_value_head_dim": shape.linear_value_head_dim,
+        "linear_num_key_heads": shape.linear_num_key_heads,
+        "linear_num_value_heads": shape.linear_num_value_heads,
+        "attn_output_gate": shape.attention_output_gate,
+        "rope_parameters": {
+            "rope_theta": shape.rope_theta,
+            "partial_rotary_factor": shape.rotary_percent,
+        },
+        "mtp_num_hidden_layers": shape.mtp_num_layers,
+    }
+    if shape.is_moe:
+        text |= {
+            "shared_expert_intermediate_size": shape.shared_expert_ffn_hidden_size,
+            "norm_topk_prob": shape.moe_norm_topk_prob,
+            "router_aux_loss_coef": shape.moe_aux_loss_coeff,
+        }
+    return {
+        "model_type": shape.family,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "text_config": text,
+    }
 
 
 def header_flags(path: Path) -> dict[str, str] | None:
@@ -90,8 +128,10 @@ def model_dir(path: Path, recipe, tmp: Path) -> tuple[list[str], Path]:
         scaling = None
         if rope.type == "yarn":
             scaling = rope.settings().hf_fields()
-        cfg = hf_config(load_model(flags["--model"]), scaling)
-        (out / "config.json").write_text(json.dumps(cfg))
+        shape = load_model(flags["--model"])
+        (out / "config.json").write_text(json.dumps(hf_config(shape, scaling)))
+        if shape.family.startswith("qwen3_5"):  # the config reads back as the preset
+            assert dataclasses.replace(load_model(str(out)), name=shape.name) == shape
         return [f"model.pretrained={out}"], out
     if recipe.model.pretrained:  # tiny-hf-cpu: the tiny checkpoint `megatron-ba tiny-model` builds
         from megatron_ba.testing.tiny_hf import build_tiny_qwen3

@@ -5,7 +5,7 @@
     megatron-ba layout --model-config path/to/config.json --nodes 2 --gpus-per-node 8 \\
         --gpu H100 --seq-len 10240 --tp 4 --pp 2 --ep 8 --recompute full --json
 
-Models: the presets of megatron_ba.model_shape.PRESETS (dense and MoE), or any HF config.json
+Models: the presets of megatron_ba.model_shape.PRESETS (dense, MoE, Qwen3.5), or any HF config.json
 (or a folder holding one) through --model or --model-config. RoPE scaling (YaRN, from the
 config.json or --yarn FACTOR,ORIGINAL) changes no memory term, only the context: a sequence longer
 than factor x original is refused (without scaling no context is checked: the presets'
@@ -455,10 +455,18 @@ def _engine_lines(j: dict) -> list[str]:
     b = j["breakdown_gib"]
     if j["engine"] is None:
         return [f"    training phase {b['train_phase']} (no colocated engine)"]
+    # a Gated DeltaNet model's sequence: a KV cache that grows only in its full-attention layers
+    rec, conv = b["engine_linear_state_per_sequence"], b["engine_conv_state_per_sequence"]
+    linear = [
+        f"    per sequence: KV cache {b['engine_kv_per_sequence']} (full-attention layers), "
+        f"Gated DeltaNet states {round(rec + conv, 3)} (recurrent {rec}, conv {conv}); the KV "
+        f"cache holds {j['engine_sequences']} sequences"
+    ] if rec + conv else []  # fmt: skip
     return [
         f"    {j['engine']} ({j['engine_mem_fraction']:g} of the GPU) {b['engine_pool']}: its "
         f"weights {b['engine_weights']}, KV cache {b['vllm_kv_cache']}; while training "
         f"{b['vllm_train_phase']}",
+        *linear,
         f"    refit: bucket {b['refit_bucket']}, one full tensor {b['refit_full_param']}, at its "
         f"instant {b['refit_phase']}",
         f"    training phase {b['train_phase']}, generation phase {b['generate_phase']}",

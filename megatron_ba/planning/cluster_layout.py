@@ -152,6 +152,9 @@ class Plan:
             "peak_phase": self.estimate.peak_phase,
             "worst_stage": self.estimate.worst_stage,
             "breakdown_gib": self.estimate.breakdown_gib(),
+            # sequences of seq_len tokens the colocated engine's KV cache holds at once (its
+            # per-sequence terms: breakdown_gib's engine_*_per_sequence)
+            "engine_sequences": self.estimate.engine_sequences,
             "sequences_per_step": self.sequences_per_step,
             "overrides": self.overrides(),
             "alternatives": self.alternatives,
@@ -282,7 +285,7 @@ def candidate_layouts(
                     stages = split or balanced_stages(shape.num_layers, pp)
                     layout = ParallelLayout(**sizes, dp=world // mp, **experts, **stages,
                                             sequence_parallel=sp and tp > 1)  # fmt: skip
-                    layout.check_training(shape)
+                    layout.check_training(shape)  # Gated DeltaNet layers: cp 1 among its rules
                 except LayoutError as e:
                     refused.setdefault(e.key, e.renamed(FLAGS))
                     continue

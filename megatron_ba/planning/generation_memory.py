@@ -29,6 +29,21 @@ What each engine's memory key covers, read off the engines' own code:
   captured batch sizes, which no source gives per model: the planner leaves them out
   (docs/cluster-planning.md, "optimistic").
 
+What the pool holds per sequence, for the verdict's "one sequence fits" and the JSON's
+engine_sequences (sequence_cache_bytes): each full-attention layer's keys and values of every
+token (kv_cache_bytes_per_token x the sequence's tokens); each Gated DeltaNet layer of a Qwen3.5
+model instead a fixed state per sequence, whatever its length, as vLLM allocates it for the
+"mamba"-style layers (vllm/model_executor/layers/mamba/mamba_utils.py,
+MambaStateShapeCalculator.gated_delta_net_state_shape, vLLM 0.32.0): the recurrent state of
+value heads / TP x value head dim x key head dim, in the config's mamba_ssm_dtype (the Qwen3.5
+configs' float32: vllm/model_executor/models/config.py applies it to the cache's
+mamba_ssm_cache_dtype, MambaStateDtypeCalculator._mamba_state_dtype), and the convolution's state
+of (2 Kd + Vd) / TP x (kernel - 1) in the model dtype (bf16). Not modelled: vLLM pads the
+attention layers' block size until one block's page is as large as a Gated DeltaNet state's
+page (the hybrid models' unified page size), so a sequence's last, partly filled blocks round up;
+speculative decoding's extra conv columns (num_spec) and the per-prefix states of prefix caching
+for these layers.
+
 Terms the engine adds beyond its pool, each with its source:
 
 * ENGINE_PROCESS_GIB: an engine in a process of its own (this project's, NeMo-RL's, SGLang's)
@@ -72,6 +87,11 @@ ENGINE_FLAGS = {"vllm": "--vllm-gpu-util", "sglang": "--sglang-mem-fraction"}
 ENGINE_PROCESS_GIB = (3.17 + 3.24) / 2  # module docstring: the sleeping engine's process
 REFIT_BUCKET_MB = RolloutSection.refit_bucket_mb  # this project's rollout.refit_bucket_mb
 ENGINE_BYTES = 2  # the engine's bf16 weights, and the refit's tensors cast to them
+# A Gated DeltaNet's per-sequence state in vLLM (module docstring): the recurrent state in the
+# config's mamba_ssm_dtype (float32 in the Qwen3.5 configs), the convolution state in the model
+# dtype (bf16).
+GDN_STATE_BYTES = 4
+GDN_CONV_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -118,6 +138,10 @@ class GenerationTerms:
     kv_cache: float  # what the pool leaves for the KV cache after the weights
     refit_bucket: float  # the refit's bucket (the engine rank's; stage 0)
     refit_full_param: float  # the largest of this stage's tensors gathered to full size
+    kv_per_sequence: float = 0.0  # one sequence's keys and values (full-attention layers)
+    linear_state_per_sequence: float = 0.0  # its Gated DeltaNet layers' recurrent states
+    conv_state_per_sequence: float = 0.0  # their convolution states
+    sequences: int = 0  # sequences of that length the KV cache holds at once
 
 
 def engine_tp(share: EngineShare, layout: ParallelLayout) -> int:
@@ -138,7 +162,13 @@ def largest_full_tensor(shape: ModelShape, layout: ParallelLayout, stage: int) -
     a time), the shared expert's and the router's."""
     h, d = shape.hidden_size, shape.head_dim
     q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
-    sizes = [(q + 2 * kv) * h, q * h]
+    gate = q if shape.attention_output_gate else 0  # the fused QKV also produces the gate
+    sizes = [(q + gate + 2 * kv) * h, q * h]
+    if shape.has_linear_attention:  # a Gated DeltaNet's input and output projections
+        nv = shape.linear_num_value_heads
+        kd = shape.linear_num_key_heads * shape.linear_key_head_dim
+        vd = nv * shape.linear_value_head_dim
+        sizes += [(2 * kd + 2 * vd + 2 * nv) * h, vd * h]
     if shape.is_moe:
         fe, fs = shape.moe_ffn_hidden_size, shape.shared_expert_ffn_hidden_size
         sizes += [2 * fe * h, shape.num_experts * h, 2 * fs * h]
@@ -154,18 +184,34 @@ def largest_full_tensor(shape: ModelShape, layout: ParallelLayout, stage: int) -
 
 
 def generation_terms(
-    shape: ModelShape, layout: ParallelLayout, stage: int, share: EngineShare, gpu_bytes: float
+    shape: ModelShape,
+    layout: ParallelLayout,
+    stage: int,
+    share: EngineShare,
+    gpu_bytes: float,
+    seq_len: int | None = None,
 ) -> GenerationTerms:
     """The engine's terms on stage `stage`'s GPUs (the refit's bucket on the engine rank, stage
-    0; one full tensor on every stage's TP rank 0, which sends it)."""
+    0; one full tensor on every stage's TP rank 0, which sends it); with `seq_len`, what one
+    sequence of that many tokens takes in the pool and how many the KV cache holds at once."""
+    tp = engine_tp(share, layout)
     pool = share.gpu_util * gpu_bytes
-    weights = engine_weights_bytes(shape, engine_tp(share, layout))
+    weights = engine_weights_bytes(shape, tp)
+    kv_cache = max(0.0, pool - weights)
+    recurrent, conv = linear_state_bytes_per_sequence(shape, tp)
+    per_token = kv_cache_bytes_per_token(shape, tp)
+    kv_seq = per_token * seq_len if seq_len else 0.0
+    per_seq = kv_seq + recurrent + conv
     return GenerationTerms(
         pool=pool,
         engine_weights=weights,
-        kv_cache=max(0.0, pool - weights),
+        kv_cache=kv_cache,
         refit_bucket=share.refit_bucket_mb * MIB if stage == 0 else 0.0,
         refit_full_param=largest_full_tensor(shape, layout, stage) * ENGINE_BYTES,
+        kv_per_sequence=kv_seq,
+        linear_state_per_sequence=recurrent,
+        conv_state_per_sequence=conv,
+        sequences=int(kv_cache // per_seq) if seq_len and per_seq else 0,
     )
 
 
@@ -197,18 +243,22 @@ def engine_fields(
     gpu_bytes: float,
     vllm: EngineShare | None,
     states: tuple[float, float, float, float],
+    seq_len: int | None = None,
 ) -> dict:
     """planning.memory.MemoryEstimate's generation fields on stage `stage`, and "held" (the
     engine's own memory on the GPU at the generation phase's peak: its pool, or its weights
     alone at a refit before the KV cache), for the trainer's `states` = (weights, gradients,
-    optimiser, reference) there and MemorySettings.offload `offload`."""
+    optimiser, reference) there and MemorySettings.offload `offload`; `seq_len`: the sequence
+    the per-sequence terms describe (None: those of the KV cache are 0)."""
     weights, reference = states[0], states[3]
     out = dict(engine_pool=0.0, engine_weights=0.0, refit_bucket=0.0, refit_full_param=0.0,
                vllm_train_phase=0.0, vllm_kv_cache=0.0, generate_phase=0.0, refit_phase=0.0,
+               engine_kv_per_sequence=0.0, engine_linear_state_per_sequence=0.0,
+               engine_conv_state_per_sequence=0.0, engine_sequences=0,
                held=0.0)  # fmt: skip
     if vllm is None:
         return out
-    terms = generation_terms(shape, layout, stage, vllm, gpu_bytes)
+    terms = generation_terms(shape, layout, stage, vllm, gpu_bytes, seq_len)
     kept = trainer_kept(offload, vllm, states)
     generate, refit, held = generation_phase(terms, vllm, kept, weights, reference)
     return out | dict(
@@ -220,6 +270,10 @@ def engine_fields(
         vllm_kv_cache=terms.kv_cache,
         generate_phase=generate,
         refit_phase=refit,
+        engine_kv_per_sequence=terms.kv_per_sequence,
+        engine_linear_state_per_sequence=terms.linear_state_per_sequence,
+        engine_conv_state_per_sequence=terms.conv_state_per_sequence,
+        engine_sequences=terms.sequences,
         held=terms.pool if held == "pool" else terms.engine_weights,
     )
 
@@ -267,7 +321,32 @@ def engine_json(share: EngineShare | None) -> dict:
 
 
 def kv_cache_bytes_per_token(shape: ModelShape, tp: int, kv_bytes: int = 2) -> float:
-    """An engine's KV cache per token on one GPU of a TP-`tp` engine (keys and values, every
-    layer)."""
+    """An engine's KV cache per token on one GPU of a TP-`tp` engine (keys and values of every
+    full-attention layer; a Gated DeltaNet layer keeps none: linear_state_bytes_per_sequence)."""
     kv_heads_local = max(1, shape.num_query_groups // tp)  # engines replicate when tp > kv
-    return 2 * shape.num_layers * kv_heads_local * shape.head_dim * kv_bytes
+    layers = sum(not shape.is_linear_attention_layer(i) for i in range(shape.num_layers))
+    return 2 * layers * kv_heads_local * shape.head_dim * kv_bytes
+
+
+def linear_state_bytes_per_sequence(shape: ModelShape, tp: int) -> tuple[float, float]:
+    """(recurrent, convolution) state bytes one sequence holds on one GPU of a TP-`tp` engine
+    over all its Gated DeltaNet layers, whatever its length (module docstring: vLLM's
+    gated_delta_net_state_shape); (0, 0) without such layers."""
+    layers = sum(shape.is_linear_attention_layer(i) for i in range(shape.num_layers))
+    if not layers:
+        return 0.0, 0.0
+    nv, dk, dv = (shape.linear_num_value_heads, shape.linear_key_head_dim,
+                  shape.linear_value_head_dim)  # fmt: skip
+    conv_dim = 2 * shape.linear_num_key_heads * dk + nv * dv
+    recurrent = -(-nv // tp) * dv * dk * GDN_STATE_BYTES
+    conv = -(-conv_dim // tp) * (shape.linear_conv_kernel_dim - 1) * GDN_CONV_BYTES
+    return float(layers * recurrent), float(layers * conv)
+
+
+def sequence_cache_bytes(shape: ModelShape, tp: int, seq_len: int) -> float:
+    """What one sequence of `seq_len` tokens takes in a TP-`tp` engine's KV cache on one GPU:
+    the full-attention layers' keys and values of every token and the Gated DeltaNet layers'
+    fixed states."""
+    return kv_cache_bytes_per_token(shape, tp) * seq_len + sum(
+        linear_state_bytes_per_sequence(shape, tp)
+    )

@@ -197,6 +197,10 @@ def check_memory(
     if shape is None:
         return None, None
     layout, step, vllm, seq_len = recipe_plan(recipe, layout.dp)
+    try:  # the model's rules (Gated DeltaNet layers: cp 1), under the recipe's keys
+        layout.check_training(shape)
+    except LayoutError as e:
+        raise ValueError(e.renamed(RECIPE_KEYS)) from None
     v = assess(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len,
                headroom=headroom)  # fmt: skip
     if v.fits:

@@ -82,15 +82,15 @@ def logprob_phase_bytes(
     return resident + layer + logits, logits
 
 
-def step_phases(shape, layout, step, stage, gpu_bytes, vllm, parts, per_layer) -> dict:
+def step_phases(shape, layout, step, stage, gpu_bytes, vllm, parts, per_layer, seq_len=None):
     """The three phases' peaks on one stage (training, generation by a colocated engine, the
-    log-prob pass) and the engine's fields (generation_memory.engine_fields, "gen"):
-    `parts` = (weights, gradients, optimiser, activations, logits, reference) of the training
-    phase; `per_layer`: tokens per GPU -> one layer's activations. The peak's phase is the
-    largest, training on a tie."""
+    log-prob pass) and the engine's fields (generation_memory.engine_fields, "gen", its
+    per-sequence terms for `seq_len` tokens): `parts` = (weights, gradients, optimiser,
+    activations, logits, reference) of the training phase; `per_layer`: tokens per GPU -> one
+    layer's activations. The peak's phase is the largest, training on a tie."""
     weights, grads, optimizer, activations, logits, reference = parts
     states = (weights, grads, optimizer, reference)
-    gen = engine_fields(shape, layout, step.offload, stage, gpu_bytes, vllm, states)
+    gen = engine_fields(shape, layout, step.offload, stage, gpu_bytes, vllm, states, seq_len)
     awake = gen["vllm_train_phase"]  # an engine that does not sleep keeps its pool
     train = weights + grads + optimizer + activations + logits + reference + awake
     # the log-prob pass keeps what the trainer keeps beside the engine, at least its weights

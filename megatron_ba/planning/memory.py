@@ -206,9 +206,17 @@ class MemoryEstimate:
     in_flight_tokens: int = 0  # their tokens, before CP splits them
     logprob_logits: float = 0.0  # the log-prob pass's logits path (planning/logprob_memory.py)
     logprob_phase: float = 0.0  # the log-prob pass's peak (0: no pass of its own)
+    # What one sequence takes in the engine's KV cache (generation_memory.sequence_cache_bytes;
+    # 0 when the estimate is not given the sequence's length): its full-attention layers' keys
+    # and values, which grow with its tokens, and its Gated DeltaNet layers' recurrent and
+    # convolution states, which do not; and how many such sequences the KV cache holds at once.
+    engine_kv_per_sequence: float = 0.0
+    engine_linear_state_per_sequence: float = 0.0
+    engine_conv_state_per_sequence: float = 0.0
+    engine_sequences: int = 0
 
     def breakdown_gib(self) -> dict[str, float]:
-        skip = ("worst_stage", "peak_phase", "in_flight", "in_flight_tokens")
+        skip = ("worst_stage", "peak_phase", "in_flight", "in_flight_tokens", "engine_sequences")
         return {k: round(v / GIB, 3) for k, v in asdict(self).items() if k not in skip}
 
     @property
@@ -239,9 +247,10 @@ def stage_params(
     last. experts: True for only the routed experts' parameters, False for all the others, None
     for both."""
     pp = layout.pp
-    layers = layout.stage_layers(shape.num_layers)[stage]
-    n_exp = layers * shape.layer_expert_params()
-    n = layers * shape.layer_dense_params()
+    first = layout.layer_offset(shape.num_layers, stage)
+    indices = range(first, first + layout.stage_layers(shape.num_layers)[stage])
+    n_exp = sum(shape.layer_expert_params(i) for i in indices)  # each layer by its type
+    n = sum(shape.layer_dense_params(i) for i in indices)
     if stage == 0:
         n += shape.embedding_params()
     if stage == pp - 1:
@@ -259,17 +268,20 @@ def estimate(
     gpu_mem_gib: float,
     vllm: EngineShare | None = None,
     precision: Precision = PRECISION,
+    seq_len: int | None = None,
 ) -> MemoryEstimate:
-    """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks).
+    """The per-GPU estimate of the worst pipeline stage (the larger of its phases' peaks);
+    `seq_len`: the sequence the engine's per-sequence terms describe (None: those are 0).
     ValueError naming the flag when `layout` cannot train `shape` (ParallelLayout's rules: a pp
-    that does not divide the layers needs the layout's uneven stages)."""
+    that does not divide the layers needs the layout's uneven stages; Gated DeltaNet layers
+    train at cp 1)."""
     try:
         layout.check_training(shape)
     except LayoutError as e:
         raise ValueError(e.renamed(FLAGS)) from None
     best = None
     for stage in range(layout.pp):
-        est = _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, precision)
+        est = _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, precision, seq_len)
         if best is None or est.total > best.total:
             best = est
     return best
@@ -303,10 +315,13 @@ def in_flight_tokens(step: MemorySettings, layout: ParallelLayout, stage: int) -
     return count, sum(min(mbt, share - i * mbt) for i in range(count))
 
 
-def layer_activations(shape: ModelShape, layout: ParallelLayout, prec: Precision, n: float):
-    """One layer's saved activations for n tokens per GPU."""
+def layer_activations(
+    shape: ModelShape, layout: ParallelLayout, prec: Precision, n: float, index: int | None = None
+):
+    """Layer `index`'s saved activations for n tokens per GPU (None: the model's largest layer,
+    ModelShape.layer_activation_elements)."""
     t = layout.tp
-    out = shape.layer_activation_elements() * prec.act_bytes * n
+    out = shape.layer_activation_elements(index) * prec.act_bytes * n
     out /= t  # TP shards heads and the MLP; sequence parallelism shards the rest
     if t > 1 and not layout.sequence_parallel:
         out += 4 * shape.hidden_size * prec.act_bytes * n * (1 - 1 / t)
@@ -320,15 +335,19 @@ def _activations(shape, layout, step, stage, prec):
     t, c = layout.tp, layout.cp
     tokens = step.micro_batch_tokens / c  # CP splits every sequence across c ranks
     layers = layout.stage_layers(shape.num_layers)[stage]
+    first = layout.layer_offset(shape.num_layers, stage)
     flight = in_flight_tokens(step, layout, stage)
     held = flight[1] / c  # the in-flight micro-batches' tokens on this GPU
 
-    def per_layer(n):
-        return layer_activations(shape, layout, prec, n)
+    def per_layer(n, index):
+        return layer_activations(shape, layout, prec, n, index)
 
-    no_recompute = layers * per_layer(held)
+    # each layer by its type (a hybrid model's Gated DeltaNet and full-attention layers differ)
+    indices = range(first, first + layers)
+    no_recompute = sum(per_layer(held, i) for i in indices)
     kept_inputs = shape.hidden_size * prec.act_bytes * held / (t if layout.sequence_parallel else 1)
-    full_recompute = layers * kept_inputs + per_layer(tokens)  # + one layer being redone
+    redone = max(per_layer(tokens, i) for i in indices)  # the stage's largest layer being redone
+    full_recompute = layers * kept_inputs + redone
     return no_recompute, full_recompute, tokens, flight
 
 
@@ -357,7 +376,7 @@ def _logits(shape, layout, step, stage, tokens, prec):
     return naive, chunked, megatron, fp32
 
 
-def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec) -> MemoryEstimate:
+def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec, seq_len=None):
     weights, grads, optimizer = _states(shape, layout, step, stage, prec)
     no_recompute, full_recompute, tokens, flight = _activations(shape, layout, step, stage, prec)
     activations = full_recompute if step.recompute_mode == "full" else no_recompute
@@ -368,7 +387,7 @@ def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec) -> Memo
     reference = weights if step.reference else 0.0  # sharded as the policy
     parts = (weights, grads, optimizer, activations, logits, reference)
     p = step_phases(shape, layout, step, stage, gpu_mem_gib * GIB, vllm, parts,
-                    lambda n: layer_activations(shape, layout, prec, n))  # fmt: skip
+                    lambda n: layer_activations(shape, layout, prec, n), seq_len)  # fmt: skip
     gen = p["gen"]
     held = gen.pop("held")
     # the engine's memory (its pool, or its weights) is its own, outside the trainer's allocator

@@ -14,7 +14,8 @@ anything. A layout fits when all three hold: the tensors' peak within (1 - headr
 (the headroom stands for what the estimate leaves out and its error; HEADROOM, the CLI's
 default), the whole estimate, overheads included (planning/memory.py), within the GPU's memory,
 and a colocated engine's pool (vLLM's gpu_memory_utilization, SGLang's mem_fraction_static of
-the GPU), after its weights, holding one sequence's KV cache.
+the GPU), after its weights, holding one sequence's KV cache (and, for a model with Gated
+DeltaNet layers, their fixed per-sequence states).
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ from dataclasses import dataclass, replace
 
 from megatron_ba.model_shape import ModelShape
 from megatron_ba.parallel.parallel_layout import LayoutError, ParallelLayout, balanced_stages
-from megatron_ba.planning.generation_memory import engine_tp, engine_weights_bytes
-from megatron_ba.planning.memory import (
-    GIB,
-    EngineShare,
-    MemoryEstimate,
-    MemorySettings,
-    estimate,
-    kv_cache_bytes_per_token,
+from megatron_ba.planning.generation_memory import (
+    engine_tp,
+    engine_weights_bytes,
+    sequence_cache_bytes,
 )
+from megatron_ba.planning.memory import GIB, EngineShare, MemoryEstimate, MemorySettings, estimate
 
 # gpu_memory_gib("H100")        # 79.11: what torch reports as the GPU's total capacity
 #     overhead_bytes(peak_bytes)    # CUDA context, NCCL buffers, allocator fragmentation
@@ -96,7 +94,7 @@ def assess(
 ) -> Verdict:
     """The verdict on one layout and its step's settings (module docstring); the reason names
     every part that failed, after what the layout needs per GPU."""
-    e = estimate(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm)
+    e = estimate(shape, layout, step, gpu_mem_gib=gpu_mem_gib, vllm=vllm, seq_len=seq_len)
     gpu = gpu_mem_gib * GIB
     failed = []
     if e.total > gpu:
@@ -107,7 +105,9 @@ def assess(
             f"{(1 - headroom) * gpu_mem_gib:.1f} GiB the headroom of {headroom:g} leaves"
         )
     if vllm is not None:
-        need = kv_cache_bytes_per_token(shape, engine_tp(vllm, layout)) * seq_len
+        # one sequence: its full-attention layers' keys and values and, for a Qwen3.5 model,
+        # its Gated DeltaNet layers' fixed states (generation_memory.sequence_cache_bytes)
+        need = sequence_cache_bytes(shape, engine_tp(vllm, layout), seq_len)
         if e.vllm_kv_cache < need:
             weights = engine_weights_bytes(shape, engine_tp(vllm, layout)) / GIB
             failed.append(
