@@ -9,3 +9,6 @@ and on one process, and compares.
 - controls: the negative controls (the production step with one property broken on purpose);
 - workers: the spawned ranks' bodies.
 """
+
+# The models the check builds (cases.tiny_spec); here, torch-free, for the CLI's choices.
+MODELS = ("debug", "tiny-moe", "tiny-qwen3.5", "tiny-qwen3.5-moe")

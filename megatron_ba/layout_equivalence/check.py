@@ -59,7 +59,8 @@ def compute_reference(
     cases: list[Case], seed: int, path: str, sequences: int = SEQUENCES, model: str = "debug"
 ) -> None:
     """The single-process results of every (rule, scope, rollout correction) in `cases`, saved
-    to `path` (`model`: the check's model, cases.MODELS; one process holds every expert)."""
+    to `path` (`model`: the check's model, layout_equivalence.MODELS; one process holds every
+    expert)."""
     keys = sorted({(c.rule, c.scope, c.rollout_correction) for c in cases})
     spawn(workers.reference_worker, 1, (free_port(), seed, keys, path, sequences, model))
 
@@ -76,10 +77,11 @@ def run_layout(
 ) -> LayoutReport:
     """Run every case on `layout` in one launch and compare with the single-process reference.
 
-    `model`: the checked model (cases.MODELS); `attention`: the local spec's core attention of
-    the layout under test (the reference runs the unfused one). `reference`: a file written by
-    `compute_reference` for (a superset of) these cases' rules, scopes and rollout corrections,
-    this seed, model and number of sequences; computed here, in a temporary file, when None.
+    `model`: the checked model (layout_equivalence.MODELS); `attention`: the local spec's core
+    attention of the layout under test (the reference runs the unfused one). `reference`: a file
+    written by `compute_reference` for (a superset of) these cases' rules, scopes and rollout
+    corrections, this seed, model and number of sequences; computed here, in a temporary file,
+    when None.
     """
     check_layout_possible(layout, cases, sequences=sequences, model=model, attention=attention)
     with tempfile.TemporaryDirectory() as tmp:

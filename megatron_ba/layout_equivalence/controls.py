@@ -19,12 +19,17 @@ that holds it, or megatron-core's gradient finalisation wrapped):
     parallelism marks `sequence_parallel` (the norms' weights, the router's) keep this TP rank's
     gradient, the share of its slice of the sequence, instead of its sum over the TP group.
     Equal to the exact step without sequence parallelism (nothing is marked); wrong under it.
+  * `deltanet_norm_grads_unreduced`: the exact step, but the Gated DeltaNet's output norms
+    (Qwen3.5) keep this TP rank's heads' share of their weight's gradient instead of its sum over
+    TP (what megatron-core's own norm in that place does). Equal to the exact step at tp = 1;
+    wrong at tp > 1.
 
 The check must see each control fail wherever its property matters (tests/test_layout_matrix.py).
 """
 
 from __future__ import annotations
 
+from megatron_ba.megatron import grpo_step
 from megatron_ba.megatron.grpo_step import PreparedStep, StepResult
 from megatron_ba.megatron.loss_scale import loss_scale
 from megatron_ba.parallel.full_shape import is_expert_name
@@ -138,3 +143,21 @@ def _sequence_parallel_unmarked(finalize, chunks):
                 p.sequence_parallel = True
 
     return wrapped
+
+
+def deltanet_norm_grads_unreduced(
+    chunks, batch, settings: StepSettings, split, *, num_groups, reducer=None
+) -> StepResult:
+    """forward_backward whose DeltaNet output norms skip their gradient's TP all-reduce."""
+    from megatron_ba.megatron.hybrid import HeadSharedRMSNorm
+
+    norms = [m for c in chunks for m in c.modules() if isinstance(m, HeadSharedRMSNorm)]
+    for norm in norms:
+        norm.sum_grad_over_tp = False
+    try:
+        return grpo_step.forward_backward(
+            chunks, batch, settings, split, num_groups=num_groups, reducer=reducer
+        )
+    finally:
+        for norm in norms:
+            norm.sum_grad_over_tp = True

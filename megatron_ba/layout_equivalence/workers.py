@@ -18,6 +18,7 @@ import torch
 from megatron_ba.layout_equivalence.cases import (
     Case,
     case_rows,
+    grad_tolerance,
     num_groups,
     synthetic_batch,
     tiny_spec,
@@ -262,6 +263,7 @@ def layout_worker(rank, world, port, layout, model, attention, cases, ref_path, 
                 loss_ref=loss_ref,
                 reducer_calls=collectives.all_gather_object(calls),
                 fraction_corrected=_fraction_corrected(batch, case),
+                grad_tolerance=grad_tolerance(model),
             )
         )
     rows = case_rows(batch, layout, OPTIMIZER_CASE, dp_rank)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from megatron_ba.megatron import hybrid
 from megatron_ba.megatron.model import (
     local_layer_spec,
     model_pg_collection_without_cp,
@@ -116,6 +117,8 @@ class BuildOptions:
         """The layer spec: Transformer Engine's or the local one (q/k norms as `spec` says).
         A mixture-of-experts spec gets model.moe_layer_spec(config), the decoder block spec
         following the config's pattern of expert and dense layers (`config` required)."""
+        if hybrid.is_hybrid(spec):
+            return self._hybrid_layer_spec(spec, config)
         if spec.num_experts:
             return self._moe_layer_spec(config)
         if self.transformer_impl == "transformer_engine":
@@ -132,6 +135,28 @@ class BuildOptions:
 
             return sdpa_layer_spec(local)
         return local
+
+    def _hybrid_layer_spec(self, spec, config):
+        """Qwen3.5's block spec (megatron_ba.megatron.hybrid: local modules), its
+        full-attention layers' core SDPAttention when `attention` is "sdpa"."""
+        if config is None:
+            raise ValueError("config: Qwen3.5's block spec needs the TransformerConfig")
+        if self.transformer_impl != "local":
+            raise ValueError(
+                "transformer_impl: Qwen3.5's Gated DeltaNet and zero-centred norms are built from "
+                "megatron-core's local modules here; Transformer Engine layers for them are not "
+                "wired up (use transformer_impl local)"
+            )
+        block = hybrid.hybrid_block_spec(config, spec)
+        if self.attention != "sdpa":
+            return block
+        from megatron_ba.megatron.sdpa_attention import sdpa_layer_spec
+
+        layers = [
+            layer if spec.is_linear_attention_layer(i) else sdpa_layer_spec(layer)
+            for i, layer in enumerate(block.layer_specs)
+        ]
+        return dataclasses.replace(block, layer_specs=layers)
 
     def _moe_layer_spec(self, config):
         if config is None:

@@ -46,6 +46,17 @@ One more patch, for sequence parallelism only:
    same way; with SP off it is megatron-core's own path. The sequence scatter and gather are
    megatron-core's own: gloo runs reduce_scatter_tensor and all_gather_into_tensor (torch 2.13).
 
+And one for Qwen3.5's Gated DeltaNet layers only:
+
+7. `install_gated_delta_net()` (megatron-core 0.16.1: ssm/gated_delta_net.py; 0.19.2:
+   ssm/gated_delta_net/common.py): GatedDeltaNet refuses to build without the
+   flash-linear-attention package (`HAVE_FLA`), whose CUDA/Triton kernels do not run on CPU.
+   With `deterministic_mode` (merged by megatron_ba.megatron.model for hybrid models on CPU)
+   megatron-core takes its own torch paths for the conv1d and the gated delta rule; only fla's
+   `l2norm` of q and k is still called. The shim sets HAVE_FLA and binds `l2norm` to the same
+   arithmetic in torch (x * rsqrt(sum(x^2) + 1e-6) over the head's channels; transformers'
+   Qwen3.5 `l2norm`).
+
 The causal attention mask is passed explicitly by megatron_ba.megatron.grpo_step, which avoids
 megatron-core's `get_default_causal_mask` (it allocates on "cuda"); that works on GPUs too.
 Nothing here is needed (or wanted) on a GPU cluster.
@@ -286,6 +297,33 @@ def install_sequence_parallel() -> list[str]:
         return []
     cls.__new__ = staticmethod(_norm_with_sequence_parallel(cls.__new__))
     done = ["transformer.torch_norm.WrappedTorchNorm"]
+    _installed.extend(done)
+    return done
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """fla's l2norm in torch: x / sqrt(sum of squares + eps) over `dim` (shim 7)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def install_gated_delta_net() -> list[str]:
+    """Shim 7: megatron-core's GatedDeltaNet without flash-linear-attention (idempotent;
+    returns the shims this call installed)."""
+    install()
+    import importlib
+
+    done = []
+    for name in ("megatron.core.ssm.gated_delta_net.common", "megatron.core.ssm.gated_delta_net"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "HAVE_FLA"):
+            if not module.HAVE_FLA:
+                module.HAVE_FLA = True
+                module.l2norm = _l2norm
+                done.append(f"{name.removeprefix('megatron.core.')}.l2norm")
+            break
     _installed.extend(done)
     return done
 

@@ -72,7 +72,10 @@ def set_yarn_fields(config, spec) -> None:
 def gpt_model_kwargs(spec) -> dict[str, Any]:
     """GPTModel's position embedding arguments."""
     kind = "rope" if spec.rope_scaling is None else "yarn"
-    return {"position_embedding_type": kind, "rotary_base": int(spec.rope_theta)}
+    kwargs = {"position_embedding_type": kind, "rotary_base": int(spec.rope_theta)}
+    if spec.rotary_percent != 1.0:  # Qwen3.5: RoPE on the first quarter of each head
+        kwargs["rotary_percent"] = spec.rotary_percent
+    return kwargs
 
 
 def check_cp(spec, pg_collection) -> None:
