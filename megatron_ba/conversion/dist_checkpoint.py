@@ -9,7 +9,8 @@ The tensors go through `megatron.core.dist_checkpointing.save/load` of the model
 `sharded_state_dict()` (the `torch_dist` format: every shard is stored with its global offsets,
 so a checkpoint written at one TP x PP layout loads at another). Beside them the folder holds
 `megatron_ba_spec.json` (the ModelSpec) and `hf/` (the source's config.json, tokenizer files and
-generation_config.json) so `megatron-ba convert --to hf` can rebuild the model and its folder.
+generation_config.json; a Qwen3.5 source's vision tower and MTP tensors, megatron_io.copy_carried)
+so `megatron-ba convert --to hf` can rebuild the model and its folder.
 
 CPU: megatron-core 0.16.1's torch_dist save path calls `torch.cuda.synchronize()` after copying
 tensors to the host (`FileSystemWriterAsync.preload_tensors`, non_blocking=True is hard-coded in
@@ -30,6 +31,7 @@ import torch
 
 from megatron_ba.conversion import hf_folder
 from megatron_ba.conversion.hf_config import DTYPE_NAMES, DTYPES
+from megatron_ba.conversion.megatron_io import copy_carried
 from megatron_ba.megatron.mcore_compat import check_checkpoint_readable
 from megatron_ba.megatron.model import ModelSpec
 from megatron_ba.parallel import collectives
@@ -116,7 +118,9 @@ def load_sharded(sharded_sd: dict, ckpt_dir: str | Path) -> dict:
 
 def write_model_meta(out: str | Path, spec, source_dir=None) -> None:
     """The spec and the source's config / tokenizer files beside the tensors (the writer rank),
-    what `megatron-ba convert --to hf` rebuilds the model and its folder from."""
+    what `megatron-ba convert --to hf` rebuilds the model and its folder from; with them the
+    source's tensors that are not the model's (Qwen3.5's vision tower and MTP head) and how it
+    stores the model's (megatron_io.copy_carried), for the export to write them back."""
     out = Path(out)
     hf_folder.write_json(out / SPEC_FILE, spec_to_json(spec))
     if source_dir is not None:
@@ -124,6 +128,7 @@ def write_model_meta(out: str | Path, spec, source_dir=None) -> None:
         src = Path(source_dir)
         (out / HF_META / "config.json").write_text((src / "config.json").read_text())
         hf_folder.copy_side_files(src, out / HF_META)
+        copy_carried(src, out / HF_META, spec)
 
 
 def model_sharded_state_dict(chunks: list[torch.nn.Module]) -> dict:

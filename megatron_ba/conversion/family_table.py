@@ -8,7 +8,19 @@ rule saying which Hugging Face tensors it is made of:
 - `FusedQKV(q, k, v)`: megatron's `linear_qkv` holds, for each query group g, its r = heads /
   groups q heads, then one k head, then one v head (rows [g][q_1..q_r, k, v][head_dim]); HF holds
   q_proj / k_proj / v_proj with q head j in kv group j // r, so the split is a reshape per group;
-- `GatedFC1(gate, up)`: megatron's `linear_fc1` is [gate; up] stacked along rows.
+- `GatedFC1(gate, up)`: megatron's `linear_fc1` is [gate; up] stacked along rows;
+- `GatedQKV(q, k, v)` (Qwen3.5's full attention with an output gate): HF `q_proj` has 2 * heads
+  * head_dim rows, per head h [q_h; gate_h] (transformers' Qwen3NextAttention views its output as
+  (..., heads, 2 * head_dim) and chunks the last dim into query and gate); megatron's
+  `linear_qkv` holds, for each query group g, [its r q heads; its r gate heads; its k head; its
+  v head] (rows [g][q_1..q_r, gate_1..gate_r, k, v][head_dim], megatron-core's
+  get_query_key_value_tensors with output_gate), q / gate head j of group g being HF head
+  g * r + j;
+- `DeltaNetInProj(qkv, z, b, a)` (a Gated DeltaNet layer): megatron's `in_proj` is the rows of
+  HF's `in_proj_qkv` (2 Kd + Vd: q; k; v), `in_proj_z` (Vd), `in_proj_b` (nv: beta) and
+  `in_proj_a` (nv: alpha) stacked in that order (megatron-core's GatedDeltaNet splits its output
+  so), Kd = linear_num_key_heads * linear_key_head_dim, Vd = linear_num_value_heads *
+  linear_value_head_dim, nv = linear_num_value_heads.
 
 One table serves both directions, so a name can never map one way and not back. Transformer
 Engine layer specs spell two parameters differently (the norm before a linear is fused into it:
@@ -22,10 +34,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from megatron_ba.conversion.fused_layouts import (
+    merge_gated,
+    merge_gated_qkv,
+    merge_in_proj,
+    merge_qkv,
+    split_gated,
+    split_gated_qkv,
+    split_in_proj,
+    split_qkv,
+)
 from megatron_ba.parallel.full_shape import EMBEDDING, megatron_layer_name, split_megatron_layer
 
 
@@ -47,7 +69,22 @@ class GatedFC1:
     up: str
 
 
-Rule = Copy | FusedQKV | GatedFC1
+@dataclass(frozen=True)
+class GatedQKV:
+    q: str
+    k: str
+    v: str
+
+
+@dataclass(frozen=True)
+class DeltaNetInProj:
+    qkv: str
+    z: str
+    b: str
+    a: str
+
+
+Rule = Copy | FusedQKV | GatedFC1 | GatedQKV | DeltaNetInProj
 
 # Transformer Engine spelling -> local spec spelling (per layer); see the module docstring.
 # megatron-core's own map says the same: its local layer spec (0.16.1, gpt_layer_specs.py,
@@ -134,6 +171,16 @@ class FamilyTable:
     moe_layer: in a mixture-of-experts layer (`spec.is_moe_layer(i)`), the rules that replace
     `layer`'s dense `mlp.` ones (the router); expert: per-expert suffix (after
     `mlp.experts.local_experts.{j}.`) -> rule whose HF names hold `{e}`, the expert number.
+    linear_layer: in a Gated DeltaNet layer (`spec.is_linear_attention_layer(i)`), the rules
+    that replace `layer`'s `self_attention.` ones.
+    hf_prefix: the HF prefix of the language model's tensors (`model.`; `model.language_model.`
+    in Qwen3.5's ConditionalGeneration layout: `with_prefix`); the tables spell HF names with
+    `model.` and `hf_names_of` puts this prefix in its place (`lm_head.` has none).
+    carried: None (every tensor of a checkpoint is the table's), or the HF prefixes of tensors
+    that are not the language model's and pass through a conversion unchanged (Qwen3.5's
+    `model.visual.`, `mtp.`); with it, every tensor outside `hf_prefix` and `lm_head.` is
+    carried too. refused: megatron name prefix -> what it is, for parts of the checkpoint that
+    are carried and never converted (a model that holds them is refused by name).
     """
 
     family: str
@@ -144,17 +191,48 @@ class FamilyTable:
     optional: Mapping[str, str]
     moe_layer: Mapping[str, Rule] = field(default_factory=dict)
     expert: Mapping[str, Rule] = field(default_factory=dict)
+    linear_layer: Mapping[str, Rule] = field(default_factory=dict)
+    hf_prefix: str = "model."
+    carried: tuple[str, ...] | None = None
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+    def with_prefix(self, hf_prefix: str) -> FamilyTable:
+        """This table with the language model's HF tensors under `hf_prefix`."""
+        return self if hf_prefix == self.hf_prefix else replace(self, hf_prefix=hf_prefix)
+
+    def hf_name(self, name: str) -> str:
+        """A table's HF name (`model.`-spelled) under this table's prefix."""
+        if name.startswith("model.") and self.hf_prefix != "model.":
+            return self.hf_prefix + name[len("model.") :]
+        return name
+
+    def is_carried(self, hf_name: str) -> bool:
+        """Whether a checkpoint's tensor is not the language model's (passed through unchanged)."""
+        if self.carried is None:
+            return False
+        if hf_name.startswith(self.carried):
+            return True
+        return not hf_name.startswith((self.hf_prefix, "lm_head."))
+
+    def _refuse(self, name: str) -> None:
+        for prefix, what in self.refused.items():
+            if name.startswith(prefix):
+                raise ValueError(
+                    f"{name}: {what} is not converted ({prefix}* parameters): the export carries "
+                    f"the source checkpoint's tensors unchanged; build the model without it"
+                )
 
     def rule(self, name: str) -> tuple[Rule, int | None]:
-        """(rule, layer index or None) of a megatron name (either spelling); KeyError if none."""
+        """(rule, layer index or None) of a megatron name (either spelling); KeyError if none,
+        ValueError for a part the table refuses (`refused`)."""
         name = canonical_name(name)
+        self._refuse(name)
         if name in self.top:
             return self.top[name], None
         parts = split_megatron_layer(name)
-        if parts is not None and parts[1] in self.layer:
-            return self.layer[parts[1]], parts[0]
-        if parts is not None and parts[1] in self.moe_layer:
-            return self.moe_layer[parts[1]], parts[0]
+        for rules in (self.layer, self.moe_layer, self.linear_layer):
+            if parts is not None and parts[1] in rules:
+                return rules[parts[1]], parts[0]
         m = EXPERT.match(parts[1]) if parts is not None else None
         if m is not None and m.group(2) in self.expert:
             return _for_expert(self.expert[m.group(2)], int(m.group(1))), parts[0]
@@ -175,11 +253,17 @@ class FamilyTable:
 
     def _layer_suffixes(self, spec, i: int) -> list[str]:
         moe = bool(getattr(spec, "num_experts", 0)) and spec.is_moe_layer(i)
+        linear = bool(self.linear_layer) and spec.is_linear_attention_layer(i)
         out = []
         for rest in self.layer:
             flag = self.optional.get(rest)
-            if (flag is None or getattr(spec, flag)) and not (moe and rest.startswith("mlp.")):
+            replaced = (moe and rest.startswith("mlp.")) or (
+                linear and rest.startswith("self_attention.")
+            )
+            if (flag is None or getattr(spec, flag)) and not replaced:
                 out.append(rest)
+        if linear:
+            out += list(self.linear_layer)
         if moe:
             out += list(self.moe_layer)
             out += [expert_name(j, r) for j in range(spec.num_experts) for r in self.expert]
@@ -188,58 +272,12 @@ class FamilyTable:
     def hf_names_of(self, name: str) -> list[str]:
         rule, i = self.rule(name)
         hf = [rule.hf] if isinstance(rule, Copy) else list(vars(rule).values())
-        return hf if i is None else [hf_layer_name(i, h) for h in hf]
+        hf = hf if i is None else [hf_layer_name(i, h) for h in hf]
+        return [self.hf_name(h) for h in hf]
 
     def hf_names(self, spec) -> list[str]:
         """Every HF tensor a checkpoint of `spec` holds (a tied model has no lm_head)."""
         return [h for n in self.megatron_names(spec) for h in self.hf_names_of(n)]
-
-
-# --- fused layouts --------------------------------------------------------------------------
-
-
-def split_qkv(t: torch.Tensor, heads: int, groups: int, head_dim: int):
-    """megatron [groups * (r + 2) * head_dim, ...] -> q [heads * head_dim, ...], k, v."""
-    r = heads // groups
-    rest = t.shape[1:]
-    if t.shape[0] != groups * (r + 2) * head_dim:
-        raise ValueError(
-            f"linear_qkv: {t.shape[0]} rows, expected groups*(heads/groups+2)*head_dim = "
-            f"{groups}*({r}+2)*{head_dim}"
-        )
-    g = t.reshape(groups, r + 2, head_dim, *rest)
-    q = g[:, :r].reshape(heads * head_dim, *rest)
-    k = g[:, r].reshape(groups * head_dim, *rest)
-    v = g[:, r + 1].reshape(groups * head_dim, *rest)
-    return q, k, v
-
-
-def merge_qkv(q, k, v, heads: int, groups: int, head_dim: int) -> torch.Tensor:
-    """The inverse of `split_qkv`."""
-    r = heads // groups
-    rest = q.shape[1:]
-    for what, t, rows in (("q", q, heads), ("k", k, groups), ("v", v, groups)):
-        if t.shape[0] != rows * head_dim:
-            raise ValueError(f"{what}_proj: {t.shape[0]} rows, expected {rows} * {head_dim}")
-    fused = torch.cat(
-        [
-            q.reshape(groups, r, head_dim, *rest),
-            k.reshape(groups, 1, head_dim, *rest),
-            v.reshape(groups, 1, head_dim, *rest),
-        ],
-        dim=1,
-    )
-    return fused.reshape(-1, *rest)
-
-
-def split_gated(t: torch.Tensor):
-    """megatron linear_fc1 [gate; up] -> (gate, up)."""
-    gate, up = t.chunk(2, dim=0)
-    return gate, up
-
-
-def merge_gated(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.cat([gate, up], dim=0)
 
 
 # --- one tensor each way --------------------------------------------------------------------
@@ -257,10 +295,15 @@ def megatron_tensor(
         name = EMBEDDING
     rule, _ = table.rule(name)
     full = [read(h) for h in table.hf_names_of(name)]
+    heads = (spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
     if isinstance(rule, Copy):
         return full[0]
     if isinstance(rule, FusedQKV):
-        return merge_qkv(*full, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
+        return merge_qkv(*full, *heads)
+    if isinstance(rule, GatedQKV):
+        return merge_gated_qkv(*full, *heads)
+    if isinstance(rule, DeltaNetInProj):
+        return merge_in_proj(*full, spec)
     return merge_gated(*full)
 
 
@@ -273,10 +316,15 @@ def hf_tensors(
         return []
     rule, _ = table.rule(name)
     names = table.hf_names_of(name)
+    heads = (spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
     if isinstance(rule, Copy):
         parts = (tensor,)
     elif isinstance(rule, FusedQKV):
-        parts = split_qkv(tensor, spec.num_attention_heads, spec.num_query_groups, spec.head_dim)
+        parts = split_qkv(tensor, *heads)
+    elif isinstance(rule, GatedQKV):
+        parts = split_gated_qkv(tensor, *heads)
+    elif isinstance(rule, DeltaNetInProj):
+        parts = split_in_proj(tensor, spec)
     else:
         parts = split_gated(tensor)
     return list(zip(names, parts, strict=True))

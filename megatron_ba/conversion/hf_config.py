@@ -63,11 +63,29 @@ def set_rope(cfg: dict, theta: float, scaling: RopeScaling | None = None) -> Non
         cfg["rope_scaling"] = None
 
 
+def _dtype_key(cfg: dict) -> str:
+    return "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
+
+
 def dtype(cfg: dict) -> torch.dtype:
-    name = cfg.get("dtype", cfg.get("torch_dtype", "float32"))
+    """The checkpoint's dtype: `dtype` (transformers 5) or `torch_dtype` (4.x), else a nested
+    `text_config`'s (Qwen3.5's multimodal layout may keep it there only), else float32."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    name = cfg.get(_dtype_key(cfg)) or text.get(_dtype_key(text)) or "float32"
     if name not in DTYPES:
         raise ValueError(f"config.json: dtype {name!r} is not one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def set_dtype(cfg: dict, value: torch.dtype) -> None:
+    """Say `value` in `cfg` (its spelling, dtype or torch_dtype) and in a nested text_config that
+    names a dtype of its own (only there when the top level names none)."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    nested = "dtype" in text or "torch_dtype" in text
+    if nested:
+        text[_dtype_key(text)] = DTYPE_NAMES[value]
+    if not nested or "dtype" in cfg or "torch_dtype" in cfg:
+        cfg[_dtype_key(cfg)] = DTYPE_NAMES[value]
 
 
 def common_spec_fields(cfg: dict, family: str) -> dict[str, Any]:

@@ -9,6 +9,11 @@ Reading opens the file that holds the tensor for that one read (safetensors `saf
 closes it again: the file is memory-mapped only while one tensor is copied out, so a conversion's
 resident memory never holds the mapped checkpoint on top of the model (a handle kept open would
 keep every page it touched resident until closed).
+
+Fused expert tensors (`mlp.experts.gate_up_proj` / `down_proj`, conversion.hf_experts) are seen
+through per-expert names: `keys()` lists those in their place and `get` reads one expert's slice;
+`stored_keys()` and `dtype_of` tell what the files hold, name by name, so that an export can
+write each tensor back as its source stored it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from megatron_ba.conversion import hf_config, hf_experts
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -59,23 +66,95 @@ class HFCheckpoint:
             found = sorted(p.name for p in self.dir.iterdir() if p.suffix in (".bin", ".pt"))
             hint = f" (found {found[:3]}: convert .bin weights to safetensors)" if found else ""
             raise ValueError(f"model_dir: {str(self.dir)!r} has neither {SINGLE} nor {INDEX}{hint}")
+        self._headers: dict[Path, dict] = {}
+        fused = [k for k in self.files if hf_experts.FUSED.match(k)]
+        self.views = hf_experts.expert_views({k: self._entry(k)["shape"] for k in fused})
+        self._viewed = set(hf_experts.fused_counts(self.views))
 
     def config(self) -> dict:
         return json.loads((self.dir / "config.json").read_text())
 
     def keys(self) -> list[str]:
+        """The tensors by name, fused experts by their per-expert names."""
+        return [k for k in self.files if k not in self._viewed] + list(self.views)
+
+    def stored_keys(self) -> list[str]:
+        """The tensors as the files name them."""
         return list(self.files)
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
+        if name in self.views:
+            return hf_experts.read_view(self.views[name], self._read_expert)
         if name not in self.files:
             raise KeyError(f"model_dir: {str(self.dir)!r} holds no tensor {name!r}")
         with safe_open(str(self.files[name]), framework="pt") as f:
             return f.get_tensor(name)
 
+    def _read_expert(self, name: str, e: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_slice(name)[e]
+
+    def dtype_of(self, name: str) -> torch.dtype | None:
+        """The dtype the files store `name` in (a viewed expert: its fused tensor's); None for
+        one torch has no name for here."""
+        stored = self.views[name][0] if name in self.views else name
+        return SAFETENSORS_DTYPES.get(self._entry(stored)["dtype"])
+
+    def _entry(self, name: str) -> dict:
+        """`name`'s entry of its file's safetensors header (dtype, shape), read once per file."""
+        path = self.files[name]
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[path] = json.loads(f.read(size))
+        return self._headers[path][name]
+
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in set(self.files.values()))
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+
+
+def has_weights(model_dir: str | Path) -> bool:
+    """Whether a folder holds safetensors weights (a megatron checkpoint's hf/ may hold none)."""
+    d = Path(model_dir)
+    return (d / "config.json").is_file() and ((d / SINGLE).is_file() or (d / INDEX).is_file())
+
+
+# Beside a distributed checkpoint's copy of the source's config.json: how the source stores the
+# model's tensors, for an export to write them so (megatron_io.copy_carried).
+LAYOUT_FILE = "source_layout.json"
+
+
+def source_layout(model_dir: str | Path) -> dict:
+    """How a folder stores its tensors: {"dtypes": {name: safetensors dtype} for those not in
+    its config's dtype, "fused_experts": {fused expert tensor: experts}}; from LAYOUT_FILE where
+    there is one, else from its files (nothing without weights)."""
+    d = Path(model_dir)
+    if (d / LAYOUT_FILE).is_file():
+        return json.loads((d / LAYOUT_FILE).read_text())
+    if not has_weights(d):
+        return {"dtypes": {}, "fused_experts": {}}
+    ckpt = HFCheckpoint(d)
+    main, names = hf_config.dtype(ckpt.config()), {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    stored = {k: ckpt.dtype_of(k) for k in ckpt.stored_keys()}
+    dtypes = {k: names[t] for k, t in stored.items() if t is not None and t.is_floating_point}
+    return {
+        "dtypes": {k: v for k, v in dtypes.items() if stored[k] != main},
+        "fused_experts": hf_experts.fused_counts(ckpt.views),
+    }
 
 
 def _flush(tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
