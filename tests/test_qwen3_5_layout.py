@@ -14,11 +14,12 @@ log-probs and one AdamW step.
 Layouts: TP2 (the DeltaNet's key and value heads split), PP2 with uneven stages (1 + 3 layers:
 the embedding and a DeltaNet layer, then two DeltaNet layers, the attention layer and the
 head), DP2; for the MoE, DP2 x EP2 and EP2 x TP2 with sequence parallelism. Gradients are held to
-DELTANET_TOLERANCE: `test_deltanet_decay_gradients_float32_floor` measures the one-process
-float32 model's own error against float64 on the decay parameters and checks the tolerance is
-below it. The negative control: the DeltaNet output norm's gradient left unreduced over TP (what
-megatron-core's own norm in that place does) must fail at TP2 and pass at TP1. Context
-parallelism is refused by name (megatron-core 0.16.1's GatedDeltaNet has none).
+TOLERANCE, except the DeltaNet's decay parameters (A_log, dt_bias), held to DECAY_TOLERANCE:
+`test_deltanet_decay_gradients_float32_floor` measures the one-process float32 model's own error
+against float64 there (above TOLERANCE, within DECAY_TOLERANCE) and on every other parameter
+(within TOLERANCE). The negative control: the DeltaNet output norm's gradient left unreduced over
+TP (what megatron-core's own norm in that place does) must fail at TP2 and pass at TP1. Context
+parallelism is refused by name (megatron-core's GatedDeltaNet has none).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_ba.layout_equivalence.cases import DELTANET_TOLERANCE
+from megatron_ba.layout_equivalence.cases import DECAY_TOLERANCE
 from megatron_ba.layout_equivalence.check import (
     TOLERANCE,
     Case,
@@ -76,15 +77,15 @@ def test_qwen3_5_layout_matches_single_process(name, references):
     model, layout, cases = LAYOUTS[name]
     report = run_layout(layout, cases, seed=0, reference=references[model], model=model)
     assert report.logprobs_err <= TOLERANCE and report.entropy_err <= TOLERANCE
-    assert report.grad_norm_rel_err <= DELTANET_TOLERANCE
+    assert report.grad_norm_rel_err <= TOLERANCE
     assert report.update_rel_err <= 1e-3  # AdamW's g / (|g| + eps) amplifies rounding
     failures = []
     for r in report.cases:
         print(
             f"{model} {layout} {r.case}: max_rel_grad_err={r.max_rel_grad_err:.3e} "
-            f"loss_err={r.loss_err:.3e}"
+            f"max_rel_decay_grad_err={r.max_rel_decay_grad_err:.3e} loss_err={r.loss_err:.3e}"
         )
-        assert r.grad_tolerance == DELTANET_TOLERANCE
+        assert r.max_rel_decay_grad_err > 0  # the decay parameters were compared
         assert r.reducer_calls == expected_reducer_calls(layout, r.case), str(r.case)
         if r.case.deltanet_norm_grads_unreduced and layout.tp > 1:
             if r.max_rel_grad_err < 1e-2:  # must fail clearly, not by rounding
@@ -150,8 +151,9 @@ def _floor_worker(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_deltanet_decay_gradients_float32_floor(tmp_path):
-    """The DeltaNet's decay gradients carry float32 rounding above the layout tolerance in one
-    process already (so no layout can be held to 1e-5 there); the other parameters do not."""
+    """The DeltaNet's decay gradients carry float32 rounding above TOLERANCE in one process
+    already (so no layout can be held to it there), within DECAY_TOLERANCE; the other parameters
+    stay within TOLERANCE."""
     from megatron_ba.parallel.world import free_port, spawn
 
     out = tmp_path / "floor.json"
@@ -160,5 +162,6 @@ def test_deltanet_decay_gradients_float32_floor(tmp_path):
     decay = max(v for n, v in errs.items() if n.endswith((".A_log", ".dt_bias")))
     others = max(v for n, v in errs.items() if not n.endswith((".A_log", ".dt_bias")))
     print(f"float32 vs float64: decay {decay:.1e}, others {others:.1e}")
-    assert decay > DELTANET_TOLERANCE  # measured 8.2e-5 (2026-12-07)
-    assert others < 1e-5
+    # measured 8.2e-5 (megatron-core 0.16.1), 1.3e-4 (0.19.2) on 2026-12-07
+    assert TOLERANCE < decay <= DECAY_TOLERANCE
+    assert others < TOLERANCE

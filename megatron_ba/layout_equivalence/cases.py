@@ -29,13 +29,16 @@ from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLay
 from megatron_ba.step_settings import StepSettings
 
 TOLERANCE = 1e-5
-# Qwen3.5's models: the Gated DeltaNet runs its delta rule in float32 (megatron-core's and
-# transformers' torch kernels cast to it), and its decay parameters' gradients (A_log, dt_bias:
-# sums over every token of cumulative decays) carry that rounding: the one-process float32
-# tiny-qwen3.5 is 8.2e-5 from float64 on them, every other parameter within 1.6e-6
-# (tests/test_qwen3_5_layout.py measures it and holds this tolerance below it). Layouts differ
-# from one process by at most 2.0e-5 there (2026-12-07, TP2 with SP on tiny-qwen3.5-moe).
-DELTANET_TOLERANCE = 5e-5
+# Qwen3.5's Gated DeltaNet runs its delta rule in float32 (megatron-core's and transformers'
+# torch kernels cast to it), and the gradients of its decay parameters (A_log, dt_bias: sums over
+# every token of cumulative decays) carry that rounding: one float32 process of tiny-qwen3.5 is
+# 8.2e-5 (megatron-core 0.16.1) and 1.3e-4 (0.19.2) from float64 on them, every other parameter
+# within 1.6e-6 (tests/test_qwen3_5_layout.py measures both). They are held to DECAY_TOLERANCE,
+# that rounding rounded up; every other parameter to TOLERANCE. Layouts differ from one process
+# there by at most 2.0e-5 (0.16.1) and 7.5e-5 (0.19.2; 2026-12-07, TP2 with SP and EP2 on
+# tiny-qwen3.5-moe).
+DECAY_PARAMETERS = (".A_log", ".dt_bias")
+DECAY_TOLERANCE = 2e-4
 LOSS_CONFIG = GRPOLossConfig(
     clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01
 )
@@ -171,12 +174,17 @@ class CaseResult:
     # The share of the batch's response tokens the rollout correction truncated, masked or
     # rejected (0 without one): the check exercised it only if > 0.
     fraction_corrected: float = 0.0
-    # The gradients' tolerance for the checked model (grad_tolerance)
-    grad_tolerance: float = TOLERANCE
+    # The Gated DeltaNet decay parameters' gradients (DECAY_PARAMETERS; 0 for other models),
+    # which max_rel_grad_err leaves out: held to DECAY_TOLERANCE
+    max_rel_decay_grad_err: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.max_rel_grad_err <= self.grad_tolerance and self.loss_err <= TOLERANCE
+        return (
+            self.max_rel_grad_err <= TOLERANCE
+            and self.max_rel_decay_grad_err <= DECAY_TOLERANCE
+            and self.loss_err <= TOLERANCE
+        )
 
 
 @dataclass
@@ -201,12 +209,6 @@ def num_groups(sequences: int) -> int:
     """Groups of GROUP_SIZE consecutive rows; the last one smaller if GROUP_SIZE does not
     divide `sequences`."""
     return -(-sequences // GROUP_SIZE)
-
-
-def grad_tolerance(model: str) -> float:
-    """The gradients' tolerance of the check for `model`: TOLERANCE, or DELTANET_TOLERANCE for a
-    model with Gated DeltaNet layers."""
-    return DELTANET_TOLERANCE if tiny_spec(model).has_linear_attention else TOLERANCE
 
 
 def tiny_spec(model: str = "debug"):

@@ -13,7 +13,9 @@ log-probs near the model's (so that clipping, dual clipping, KL and entropy all 
 
 Errors (float32 runs):
   max_rel_grad_err = max over parameters of max|g - g_ref| / max|g_ref| (each gathered to full
-                     shape), loss_err = |L - L_ref| (absolute: a balanced loss is near 0).
+                     shape), loss_err = |L - L_ref| (absolute: a balanced loss is near 0);
+  max_rel_decay_grad_err = the same over the Gated DeltaNet decay parameters (Qwen3.5's A_log,
+                     dt_bias), which max_rel_grad_err leaves out: cases.DECAY_TOLERANCE.
 CP runs at the loss level on CPU (grpo_step's cp_mode="loss"): the model sees whole sequences.
 Each launch also checks, once per layout: our CP shards against megatron-core's
 get_batch_on_this_cp_rank, forward-only log-probs/entropy, and one clipped AdamW step

@@ -16,9 +16,9 @@ from dataclasses import asdict
 import torch
 
 from megatron_ba.layout_equivalence.cases import (
+    DECAY_PARAMETERS,
     Case,
     case_rows,
-    grad_tolerance,
     num_groups,
     synthetic_batch,
     tiny_spec,
@@ -200,10 +200,13 @@ def _rel_err(g: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
-def _max_rel_err(tensors: dict, refs: dict) -> float:
+def _max_rel_err(tensors: dict, refs: dict, *, decay: bool = False) -> float:
+    """The largest _rel_err over the parameters other than the Gated DeltaNet decay ones, or with
+    decay=True over those (0.0 if the model has none); inf if the names differ."""
     if set(tensors) != set(refs):  # a missing or extra parameter fails the check
         return float("inf")
-    return max(_rel_err(tensors[k], refs[k]) for k in refs)
+    errs = [_rel_err(tensors[k], refs[k]) for k in refs if k.endswith(DECAY_PARAMETERS) == decay]
+    return max(errs, default=0.0)
 
 
 def _cp_layout_matches_megatron(tokens: torch.Tensor) -> bool:
@@ -263,7 +266,7 @@ def layout_worker(rank, world, port, layout, model, attention, cases, ref_path, 
                 loss_ref=loss_ref,
                 reducer_calls=collectives.all_gather_object(calls),
                 fraction_corrected=_fraction_corrected(batch, case),
-                grad_tolerance=grad_tolerance(model),
+                max_rel_decay_grad_err=_max_rel_err(grads, grads_ref, decay=True),
             )
         )
     rows = case_rows(batch, layout, OPTIMIZER_CASE, dp_rank)
