@@ -18,7 +18,9 @@
 # - megatron-core's model and state dicts: conversion and checkpoints, across releases too
 #   (test_conversion, test_conversion_megatron, test_moe_conversion, test_moe_model,
 #   test_checkpoint_convert, test_checkpoint_resume, test_checkpoint_rng,
-#   test_checkpoint_versions, test_moe_resume, test_refit_experts), YaRN (test_rope_yarn), the
+#   test_checkpoint_versions, test_moe_resume, test_refit_experts), Qwen3.5's hybrid model
+#   (test_qwen3_5_model, test_qwen3_5_conversion, test_qwen3_5_layout: megatron-core's
+#   GatedDeltaNet changed between releases), YaRN (test_rope_yarn), the
 #   SDPA core against megatron-core's (test_sdpa_attention), routing replay (test_routing_replay:
 #   megatron-core's RouterReplay);
 # - the GPU check's CPU dry run (test_gpu_check: it rehearses the GPU environment, whose

@@ -19,7 +19,7 @@ TOLERANCE, except the DeltaNet's decay parameters (A_log, dt_bias), held to DECA
 against float64 there (above TOLERANCE, within DECAY_TOLERANCE) and on every other parameter
 (within TOLERANCE). The negative control: the DeltaNet output norm's gradient left unreduced over
 TP (what megatron-core's own norm in that place does) must fail at TP2 and pass at TP1. Context
-parallelism is refused by name (megatron-core's GatedDeltaNet has none).
+parallelism is refused by name (megatron-core 0.16.1's GatedDeltaNet has none; 0.19's is unchecked).
 """
 
 from __future__ import annotations

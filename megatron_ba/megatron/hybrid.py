@@ -27,7 +27,8 @@ megatron-core's torch paths (`deterministic_mode`: nn.Conv1d and torch_chunk_gat
 the algorithm of transformers' torch_chunk_gated_delta_rule; both run the rule in float32
 whatever the model's dtype) with cpu_compat shim 7 standing in for the absent
 flash-linear-attention package's l2norm. megatron-core's DeltaNet has no context parallelism in
-0.16.1 ("TODO: support CP"); callers refuse cp > 1 for a model with DeltaNet layers.
+0.16.1 ("TODO: support CP") and 0.19's is not checked here: ParallelLayout refuses cp > 1 for a
+model with DeltaNet layers.
 """
 
 from __future__ import annotations

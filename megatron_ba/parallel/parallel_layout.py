@@ -250,7 +250,9 @@ class ParallelLayout:
     def _check_linear_attention(self, model) -> None:
         """Gated DeltaNet layers (Qwen3.5): TP splits their key and value heads; megatron-core
         0.16.1's GatedDeltaNet has no context parallelism ("TODO: support CP" in
-        ssm/gated_delta_net.py), so cp must be 1."""
+        ssm/gated_delta_net.py); 0.19's splits heads over CP with all-to-alls, which this
+        project's layout check does not run yet (it checks CP at the loss level on CPU). So cp
+        must be 1."""
         problems = [
             f"{key}={getattr(model, key)} is not a multiple of tp={self.tp}"
             for key in ("linear_num_key_heads", "linear_num_value_heads")
@@ -262,7 +264,7 @@ class ParallelLayout:
             raise LayoutError(
                 "cp",
                 f"{self.cp} with Gated DeltaNet layers: megatron-core 0.16.1's GatedDeltaNet has "
-                "no context parallelism; use cp=1",
+                "no context parallelism (0.19's is not checked here yet); use cp=1",
             )
 
     def _check_experts(self, size: dict) -> None:
