@@ -72,3 +72,12 @@ def test_matmul_parameters_match_the_builders_table():
         if tie:  # the tied output layer is the embedding matrix
             n += math.prod(table["embedding.word_embeddings.weight"])
         assert flops.matmul_parameters(spec) == n
+
+
+def test_models_it_does_not_count_are_refused():
+    from megatron_ba.model_shape import PRESETS
+
+    with pytest.raises(ValueError, match="not a mixture of experts"):
+        flops.training_flops(PRESETS["tiny-moe"], [3])
+    with pytest.raises(ValueError, match="not Gated DeltaNet layers"):
+        flops.matmul_parameters(PRESETS["tiny-qwen3.5"])

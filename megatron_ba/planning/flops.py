@@ -36,7 +36,14 @@ ATTENTION_COUNTS = ("causal", "full")
 
 
 def matmul_parameters(shape: ModelShape) -> int:
-    """N: parameters of the step's matrix multiplications (projections and the output layer)."""
+    """N: parameters of the step's matrix multiplications (projections and the output layer) of a
+    dense decoder of full-attention layers; a mixture of experts (only the routed experts' share
+    runs per token) or Gated DeltaNet layers (no S x S attention) are refused, not miscounted."""
+    if shape.is_moe or shape.has_linear_attention:
+        kind = "a mixture of experts" if shape.is_moe else "Gated DeltaNet layers"
+        raise ValueError(
+            f"shape: model FLOPs are counted for dense full-attention decoders, not {kind}"
+        )
     h, d = shape.hidden_size, shape.head_dim
     q, kv = shape.num_attention_heads * d, shape.num_query_groups * d
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * shape.ffn_hidden_size
