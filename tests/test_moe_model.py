@@ -24,13 +24,10 @@ cpu_compat) in float64 and float32 and run on the same 24 tokens as transformers
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import warnings
-
 import pytest
 import torch
+
+from tests.one_process import measure_in_one_process
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -146,14 +143,7 @@ def _backward_reaches_router(model_dir) -> dict:
     }
 
 
-def worker(rank: int, port: int, dirs: dict, out: str) -> None:
-    warnings.filterwarnings("ignore", category=UserWarning)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.parallel_layout import ParallelLayout
-
-    setup(ParallelLayout(dp=None), seed=0, rank=rank, world_size=1, port=port)
+def compute(dirs: dict) -> dict:
     ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(7))
     result = {
         f"{v}-{d}": _check_dtype(path, dtype, ids)
@@ -161,21 +151,14 @@ def worker(rank: int, port: int, dirs: dict, out: str) -> None:
         for d, dtype in DTYPES.items()
     }
     result["backward"] = _backward_reaches_router(dirs["renorm"])
-    teardown()
-    with open(out, "w") as f:
-        print(json.dumps(result, indent=1), file=sys.stderr)
-        json.dump(result, f, indent=1)
+    return result
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from megatron_ba.parallel.world import free_port, spawn
-
     root = tmp_path_factory.mktemp("moe")
     dirs = {v: str(build_variant(root, v)) for v in VARIANTS}
-    out = root / "result.json"
-    spawn(worker, 1, (free_port(), dirs, str(out)))
-    return json.loads(out.read_text())
+    return measure_in_one_process(compute, dirs, out=root / "result.json")
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -24,10 +24,6 @@ parallelism is refused by name (megatron-core 0.16.1's GatedDeltaNet has none; 0
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
-
 import pytest
 import torch
 
@@ -42,6 +38,7 @@ from megatron_ba.layout_equivalence.check import (
     run_layout,
 )
 from megatron_ba.parallel.parallel_layout import ParallelLayout
+from tests.one_process import measure_in_one_process
 
 pytestmark = pytest.mark.stack
 
@@ -116,18 +113,14 @@ def test_tp_must_divide_the_deltanet_heads():
         ParallelLayout(tp=4).check_model(wide)
 
 
-def _floor_worker(rank: int, port: int, out: str) -> None:
-    """The one-process model's gradients in float32 and float64 from the same weights."""
-    warnings.filterwarnings("ignore", category=UserWarning)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def float32_errors() -> dict:
+    """The one-process model's gradients in float32 against float64 from the same weights:
+    max |g32 - g64| / max |g64| per parameter."""
     from megatron_ba.megatron import model as mm
     from megatron_ba.megatron.batching import causal_mask
-    from megatron_ba.megatron.startup import setup, teardown
     from megatron_ba.model_shape import PRESETS
     from megatron_ba.parallel import full_shape
 
-    setup(ParallelLayout(dp=None), seed=0, rank=rank, world_size=1, port=port)
     shape = PRESETS["tiny-qwen3.5"]
     full = mm.full_init_state_dict(mm.ModelSpec.of(shape, params_dtype=torch.float64), seed=0)
     ids = torch.randint(0, shape.vocab_size, (4, 60), generator=torch.Generator().manual_seed(7))
@@ -142,10 +135,7 @@ def _floor_worker(rank: int, port: int, out: str) -> None:
         (torch.log_softmax(logits.double(), -1) * weights.double()).sum().backward()
         grads[str(dtype)] = {n: p.grad.double() for n, p in chunks[0].named_parameters()}
     exact, f32 = grads["torch.float64"], grads["torch.float32"]
-    errs = {n: float((f32[n] - g).abs().max() / g.abs().max()) for n, g in exact.items()}
-    teardown()
-    with open(out, "w") as f:
-        json.dump(errs, f)
+    return {n: float((f32[n] - g).abs().max() / g.abs().max()) for n, g in exact.items()}
 
 
 @pytest.mark.slow
@@ -154,11 +144,7 @@ def test_deltanet_decay_gradients_float32_floor(tmp_path):
     """The DeltaNet's decay gradients carry float32 rounding above TOLERANCE in one process
     already (so no layout can be held to it there), within DECAY_TOLERANCE; the other parameters
     stay within TOLERANCE."""
-    from megatron_ba.parallel.world import free_port, spawn
-
-    out = tmp_path / "floor.json"
-    spawn(_floor_worker, 1, (free_port(), str(out)))
-    errs = json.loads(out.read_text())
+    errs = measure_in_one_process(float32_errors, out=tmp_path / "floor.json")
     decay = max(v for n, v in errs.items() if n.endswith((".A_log", ".dt_bias")))
     others = max(v for n, v in errs.items() if not n.endswith((".A_log", ".dt_bias")))
     print(f"float32 vs float64: decay {decay:.1e}, others {others:.1e}")

@@ -26,13 +26,11 @@ transformers, in float64 and float32:
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import sys
-import warnings
 
 import pytest
 import torch
+
+from tests.one_process import measure_in_one_process
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -128,35 +126,20 @@ def _check_dtype(model_dir, dtype, ids) -> dict:
     return result
 
 
-def worker(rank: int, port: int, dirs: dict, out: str) -> None:
-    warnings.filterwarnings("ignore", category=UserWarning)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from megatron_ba.megatron.startup import setup, teardown
-    from megatron_ba.parallel.parallel_layout import ParallelLayout
-
-    setup(ParallelLayout(dp=None), seed=0, rank=rank, world_size=1, port=port)
+def compute(dirs: dict) -> dict:
     ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(7))
-    result = {
+    return {
         f"{v}-{d}": _check_dtype(path, dtype, ids)
         for v, path in dirs.items()
         for d, dtype in DTYPES.items()
     }
-    teardown()
-    with open(out, "w") as f:
-        print(json.dumps(result, indent=1), file=sys.stderr)
-        json.dump(result, f, indent=1)
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    from megatron_ba.parallel.world import free_port, spawn
-
     root = tmp_path_factory.mktemp("qwen3_5")
     dirs = {v: str(build_variant(root, v)) for v in VARIANTS}
-    out = root / "result.json"
-    spawn(worker, 1, (free_port(), dirs, str(out)))
-    return json.loads(out.read_text())
+    return measure_in_one_process(compute, dirs, out=root / "result.json")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
