@@ -422,6 +422,9 @@ def run_schedule(chunks, parts: MicroBatches, *, forward_only: bool, loss_func, 
     `differ` collects where the routers' own choice differs)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if any("packed_seq_params" in mb for mb in parts.parts):
+        check_packable(chunks)
+
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         extra = {"packed_seq_params": mb["packed_seq_params"]} if "packed_seq_params" in mb else {}
@@ -438,3 +441,17 @@ def run_schedule(chunks, parts: MicroBatches, *, forward_only: bool, loss_func, 
         micro_batch_size=parts.micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def check_packable(chunks) -> None:
+    """ValueError naming parallel.max_tokens_per_microbatch for packed (THD) micro-batches
+    through Gated DeltaNet layers (Qwen3.5): megatron-core 0.16.1's GatedDeltaNet raises
+    NotImplementedError on packed_seq_params and ignores the attention mask, so its conv1d and
+    recurrent state would run from one packed sequence into the next. Padded micro-batches are
+    right-padded (prompt at position 0), which causality keeps out of every real token."""
+    if any(type(m).__name__ == "GatedDeltaNet" for c in chunks for m in c.modules()):
+        raise ValueError(
+            "parallel.max_tokens_per_microbatch: packed (THD) micro-batches cannot run through "
+            "Gated DeltaNet layers (megatron-core's GatedDeltaNet has no packed-sequence support "
+            "and would carry its state across sequences); use padded micro-batches (thd off)"
+        )
