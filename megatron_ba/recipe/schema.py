@@ -44,10 +44,15 @@ class RopeScalingSection:
 
 @dataclass
 class ModelSection:
-    """The policy: a Hugging Face checkpoint (`pretrained`), or a fresh Qwen2-shaped decoder
-    (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, untied output layer) of the shape keys below."""
+    """The policy: a Hugging Face checkpoint (`pretrained`), or a fresh decoder of the shape keys
+    below: Qwen2-shaped (RMSNorm, SwiGLU, RoPE, GQA, QKV bias, untied output layer) by default,
+    or the architecture of the `preset` the recipe names."""
 
     pretrained: str | None = None  # a Hugging Face folder: weights and architecture
+    # A fresh model's architecture: a megatron_ba.model_shape preset (e.g. tiny-qwen3.5, the
+    # hybrid Gated DeltaNet decoder) that fills every field the shape keys below leave out;
+    # null: "tiny" (Qwen2), or "tiny-moe"'s family (Qwen3-MoE) with experts.
+    preset: str | None = None
     hidden_size: int | None = None
     num_layers: int | None = None
     num_attention_heads: int | None = None
@@ -91,8 +96,10 @@ class ModelSection:
         }
 
     def shape(self) -> dict[str, Any]:
-        """The shape keys, TINY_SHAPE filling those the recipe leaves out (no checkpoint)."""
-        return {k: TINY_SHAPE[k] if v is None else v for k, v in self._shape_keys().items()}
+        """The shape keys, the preset's (default TINY_SHAPE) filling those the recipe leaves out
+        (no checkpoint)."""
+        base = TINY_SHAPE if self.preset is None else vars(PRESETS[self.preset])
+        return {k: base[k] if v is None else v for k, v in self._shape_keys().items()}
 
     def set_shape_keys(self) -> dict[str, Any]:
         """The shape keys the recipe sets (with a checkpoint they must agree with its config)."""
@@ -101,9 +108,16 @@ class ModelSection:
     def fresh_shape(self, vocab_size: int) -> ModelShape:
         """The fresh model these keys describe, with the tokenizer's `vocab_size`: the "tiny"
         preset's family (Qwen2), or with experts the "tiny-moe" preset's (Qwen3-MoE: q/k norms,
-        no QKV bias); untied, the head dimension hidden / heads. What the warm start builds and
-        the planner plans for."""
+        no QKV bias); untied, the head dimension hidden / heads. With `preset`, that preset with
+        the shape keys the recipe sets (its other fields, e.g. Qwen3.5's DeltaNet heads and
+        layer pattern, kept). What the warm start builds and the planner plans for."""
         shape = self.shape()
+        if self.preset is not None:
+            if PRESETS[self.preset].family == "qwen3_5_moe":
+                # Every layer's MLP is its experts: config.json holds no dense width and reads
+                # the experts' back as ffn_hidden_size (recipe validation refuses another).
+                shape["ffn_hidden_size"] = shape["moe_ffn_hidden_size"]
+            return dataclasses.replace(PRESETS[self.preset], vocab_size=vocab_size, **shape)
         base = PRESETS["tiny-moe"] if shape["num_experts"] else PRESETS["tiny"]
         return dataclasses.replace(
             base, vocab_size=vocab_size, kv_channels=None, tie_word_embeddings=False, **shape

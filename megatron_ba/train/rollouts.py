@@ -46,6 +46,7 @@ from megatron_ba.generation.refit import ReplicaGroups, WeightRefit
 from megatron_ba.generation.vllm_engine import VLLMEngine
 from megatron_ba.parallel import collectives
 from megatron_ba.recipe import Recipe
+from megatron_ba.recipe.validation import check_engine_serves
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
@@ -117,6 +118,13 @@ class Rollouts:
                 "world is one process (it would join the trainer's process groups)"
             )
         _check_device_keys(recipe)
+        # A model.pretrained Qwen3.5 is known to be one only now (its config.json); a fresh
+        # model.preset was refused when the recipe was validated.
+        check_engine_serves(
+            recipe,
+            linear_attention=getattr(policy.spec, "has_linear_attention", False),
+            cuda=torch.cuda.is_available(),
+        )
         if r.engine == "builtin":
             sampler = _builtin(policy, tokenizer)
             return cls(sampler, tokenizer, recipe, groups=None, engines_group=None, is_main=True)

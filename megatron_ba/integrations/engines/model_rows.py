@@ -155,6 +155,11 @@ ROWS: dict[str, Row] = {
         )
         for key in ROPE_KEYS
     },
+    "model.preset": Row(
+        Absent(warm_start("verl")),
+        Absent(warm_start("NeMo-RL")),
+        Dropped(NEMO_DECIDES),
+    ),
     "model.init_std": Row(
         Absent(warm_start("verl")),
         Absent(warm_start("NeMo-RL")),
