@@ -4,6 +4,9 @@ Four spawned ranks take TP=2 x PP=2, TP=2 x DP=2 (tied embeddings) and PP=2 x DP
 load the same full weights into their shards, and stream the refit (generation/refit.py) into
 a sink that records what each engine rank receives; the test compares every bucket against
 `hf_named_tensors` of the full state dict in this process (torch.equal: the gathers copy).
+Then tiny-qwen3.5 at TP=2 x DP=2 refits an engine that loaded the published
+`Qwen3_5ForConditionalGeneration` layout: the Gated DeltaNet's fused in_proj and conv1d gathered
+part by part, every name under that layout's `model.language_model.` prefix.
 One spawn of four megatron-core processes: slow on 2 shared cores.
 """
 
@@ -58,9 +61,43 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             {"engine": groups.is_engine_rank, "buckets": buckets, "bytes": sent, "tie": tie}
         )
         parallel_state.destroy_model_parallel()
+    results.append(_qwen3_5_conditional(parallel_state, ReplicaGroups, WeightRefit))
     collectives.destroy_process_group()
     with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
         pickle.dump(results, f)
+
+
+def _qwen3_5_spec_and_config():
+    """tiny-qwen3.5 (float32, untied) and the config.json of its conditional layout."""
+    from megatron_ba.conversion import hf_config_from_spec
+    from megatron_ba.layout_equivalence.cases import tiny_spec
+
+    spec = tiny_spec("tiny-qwen3.5")
+    return spec, {"model_type": "qwen3_5", "text_config": hf_config_from_spec(spec)}
+
+
+def _qwen3_5_conditional(parallel_state, ReplicaGroups, WeightRefit) -> dict:
+    from megatron_ba.megatron import cpu_compat
+    from megatron_ba.megatron import model as mm
+    from megatron_ba.parallel import full_shape
+
+    parallel_state.initialize_model_parallel(2, 1)
+    cpu_compat.seed_model_parallel_rng(0)
+    spec, config = _qwen3_5_spec_and_config()
+    chunks = mm.build_model_chunks(spec)
+    full_shape.load_full_state_dict(chunks, mm.full_init_state_dict(spec, SEED))
+    groups = ReplicaGroups.of_this_rank()
+    buckets: list = []
+    refit = WeightRefit(
+        chunks, spec, groups, bucket_bytes=BUCKET_BYTES, dtype=torch.float32, hf_config=config
+    )
+    refit.stream(
+        (lambda b: buckets.append([(n, t.clone()) for n, t in b]))
+        if groups.is_engine_rank
+        else None
+    )
+    parallel_state.destroy_model_parallel()
+    return {"engine": groups.is_engine_rank, "buckets": buckets}
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +153,26 @@ def test_every_engine_receives_exactly_the_single_process_hf_tensors(per_rank, i
         assert len(got["buckets"]) > 1
         if tie:
             assert "lm_head.weight" not in names  # the tied copy never travels
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_qwen3_5_engine_in_the_conditional_layout_receives_its_names_exactly(per_rank):
+    from megatron_ba.conversion import hf_named_tensors
+    from megatron_ba.megatron import model as mm
+
+    spec, config = _qwen3_5_spec_and_config()
+    full = mm.full_init_state_dict(spec, SEED)
+    ref = dict(hf_named_tensors(full, spec, hf_config=config))
+    text_layout = {n for n, _ in hf_named_tensors(full, spec)}
+    engines = [r for r in range(WORLD) if per_rank[r][len(LAYOUTS)]["engine"]]
+    assert engines == [0, 2]
+    for r in engines:
+        flat = [(n, t) for b in per_rank[r][len(LAYOUTS)]["buckets"] for n, t in b]
+        names = [n for n, _ in flat]
+        assert len(names) == len(set(names)) and set(names) == set(ref)
+        assert all(n.startswith(("model.language_model.", "lm_head.")) for n in names)
+        # the layout decided the names (the control): only lm_head is named alike in both
+        assert set(names) & text_layout == {"lm_head.weight"}
+        assert all(torch.equal(t, ref[n]) for n, t in flat)
+        assert any(".linear_attn.in_proj_qkv." in n for n in names)

@@ -1,6 +1,7 @@
 """In-memory weight refit: a replica's megatron shards, HF-named, bucket by bucket, to its engine.
 
-    refit = WeightRefit(chunks, spec, groups, bucket_bytes=256 << 20, dtype=torch.float32)
+    refit = WeightRefit(chunks, spec, groups, bucket_bytes=256 << 20, dtype=torch.float32,
+                        hf_config=ENGINE_CONFIG)  # the engine's config.json: its layout's names
     refit.stream(sink)       # collective over the replica's model-parallel group (cp rank 0);
                              # sink(bucket) runs on the engine rank, once per bucket
 
@@ -15,7 +16,10 @@ only its EP rank's experts: every rank of each EP group (CP peers included) gath
 tensor, one at a time, and the engine ranks stream them under their global expert numbers
 (conversion/experts.py), so each engine gets every expert. Tensors are cast to the engine's
 dtype before they travel (exact: a cast commutes with concatenation) and stay on the
-parameters' device.
+parameters' device. The HF names are those of the engine's checkpoint layout (`hf_config`, the
+config.json of the folder it loaded): Qwen3.5's published `ForConditionalGeneration` layout
+names its language model `model.language_model.*`, which vLLM maps to its own modules, where
+the text layout's `model.layers.*` would not be found.
 """
 
 from __future__ import annotations
@@ -68,10 +72,20 @@ def _skipped(spec, name: str) -> bool:
 
 
 class WeightRefit:
-    def __init__(self, chunks, spec, groups: ReplicaGroups, *, bucket_bytes: int, dtype) -> None:
+    def __init__(
+        self,
+        chunks,
+        spec,
+        groups: ReplicaGroups,
+        *,
+        bucket_bytes: int,
+        dtype,
+        hf_config: dict | None = None,
+    ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"rollout.refit_bucket_mb: must be >= 1, got {bucket_bytes} bytes")
         self.spec, self.groups, self.dtype = spec, groups, dtype
+        self.table = table_for(spec, hf_config)  # None: the family's text layout
         self.bucket_bytes = bucket_bytes
         held = local_to_full_names(chunks)
         self.ep_rank, ep, self.ep_group = expert_layout(spec)
@@ -115,8 +129,7 @@ class WeightRefit:
 
     def _engine_stream(self):
         """(HF name, tensor) on the engine rank: stage 0's tensors, then each later stage's."""
-
-        table = table_for(self.spec)
+        table = self.table
         device = self.local[0][1].device if self.local else None
         for name, param, layout in self.local:
             yield from hf_tensors(table, self.spec, name, self._full(param, layout))

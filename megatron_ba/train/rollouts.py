@@ -32,6 +32,7 @@ of the weights the engines hold; every sample records it (Sample.policy_version)
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,9 +97,20 @@ class PendingRound:
 
 class Rollouts:
     def __init__(
-        self, engine: Engine | None, tokenizer, recipe: Recipe, *, groups, engines_group, is_main
+        self,
+        engine: Engine | None,
+        tokenizer,
+        recipe: Recipe,
+        *,
+        groups,
+        engines_group,
+        is_main,
+        engine_config: dict | None = None,
     ):
         self.engine, self.tokenizer, self.recipe = engine, tokenizer, recipe
+        # The config.json of the folder the engines loaded: the refit names tensors in its
+        # layout (generation.refit)
+        self.engine_config = engine_config
         self.max_new_tokens = recipe.grpo.max_new_tokens
         self.groups, self.engines_group, self.is_main = groups, engines_group, is_main
         self.refit = None  # generation.refit.WeightRefit, built at the first sync
@@ -140,7 +152,13 @@ class Rollouts:
             os.sched_setaffinity(0, split[1])
             torch.set_num_threads(recipe.rollout.threads or len(split[1]))
         return cls(
-            engine, tokenizer, recipe, groups=groups, engines_group=engines, is_main=ctx.is_main
+            engine,
+            tokenizer,
+            recipe,
+            groups=groups,
+            engines_group=engines,
+            is_main=ctx.is_main,
+            engine_config=json.loads((Path(hf_dir) / "config.json").read_text()),
         )
 
     # -- generation ----------------------------------------------------------------------
@@ -299,6 +317,7 @@ class Rollouts:
                 self.groups,
                 bucket_bytes=self.recipe.rollout.refit_bucket_mb << 20,
                 dtype=dtype,
+                hf_config=self.engine_config,
             )
         if self.engine is not None:
             self.engine.wake_up()
