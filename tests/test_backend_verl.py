@@ -173,6 +173,32 @@ def test_uneven_pipeline_stages_reach_verls_transformer_config():
     )
 
 
+def _release_config(folder: Path, config) -> str:
+    """A checkpoint folder holding only the release's config.json (transformers' own defaults
+    for the model type, as its to_json_string writes them)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(config.to_json_string())
+    return str(folder)
+
+
+def test_a_gated_deltanet_checkpoint_trains_on_padded_micro_batches(tmp_path):
+    """Qwen3.5 (its config.json) turns verl's packed micro-batches off; a Qwen3 checkpoint, and
+    a folder whose config.json is not here, keep verl's default (packed)."""
+    import transformers
+
+    folders = {
+        "qwen3.5": _release_config(tmp_path / "q35", transformers.Qwen3_5MoeConfig()),
+        "qwen3": _release_config(tmp_path / "q3", transformers.Qwen3Config()),
+        "absent": str(tmp_path / "not-here"),
+    }
+    padding = {}
+    for name, folder in folders.items():
+        recipe = _recipe("qwen3-1.7b-dapo17k", f"model.pretrained={folder}")
+        megatron = _compose(recipe_to_verl_overrides(recipe)).actor_rollout_ref.actor.megatron
+        padding[name] = megatron.use_remove_padding
+    assert padding == {"qwen3.5": False, "qwen3": True, "absent": True}
+
+
 # (overrides, the recipe key the error must start with)
 REFUSED = {
     "arithmetic_task": (["data.task=arithmetic"], "data.task"),

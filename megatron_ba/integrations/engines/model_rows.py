@@ -7,7 +7,11 @@ grpo_math_1B_megatron.yaml, NeMo-Aligner's of conf/gpt_grpo_balanced.yaml.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from megatron_ba.integrations.engines.cells import Absent, Dropped, Need, Put, Row, Set, put
+from megatron_ba.model_shape import ModelShape
 
 # verl's actor and its megatron section; NeMo-RL's policy's megatron section
 A, M = "actor_rollout_ref.actor", "actor_rollout_ref.actor.megatron"
@@ -57,6 +61,32 @@ def _hf_folder(job) -> bool:
     """A Hugging Face checkpoint: the model verl and NeMo-RL start from."""
     path = job.model.pretrained
     return path is not None and not str(path).endswith(".nemo")
+
+
+def gated_deltanet(job) -> bool | None:
+    """Whether model.pretrained has Gated DeltaNet layers (Qwen3.5), as its config.json says
+    (ModelShape.from_hf_config); None where that file is not readable here or not a model the
+    shape reads (the engine then keeps its own default)."""
+    if not _hf_folder(job):
+        return None
+    config = Path(job.model.pretrained, "config.json")
+    try:
+        cfg = json.loads(config.read_text())
+        return ModelShape.from_hf_config(cfg, str(job.model.pretrained)).has_linear_attention
+    except (OSError, ValueError):
+        return None
+
+
+# verl's megatron engine packs micro-batches (THD, `use_remove_padding: True` by default);
+# megatron-core 0.16.1's GatedDeltaNet raises on packed sequences (and ignores the attention
+# mask, so its state would run on across them): a Gated DeltaNet model trains on padded (BSHD)
+# micro-batches, as verl's own Qwen3.5 example (examples/grpo_trainer/run_qwen3_5-35b-megatron.sh)
+# sets it. The reference model's setting follows the actor's (oc.select in verl's config).
+_PADDED_FOR_DELTANET = Set(
+    f"{M}.use_remove_padding",
+    False,
+    when=lambda j: gated_deltanet(j) is True,
+)
 
 
 def _restore(job) -> str:
@@ -110,7 +140,10 @@ ROWS: dict[str, Row] = {
     "model.pretrained": Row(
         put(
             "actor_rollout_ref.model.path",
-            note="a Hugging Face folder; .nemo refused",
+            _PADDED_FOR_DELTANET,
+            doc="actor_rollout_ref.model.path (a Hugging Face folder; .nemo refused); "
+            f"{M}.use_remove_padding=false where its config.json has Gated DeltaNet layers "
+            "(Qwen3.5: padded micro-batches, megatron-core's GatedDeltaNet takes no packed ones)",
             need=Need(
                 _hf_folder,
                 lambda j: f"verl starts from a Hugging Face folder, got {j.model.pretrained!r}",

@@ -32,6 +32,7 @@ VERL = Engine(
     print_order=(
         # the model and its layout
         "actor_rollout_ref.model.path",
+        f"{M}.use_remove_padding",
         "trainer.nnodes",
         "trainer.n_gpus_per_node",
         f"{M}.tensor_model_parallel_size",
