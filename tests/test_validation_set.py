@@ -17,7 +17,7 @@ value chosen per case, and none chosen after seeing a verdict):
 * MODEL: the first word of the model field, without the hub's organisation prefix and without a
   checkpoint suffix (-Instruct-2507, -Thinking-2507, -Instruct, -Base, -Chat): a post-trained or
   fine-tuned checkpoint has its base model's shapes (the record's rule for -Thinking-2507). Models
-  without a preset have one in megatron_ba/model_shape.py PRESETS from their config.json
+  without a preset have one in megatron_ba/model_shape/presets.py from their config.json
   (Llama-3.1-8B, Llama-3.3-70B, Qwen1.5-MoE-A2.7B with its shared expert, which the planner
   counts).
 * GPU: a named GPU as the record reads it ("H100-80GB" -> H100); H800 and GB200 have entries in

@@ -3,8 +3,9 @@ it does not model, never a guess.
 
     check_modelled(cfg, "--model path/config.json")   # Unmodelled naming the architecture
 
-The shape's formulas (model_shape.py) count decoders of grouped-query attention with rotary
-embeddings, SwiGLU MLPs (dense, or routed experts with an optional shared expert) and RMSNorm:
+The shape's formulas (megatron_ba/model_shape/shape.py) count decoders of grouped-query
+attention with rotary embeddings, SwiGLU MLPs (dense, or routed experts with an optional shared
+expert) and RMSNorm:
 Qwen2 / Qwen2.5, Qwen2-MoE, Qwen3, Qwen3-MoE, Llama, Mistral; and Qwen3.5's hybrid decoder
 (model types qwen3_5, qwen3_5_moe: Gated DeltaNet layers between gated full-attention layers,
 read from the ConditionalGeneration config's `text_config` or a text-only config). Three things

@@ -1,0 +1,361 @@
+"""The named shapes: the paper's and the public record's models, each from its release's
+config.json (sources beside them), and the tiny debug models the CPU runs build.
+
+    PRESETS["Qwen2.5-Math-7B"]; preset("qwen/qwen2.5-math-7b-instruct")   # case-insensitive
+"""
+
+from __future__ import annotations
+
+from megatron_ba.model_shape.shape import ModelShape
+
+
+def _qwen3(name: str, **fields) -> ModelShape:
+    defaults = {"family": "qwen3", "qkv_bias": False, "qk_layernorm": True}
+    return ModelShape(name=name, **{**defaults, **fields})
+
+
+# What the published Qwen3.5 text configs share (each config.json's `text_config`): vocabulary
+# 248320, head_dim 256, a Gated DeltaNet of 16 key heads of 128 and value heads of 128 with a
+# convolution of 4, full attention every 4th layer (full_attention_interval 4; layer_types
+# spells the same), attn_output_gate true, rope_theta 10000000 with partial_rotary_factor 0.25,
+# rms_norm_eps 1e-06, max_position_embeddings 262144, untied, one MTP layer
+# (mtp_num_hidden_layers 1, not counted: ModelShape.total_params), mamba_ssm_dtype float32 (the
+# engine's recurrent state: planning/generation_memory.py).
+def _qwen3_5(name: str, num_layers: int, **fields) -> ModelShape:
+    shared = dict(
+        vocab_size=248320,
+        max_position_embeddings=262144,
+        rope_theta=10_000_000.0,
+        qkv_bias=False,
+        qk_layernorm=True,
+        kv_channels=256,
+        linear_attention_pattern=tuple(int(bool((i + 1) % 4)) for i in range(num_layers)),
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        attention_output_gate=True,
+        rotary_percent=0.25,
+        norm_zero_centered=True,
+        mtp_num_layers=1,
+    )
+    return ModelShape(name=name, num_layers=num_layers, **{**shared, **fields})
+
+
+# The tiny Qwen3.5 presets' shared fields (see "tiny-qwen3.5" below).
+_TINY_QWEN3_5 = dict(
+    vocab_size=512,
+    hidden_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=256,
+    max_position_embeddings=1024,
+    rope_theta=10_000_000.0,
+    qkv_bias=False,
+    qk_layernorm=True,
+    kv_channels=32,
+    linear_attention_pattern=(1, 1, 1, 0),
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    attention_output_gate=True,
+    rotary_percent=0.25,
+    norm_zero_centered=True,
+)
+
+
+PRESETS: dict[str, ModelShape] = {
+    # The paper's models (and two the planner is compared with in docs/cluster-planning.md): the
+    # values of each model's public config.json on the Hugging Face hub that the planner reads;
+    # max_position_embeddings, rope_theta and norm_eps are left at the defaults.
+    "Qwen2.5-Math-7B": ModelShape(152064, 3584, 28, 28, 4, 18944, name="Qwen2.5-Math-7B"),
+    "Qwen3-1.7B": _qwen3(
+        "Qwen3-1.7B",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=28,
+        num_attention_heads=16,
+        num_query_groups=8,
+        ffn_hidden_size=6144,
+        kv_channels=128,
+        tie_word_embeddings=True,
+    ),
+    # Not a model of the paper's recipes: the shape of NeMo-RL's Qwen3-32B recipe, which
+    # docs/cluster-planning.md compares the planner with.
+    "Qwen3-32B": _qwen3(
+        "Qwen3-32B",
+        vocab_size=151936,
+        hidden_size=5120,
+        num_layers=64,
+        num_attention_heads=64,
+        num_query_groups=8,
+        ffn_hidden_size=25600,
+        kv_channels=128,
+    ),
+    "Qwen2.5-32B": ModelShape(152064, 5120, 64, 40, 8, 27648, name="Qwen2.5-32B"),
+    # The models of the public runs the planner is checked against (tests/fixtures/
+    # public_runs.json; docs/cluster-planning.md), from each config.json on the hub. The -Instruct
+    # and -Base variants have the same shape.
+    "Qwen2.5-7B": ModelShape(152064, 3584, 28, 28, 4, 18944, name="Qwen2.5-7B"),
+    "Qwen2.5-14B": ModelShape(152064, 5120, 48, 40, 8, 13824, name="Qwen2.5-14B"),
+    "Qwen2.5-72B": ModelShape(152064, 8192, 80, 64, 8, 29568, name="Qwen2.5-72B"),
+    "Qwen3-4B": _qwen3(
+        "Qwen3-4B",
+        vocab_size=151936,
+        hidden_size=2560,
+        num_layers=36,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=9728,
+        kv_channels=128,
+        tie_word_embeddings=True,
+    ),
+    "Qwen3-30B-A3B": _qwen3(
+        "Qwen3-30B-A3B",
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        num_layers=48,
+        num_attention_heads=32,
+        num_query_groups=4,
+        ffn_hidden_size=6144,
+        kv_channels=128,
+        num_experts=128,
+        moe_ffn_hidden_size=768,
+        moe_router_topk=8,
+    ),
+    "Qwen3-235B-A22B": _qwen3(
+        "Qwen3-235B-A22B",
+        family="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=94,
+        num_attention_heads=64,
+        num_query_groups=4,
+        ffn_hidden_size=12288,
+        kv_channels=128,
+        num_experts=128,
+        moe_ffn_hidden_size=1536,
+        moe_router_topk=8,
+    ),
+    # The models of the second validation set (tests/fixtures/validation_runs.json) that the
+    # record lacks, from each config.json as published (copies that keep the hub's
+    # `_name_or_path`). Llama is read as from_hf_config reads a `llama` config: grouped-query
+    # attention without biases, untied, family "qwen2" (the conversion table's name only); its
+    # llama3 RoPE scaling changes no memory term and is left out (no context check).
+    # meta-llama/Llama-3.1-8B-Instruct (_name_or_path of e.g. huggingface.co/NaniDAO/
+    # Meta-Llama-3.1-8B-Instruct-ablated config.json): hidden 4096, 32 layers, 32 heads, 8 KV
+    # heads, intermediate 14336, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, untied.
+    "Llama-3.1-8B": ModelShape(
+        128256,
+        4096,
+        32,
+        32,
+        8,
+        14336,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        name="Llama-3.1-8B",
+    ),
+    # meta-llama/Llama-3.3-70B-Instruct (_name_or_path of huggingface.co/relaxml/
+    # Llama-3.3-70B-Instruct-QTIP-3Bit config.json): hidden 8192, 80 layers, 64 heads, 8 KV
+    # heads, intermediate 28672, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, untied.
+    "Llama-3.3-70B": ModelShape(
+        128256,
+        8192,
+        80,
+        64,
+        8,
+        28672,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        name="Llama-3.3-70B",
+    ),
+    # Qwen/Qwen1.5-MoE-A2.7B (qwen2_moe; _name_or_path of huggingface.co/MaziyarPanahi/
+    # Qwen1.5-MoE-A2.7B-Wikihow config.json): hidden 2048, 24 layers, 16 heads, 16 KV heads,
+    # intermediate 5632, 60 experts of moe_intermediate_size 1408, top 4 (norm_topk_prob false),
+    # a shared expert of shared_expert_intermediate_size 5632 with its sigmoid gate (counted by
+    # the planner; the model build refuses it), decoder_sparse_step 1 (every layer MoE), vocab
+    # 151936, untied, QKV bias (Qwen2).
+    "Qwen1.5-MoE-A2.7B": ModelShape(
+        151936,
+        2048,
+        24,
+        16,
+        16,
+        5632,
+        name="Qwen1.5-MoE-A2.7B",
+        num_experts=60,
+        moe_router_topk=4,
+        moe_ffn_hidden_size=1408,
+        shared_expert_ffn_hidden_size=5632,
+        moe_norm_topk_prob=False,
+    ),
+    # Qwen3.5 (hybrid Gated DeltaNet and gated full attention; `text_config` of each
+    # config.json on the hub, the shared values in _qwen3_5 above). No copy of the hub's files is
+    # vendored here: the values were read from public copies that quote each config.json (its
+    # revision where they give one), and cross-checked against the megatron-core arguments of
+    # THUDM/slime's scripts/models/qwen3.5-{27B,35B-A3B,397B-A17B}.sh; each preset's total_params
+    # is checked against the size its name gives (tests/test_planner_qwen3_5.py).
+    # https://huggingface.co/Qwen/Qwen3.5-9B/blob/main/config.json (revision c2022362): hidden
+    # 4096, 32 layers, 16 heads, 4 KV heads, intermediate 12288, 32 DeltaNet value heads.
+    "Qwen3.5-9B": _qwen3_5(
+        "Qwen3.5-9B",
+        32,
+        family="qwen3_5",
+        hidden_size=4096,
+        num_attention_heads=16,
+        num_query_groups=4,
+        ffn_hidden_size=12288,
+        linear_num_value_heads=32,
+    ),
+    # https://huggingface.co/Qwen/Qwen3.5-27B/blob/main/config.json (revision fc05daec, the one
+    # NVIDIA-NeMo/Megatron-Bridge's src/megatron/bridge/recipes/qwen/h100/qwen35.py pins): hidden
+    # 5120, 64 layers, 24 heads, 4 KV heads, intermediate 17408, 48 DeltaNet value heads
+    # (THUDM/slime scripts/models/qwen3.5-27B.sh gives the same attention and MLP sizes).
+    "Qwen3.5-27B": _qwen3_5(
+        "Qwen3.5-27B",
+        64,
+        family="qwen3_5",
+        hidden_size=5120,
+        num_attention_heads=24,
+        num_query_groups=4,
+        ffn_hidden_size=17408,
+        linear_num_value_heads=48,
+    ),
+    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json (revision 59d61f3c):
+    # hidden 2048, 40 layers, 16 heads, 2 KV heads, 32 DeltaNet value heads, 256 experts of
+    # moe_intermediate_size 512, top 8, a gated shared expert of shared_expert_intermediate_size
+    # 512 in every layer; no dense MLP (its ffn_hidden_size, unused, is the expert width).
+    # THUDM/slime scripts/models/qwen3.5-35B-A3B.sh gives the same values.
+    "Qwen3.5-35B-A3B": _qwen3_5(
+        "Qwen3.5-35B-A3B",
+        40,
+        family="qwen3_5_moe",
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_query_groups=2,
+        ffn_hidden_size=512,
+        linear_num_value_heads=32,
+        num_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=512,
+        shared_expert_ffn_hidden_size=512,
+    ),
+    # https://huggingface.co/Qwen/Qwen3.5-397B-A17B/blob/main/config.json: hidden 4096, 60
+    # layers, 32 heads, 2 KV heads, 64 DeltaNet value heads, 512 experts of
+    # moe_intermediate_size 1024, top 10, a gated shared expert of 1024 (THUDM/slime
+    # scripts/models/qwen3.5-397B-A17B.sh: --moe-shared-expert-intermediate-size 1024).
+    "Qwen3.5-397B-A17B": _qwen3_5(
+        "Qwen3.5-397B-A17B",
+        60,
+        family="qwen3_5_moe",
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=2,
+        ffn_hidden_size=1024,
+        linear_num_value_heads=64,
+        num_experts=512,
+        moe_router_topk=10,
+        moe_ffn_hidden_size=1024,
+        shared_expert_ffn_hidden_size=1024,
+    ),
+    # The benchmarks' and the GPU check's real-sized shapes, from the public config.json
+    # (Qwen2.5-0.5B and -1.5B tie the output layer to the embedding).
+    "qwen2.5-0.5b": ModelShape(
+        151936,
+        896,
+        24,
+        14,
+        2,
+        4864,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        name="qwen2.5-0.5b",
+    ),
+    "qwen2.5-1.5b": ModelShape(
+        151936, 1536, 28, 12, 2, 8960, tie_word_embeddings=True, name="qwen2.5-1.5b"
+    ),
+    # CPU-sized shapes of the same family. tiny: the CPU recipes' policy (recipe.TINY_SHAPE;
+    # the recipe's vocabulary is its tokenizer's) and the benchmarks' default.
+    "tiny": ModelShape(
+        1024, 128, 2, 4, 2, 384, max_position_embeddings=256, rope_theta=10_000.0, name="tiny"
+    ),
+    "small": ModelShape(32768, 512, 8, 8, 2, 1408, name="small"),
+    # The model of the multi-process CPU tests and the layout check (~60k parameters): head_dim
+    # 16, 4 query heads in 2 groups (TP=2 splits both), 4 layers (PP=2 or 4 splits them).
+    "debug": ModelShape(
+        128, 64, 4, 4, 2, 96, max_position_embeddings=256, rope_theta=10_000.0, name="debug"
+    ),
+    # Hugging Face tiny models (megatron_ba.testing.tiny_hf; `megatron-ba tiny-model`): tied,
+    # head_dim 32 (the smallest vLLM's CPU attention takes); the vocabulary is the tokenizer's.
+    "tiny-qwen2": ModelShape(512, 128, 2, 4, 2, 256, tie_word_embeddings=True, name="tiny-qwen2"),
+    "tiny-qwen3": _qwen3(
+        "tiny-qwen3",
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        max_position_embeddings=1024,
+        kv_channels=32,
+        tie_word_embeddings=True,
+    ),
+    # A CPU Qwen3-MoE (megatron_ba.testing.tiny_hf.build_tiny_qwen3_moe; `megatron-ba tiny-model
+    # --family qwen3_moe`): 8 experts, top-2, head_dim 32 for vLLM's CPU attention.
+    "tiny-moe": _qwen3(
+        "tiny-moe",
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=256,
+        max_position_embeddings=1024,
+        kv_channels=32,
+        tie_word_embeddings=True,
+        family="qwen3_moe",
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_aux_loss_coeff=0.001,
+    ),
+    # CPU-sized Qwen3.5 (megatron_ba.testing.tiny_hf; `megatron-ba tiny-model --family qwen3_5`,
+    # `--family qwen3_5_moe`): 4 layers, 3 Gated DeltaNet then 1 full attention (Qwen3.5's
+    # every-4th pattern; PP2 splits it 2 + 2), head_dim 32 for vLLM's CPU attention with a
+    # quarter of it rotated, 2 key and 4 value heads of 64 channels in the DeltaNet (TP2 splits
+    # both; vLLM's CPU delta-rule kernel takes head dims 64 and 128 only), untied (a tied model
+    # cannot run PP > 1 on CPU: megatron_ba.megatron.model.build_gpt_model).
+    "tiny-qwen3.5": ModelShape(
+        name="tiny-qwen3.5",
+        family="qwen3_5",
+        **_TINY_QWEN3_5,
+    ),
+    # Its mixture of experts: 8 routed experts, top-2, and a gated shared expert in every layer.
+    "tiny-qwen3.5-moe": ModelShape(
+        name="tiny-qwen3.5-moe",
+        family="qwen3_5_moe",
+        **{**_TINY_QWEN3_5, "ffn_hidden_size": 64},
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        shared_expert_ffn_hidden_size=64,
+        moe_aux_loss_coeff=0.001,
+    ),
+}
+
+
+def preset(name: str) -> ModelShape:
+    """A preset by name (case-insensitive; a hub id's `Qwen/` prefix is ignored)."""
+    key = name.split("/")[-1].lower()
+    for suffix in ("", "-instruct", "-base"):
+        for preset_name, shape in PRESETS.items():
+            if preset_name.lower() + suffix == key:
+                return shape
+    raise KeyError(f"no preset {name!r}; presets: {', '.join(PRESETS)}")
