@@ -7,9 +7,10 @@ refuses, the generation engine's fixed per-sequence state, and the recipe that t
   Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM built (on the meta device) from the same config,
   dense and MoE, tied and untied; the presets' counts match the sizes their names give.
 * Layouts: `megatron-ba layout --model Qwen3.5-35B-A3B` plans (a preset, and a release-layout
-  config.json with its text model under text_config); cp > 1 is refused naming the rule, by the
-  command and by the Slurm launcher's fit check, while a full-attention MoE at cp 2 is planned
-  (the control).
+  config.json with its text model under text_config); cp > 1 is planned where the DeltaNet's
+  heads split over tp * cp (megatron-core 0.19.2's rule) and refused naming the rule where they
+  do not, by the command and by the Slurm launcher's fit check, while a full-attention MoE at
+  the same layout is planned (the control).
 * Generation: a Gated DeltaNet layer keeps a fixed state per sequence in vLLM, whatever the
   sequence's length; only the full-attention layers' KV cache grows with it (the control: a model
   of full attention only, whose KV cache per sequence grows with the context).
@@ -162,19 +163,38 @@ def test_a_release_layout_config_json_is_read_and_planned(tmp_path, capsys):
     assert j["breakdown_gib"]["engine_linear_state_per_sequence"] > 0
 
 
-def test_context_parallelism_is_refused_by_name_and_the_control_is_planned(capsys):
-    status, _, err = _layout(capsys, "--model", "Qwen3.5-35B-A3B", *CLUSTER, "--ep", "8",
-                             "--cp", "2")  # fmt: skip
+def test_context_parallelism_splits_the_deltanet_heads_with_tp(capsys):
+    """megatron-core 0.19.2's rule: the DeltaNet's key (16) and value (32) heads are multiples
+    of tp * cp. tp 2 x cp 2 is planned, its activations half of cp 1's (no recomputation, the
+    same sequence: each rank keeps its share of the tokens, or of the heads inside a DeltaNet);
+    tp 2 x cp 16 is refused naming --cp and the rule; the control, a model of full attention
+    only, is planned at tp 2 x cp 16."""
+    pinned = [
+        "--ep",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--recompute",
+        "none",
+        "--micro-batch-size",
+        "1",
+    ]
+    runs = {}
+    for cp in (1, 2):
+        status, j, err = _layout(capsys, "--model", "Qwen3.5-35B-A3B", *CLUSTER, *pinned,
+                                 "--cp", str(cp))  # fmt: skip
+        assert status in (0, 1) and j["cp"] == cp, err
+        runs[cp] = j["breakdown_gib"]["activations"]
+    assert abs(runs[2] / runs[1] - 0.5) < 1e-3, runs
+    status, _, err = _layout(capsys, "--model", "Qwen3.5-35B-A3B", *CLUSTER, *pinned,
+                             "--cp", "16")  # fmt: skip
     assert status == 2
-    assert "--cp: 2" in err and "GatedDeltaNet has no context parallelism" in err, err
-    # the search never proposes cp > 1 for it: every candidate at cp 2 is refused
-    status, j, err = _layout(capsys, "--model", "Qwen3.5-35B-A3B", *CLUSTER, "--ep", "8",
-                             "--gpu-mem", "24")  # fmt: skip
-    assert j is None or j["cp"] == 1
-    # the control: a model of full attention only, at cp 2, is estimated
-    status, j, err = _layout(capsys, "--model", "Qwen3-30B-A3B", *CLUSTER, "--ep", "8",
-                             "--cp", "2")  # fmt: skip
-    assert status in (0, 1) and j["cp"] == 2, err
+    assert "--cp: linear_num_key_heads=16 is not a multiple of tp*cp=2*16" in err, err
+    status, j, err = _layout(capsys, "--model", "Qwen3-30B-A3B", *CLUSTER, *pinned,
+                             "--cp", "16")  # fmt: skip
+    assert status in (0, 1) and j["cp"] == 16, err
 
 
 def test_the_launcher_refuses_cp_under_the_recipe_key(tmp_path, capsys):
@@ -184,9 +204,9 @@ def test_the_launcher_refuses_cp_under_the_recipe_key(tmp_path, capsys):
            "--gpus-per-node", "8", "--gpu-mem", "80"]  # fmt: skip
     assert launch.main(fit) == 0, capsys.readouterr().err
     capsys.readouterr()
-    assert launch.main([*fit, "parallel.cp=2"]) == 2
+    assert launch.main([*fit, "parallel.cp=16"]) == 2
     err = capsys.readouterr().err
-    assert "parallel.cp: 2" in err and "no context parallelism" in err, err
+    assert "parallel.cp: linear_num_key_heads=16 is not a multiple of tp*cp=2*16" in err, err
 
 
 def _generation(shape, seq_len, tp=2):

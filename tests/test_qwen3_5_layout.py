@@ -13,13 +13,14 @@ log-probs and one AdamW step.
 
 Layouts: TP2 (the DeltaNet's key and value heads split), PP2 with uneven stages (1 + 3 layers:
 the embedding and a DeltaNet layer, then two DeltaNet layers, the attention layer and the
-head), DP2; for the MoE, DP2 x EP2 and EP2 x TP2 with sequence parallelism. Gradients are held to
+head), DP2, CP2 (CP at the loss level, as on CPU for every model: the model sees whole
+sequences); for the MoE, DP2 x EP2 and EP2 x TP2 with sequence parallelism. Gradients are held to
 TOLERANCE, except the DeltaNet's decay parameters (A_log, dt_bias), held to DECAY_TOLERANCE:
 `test_deltanet_decay_gradients_float32_floor` measures the one-process float32 model's own error
 against float64 there (above TOLERANCE, within DECAY_TOLERANCE) and on every other parameter
 (within TOLERANCE). The negative control: the DeltaNet output norm's gradient left unreduced over
-TP (what megatron-core's own norm in that place does) must fail at TP2 and pass at TP1. Context
-parallelism is refused by name (megatron-core 0.16.1's GatedDeltaNet has none; 0.19's is unchecked).
+TP (what megatron-core's own norm in that place does) must fail at TP2 and pass at TP1. A CP that
+does not split the DeltaNet's heads with TP (tp * cp) is refused by name.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ LAYOUTS: dict[str, tuple[str, ParallelLayout, list[Case]]] = {
     "TP2": ("tiny-qwen3.5", ParallelLayout(tp=2), [*CORE, NORM_UNREDUCED]),
     "PP2-1+3": ("tiny-qwen3.5", ParallelLayout(pp=2, pp_first_stage_layers=1), CORE),
     "DP2": ("tiny-qwen3.5", ParallelLayout(dp=2), [*CORE, NORM_UNREDUCED]),
+    "CP2": ("tiny-qwen3.5", ParallelLayout(cp=2), CORE),
     "moe-DP2xEP2": ("tiny-qwen3.5-moe", ParallelLayout(dp=2, ep=2), CORE),
     "moe-EP2xTP2+SP": (
         "tiny-qwen3.5-moe",
@@ -92,10 +94,13 @@ def test_qwen3_5_layout_matches_single_process(name, references):
     assert not failures, f"{layout}: " + "; ".join(failures)
 
 
-def test_cp_is_refused_for_deltanet_models_naming_the_flag():
-    check_layout_possible(flag_layout(cp=2), CORE, model="debug")  # the control: Qwen2 can
-    with pytest.raises(ValueError, match=r"^--cp: 2 with Gated DeltaNet"):
-        check_layout_possible(flag_layout(cp=2), CORE, model="tiny-qwen3.5")
+def test_cp_must_split_the_deltanet_heads_with_tp_naming_the_flag():
+    """tiny-qwen3.5's 2 key heads split over tp 1 x cp 2 (the CP2 layout above), not over
+    tp 2 x cp 2 (megatron-core 0.19.2's rule: multiples of tp * cp)."""
+    check_layout_possible(flag_layout(cp=2), CORE, model="tiny-qwen3.5")
+    check_layout_possible(flag_layout(tp=2, cp=2), CORE, model="debug")  # the control: Qwen2
+    with pytest.raises(ValueError, match=r"^--cp: linear_num_key_heads=2 is not a multiple of"):
+        check_layout_possible(flag_layout(tp=2, cp=2), CORE, model="tiny-qwen3.5")
 
 
 def test_tp_must_divide_the_deltanet_heads():

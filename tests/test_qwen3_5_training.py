@@ -71,7 +71,8 @@ def test_the_preset_gives_the_hybrid_fields_and_the_recipe_the_shape():
         (MOE, ["model.ffn_hidden_size=384"], r"model\.ffn_hidden_size: .* no dense MLP"),
         (DENSE, ["model.pretrained=/x", "warmstart.enabled=false", "tokenizer.kind=hf"],
          r"model\.preset: builds a fresh model"),
-        (DENSE, ["parallel.cp=2"], r"parallel\.cp: 2 with Gated DeltaNet"),
+        (DENSE, ["parallel.tp=2", "parallel.cp=2"],
+         r"parallel\.cp: linear_num_key_heads=2 is not a multiple of tp\*cp=2\*2"),
     ],
 )  # fmt: skip
 def test_bad_preset_settings_are_refused_by_name(path, overrides, words):

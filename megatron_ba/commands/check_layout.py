@@ -85,7 +85,8 @@ def _layout_arguments(p: argparse.ArgumentParser) -> None:
         default="debug",
         help="the checked model: the dense debug preset, the tiny-moe preset (8 experts, "
         "top-2, untied embeddings, router aux loss off), or Qwen3.5's hybrid tiny-qwen3.5 / "
-        "tiny-qwen3.5-moe (Gated DeltaNet and gated attention; cp must be 1)",
+        "tiny-qwen3.5-moe (Gated DeltaNet and gated attention; tp x cp divides the DeltaNet's "
+        "heads)",
     )
     p.add_argument(
         "--ep",

@@ -26,9 +26,10 @@ per-layer structure from local modules, so it runs on CPU. On CPU the DeltaNet's
 megatron-core's torch paths (`deterministic_mode`: nn.Conv1d and torch_chunk_gated_delta_rule,
 the algorithm of transformers' torch_chunk_gated_delta_rule; both run the rule in float32
 whatever the model's dtype) with cpu_compat shim 7 standing in for the absent
-flash-linear-attention package's l2norm. megatron-core's DeltaNet has no context parallelism in
-0.16.1 ("TODO: support CP") and 0.19's is not checked here: ParallelLayout refuses cp > 1 for a
-model with DeltaNet layers.
+flash-linear-attention package's l2norm. Context parallelism: on CPU the model sees whole
+sequences (cp_mode "loss"), so the DeltaNet needs none; on GPUs (cp_mode "model") megatron-core
+0.19.2's GatedDeltaNet splits its heads over CP with all-to-alls (ParallelLayout asks tp x cp to
+divide them), 0.16.1's refuses cp > 1 itself when its config is built. Not run on a GPU here.
 """
 
 from __future__ import annotations

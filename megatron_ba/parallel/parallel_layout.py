@@ -248,24 +248,21 @@ class ParallelLayout:
             raise LayoutError("tp", "; ".join(problems))
 
     def _check_linear_attention(self, model) -> None:
-        """Gated DeltaNet layers (Qwen3.5): TP splits their key and value heads; megatron-core
-        0.16.1's GatedDeltaNet has no context parallelism ("TODO: support CP" in
-        ssm/gated_delta_net.py); 0.19's splits heads over CP with all-to-alls, which this
-        project's layout check does not run yet (it checks CP at the loss level on CPU). So cp
-        must be 1."""
+        """Gated DeltaNet layers (Qwen3.5): TP and CP split their key and value heads.
+        megatron-core 0.19.2 (the GPU stack's pin, requirements/gpu.txt) asks both head counts
+        to be multiples of tp * cp (TransformerConfig's gated_delta_net check), its CP being
+        all-to-alls from sequence shards to head shards and back (ssm/gated_delta_net/
+        common.py). 0.16.1, the CPU stack's, has no CP for these layers, but on CPU the model
+        sees whole sequences and CP is the loss's (cp_mode "loss"), so nothing there needs it."""
+        split = self.tp * self.cp
         problems = [
-            f"{key}={getattr(model, key)} is not a multiple of tp={self.tp}"
+            f"{key}={getattr(model, key)} is not a multiple of "
+            + (f"tp={self.tp}" if self.cp == 1 else f"tp*cp={self.tp}*{self.cp}")
             for key in ("linear_num_key_heads", "linear_num_value_heads")
-            if getattr(model, key) % self.tp
+            if getattr(model, key) % split
         ]
         if problems:
-            raise LayoutError("tp", "; ".join(problems))
-        if self.cp > 1:
-            raise LayoutError(
-                "cp",
-                f"{self.cp} with Gated DeltaNet layers: megatron-core 0.16.1's GatedDeltaNet has "
-                "no context parallelism (0.19's is not checked here yet); use cp=1",
-            )
+            raise LayoutError("tp" if self.cp == 1 else "cp", "; ".join(problems))
 
     def _check_experts(self, size: dict) -> None:
         experts = size["num_experts"] or 0

@@ -19,8 +19,8 @@ appear:
 - leading dense layers in a mixture of experts (DeepSeek's `first_k_dense_replace`).
 Any other model_type is refused naming it. Another multimodal checkpoint's `text_config` is read
 for the reason, and refused: only Qwen3.5's nesting is read. What a Gated DeltaNet asks of a
-layout (cp 1: megatron-core 0.16.1's GatedDeltaNet has no context parallelism, 0.19's is not
-checked here; tp dividing its key and value heads) is ParallelLayout's rule
+layout (tp x cp dividing its key and value heads: megatron-core 0.19.2's rule) is
+ParallelLayout's rule
 (parallel_layout.check_model), which every estimate applies.
 """
 
