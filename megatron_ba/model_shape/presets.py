@@ -176,6 +176,24 @@ PRESETS: dict[str, ModelShape] = {
         qkv_bias=False,
         name="Llama-3.3-70B",
     ),
+    # meta-llama/Meta-Llama-3-70B: hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate
+    # 28672, vocab 128256, rope_theta 500000, max_position_embeddings 8192, untied (NVIDIA-NeMo/
+    # Megatron-Bridge src/megatron/bridge/models/llama/llama_provider.py @4db3ed97,
+    # Llama3ModelProvider70B and Llama3ModelProvider; its vocabulary in scripts/performance/
+    # configs/llama3/llama3_llm_pretrain.py): Llama-3.3-70B's shape with Llama 3's 8K context.
+    "Meta-Llama-3-70B": ModelShape(
+        128256,
+        8192,
+        80,
+        64,
+        8,
+        28672,
+        max_position_embeddings=8192,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        name="Meta-Llama-3-70B",
+    ),
     # Qwen/Qwen1.5-MoE-A2.7B (qwen2_moe; _name_or_path of huggingface.co/MaziyarPanahi/
     # Qwen1.5-MoE-A2.7B-Wikihow config.json): hidden 2048, 24 layers, 16 heads, 16 KV heads,
     # intermediate 5632, 60 experts of moe_intermediate_size 1408, top 4 (norm_topk_prob false),
@@ -246,6 +264,27 @@ PRESETS: dict[str, ModelShape] = {
         moe_router_topk=8,
         moe_ffn_hidden_size=512,
         shared_expert_ffn_hidden_size=512,
+    ),
+    # Qwen/Qwen3.5-122B-A10B (NVIDIA-NeMo/Megatron-Bridge docs/models/qwen/qwen35-vl.md: "122B
+    # total parameters, 10B activated"); its config.json was not found, its shape is that of
+    # two independent Megatron argument lists that agree: hidden 3072, 48 layers, 32 heads, 2 KV
+    # heads of 256, 64 DeltaNet value heads (16 key heads of 128), 256 experts of 1024, top 8, a
+    # gated shared expert of 1024, vocab 248320, untied, one MTP layer (Osmosis-AI/miles
+    # scripts/models/qwen3.5-122B-A10B.sh @9449f84; BestJuly/Megatron-LM examples/
+    # multimodal_dev/scripts/run_qwen35_vl.sh @f6d63f6, variant 122b_a10b).
+    "Qwen3.5-122B-A10B": _qwen3_5(
+        "Qwen3.5-122B-A10B",
+        48,
+        family="qwen3_5_moe",
+        hidden_size=3072,
+        num_attention_heads=32,
+        num_query_groups=2,
+        ffn_hidden_size=1024,
+        linear_num_value_heads=64,
+        num_experts=256,
+        moe_router_topk=8,
+        moe_ffn_hidden_size=1024,
+        shared_expert_ffn_hidden_size=1024,
     ),
     # https://huggingface.co/Qwen/Qwen3.5-397B-A17B/blob/main/config.json: hidden 4096, 60
     # layers, 32 heads, 2 KV heads, 64 DeltaNet value heads, 512 experts of

@@ -47,6 +47,14 @@ from megatron_ba.planning.memory import GIB, EngineShare, MemoryEstimate, Memory
 #   --mem-fraction-static, SGLang's "GB" being GiB: https://github.com/sgl-project/sglang/pull/
 #   31900); NVIDIA gives 186 GB per GPU (13.4 TB of HBM3e per 72-GPU NVL72); no torch
 #   out-of-memory message of a GB200 was found
+# * B200: 178.35 GiB ("GPU 0 has a total capacity of 178.35 GiB", torch on a B200 that NVIDIA
+#   sells as 180 GB: stas00/ml-engineering debug/pytorch.md @744d01e, the same figure in
+#   https://github.com/pytorch/ao/pull/4002's device query)
+# * GB300: 276.50 GiB ("GPU 0 has a total capacity of 276.50 GiB", torch on a GB300 of a DGX
+#   Station: stas00/ml-engineering debug/pytorch.md @744d01e); NVIDIA's Megatron-Bridge gives
+#   279 GB for it beside 180 for the B200 (src/megatron/bridge/perf_recipes/qwen/b200/
+#   qwen3_moe.py @9c0cd25), the same 1.7-point gap as the B200's to torch's; no torch message
+#   of an NVL72 GB300 was found
 GPU_MEMORY_GIB = {
     "H100": 79.11,
     "H200": 139.81,
@@ -55,6 +63,8 @@ GPU_MEMORY_GIB = {
     "A800": 79.15,
     "H800": 79.11,
     "GB200": 184.0,
+    "B200": 178.35,
+    "GB300": 276.5,
 }
 
 HEADROOM = 0.1  # the fraction of the GPU the tensors' peak must leave free (module docstring)
