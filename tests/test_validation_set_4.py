@@ -1,0 +1,256 @@
+"""The planner on a fourth validation set, every input rule stated before the planner ran on it.
+
+    python -m pytest tests/test_validation_set_4.py -q -s      # prints the table and the summary
+
+tests/fixtures/validation_runs_4.json holds 16 public runs (8 ran, 8 went out of memory; NeMo-RL,
+slime, Megatron-Bridge and a Megatron-only harness; Qwen3.5 dense and MoE, Qwen3, Qwen3-MoE,
+Llama 3; H100, B200, GB300) collected and committed (522d987) before the planner was run on any
+of them. Each case is judged as the second and third sets judge theirs, through their functions
+and rules (imported, not copied): `megatron-ba layout --json` as a user would run it
+(test_public_record.cli_args), the verdict being the exit status; the record's null conventions,
+the second set's MODEL, SEQUENCE, STAGES and LOGPROB_BATCH rules and the third set's GPU,
+FIELDS, TASK and REFUSED rules hold unchanged.
+
+Changed in the planner after the set was committed and before it ran, each from a source and for
+every model alike (the set's inputs, never an outcome, showed where the planner had no entry):
+B200 and GB300 in GPU_MEMORY_GIB, the Meta-Llama-3-70B and Qwen3.5-122B-A10B presets (969e89a),
+and the layout rule for Gated DeltaNet layers under context parallelism, megatron-core 0.19.2's
+(3e73274: key and value heads multiples of tp x cp, where the planner had refused every cp > 1).
+
+What this set needs beyond the earlier rules, each stated here once, for every case alike:
+
+* MODEL, one addition: a Qwen3.5 model named by its total size only ("Qwen3.5 122B MoE") is the
+  Qwen3.5 release of that size (MODEL_BY_SIZE: Qwen3.5-122B-A10B, the only Qwen3.5 of 122 B
+  parameters, Megatron-Bridge docs/models/qwen/qwen35-vl.md).
+* FRAMEWORKS (FOURTH_FRAMEWORKS, from each one's code): Megatron-Bridge's performance recipes
+  (scripts/performance @4db3ed97 and src/megatron/bridge/perf_recipes @9c0cd25) set
+  grad_reduce_in_fp32 False, the distributed optimiser, no optimiser or parameter offload, and
+  TE's fused cross entropy (cross_entropy_loss_fusion, cross_entropy_fusion_impl "te"): planned
+  as megatron-core's path, the nearest that counts no fewer bytes per logit; no engine, no
+  log-prob pass (SFT and pretraining). The "Megatron-only harness" of verl_megatron_practice
+  (Megatron-LM's examples/multimodal_dev/scripts/run_qwen35_vl.sh, the one its PR #10 names):
+  fp32 gradient reduction (Megatron-LM's bf16 default, accumulate_allreduce_grads_in_fp32),
+  the distributed optimiser, TE's fused cross entropy (megatron-core's path), no engine, no
+  log-prob pass ("no veRL rollout").
+* TASK: any task naming pretraining, SFT or "no rollout" trains without an engine and without a
+  log-prob pass, as the third set's "pretrain" (its framework's defaults give none); "DAPO-style
+  GRPO" and "GRPO (async, ...)" are GRPO (an async run's engine is on other GPUs where its
+  colocated_generation says false).
+* FIELDS this set adds: sequence_parallel false at tp > 1 -> --no-sequence-parallel (null: the
+  planner's default, on at tp > 1); expert_tensor_parallel_size -> --etp;
+  grad_reduce_in_fp32 -> --grad-reduce (test_public_record._grad_reduce, unchanged);
+  pp_first_stage_layers / pp_last_stage_layers -> their flags; account_for_embedding_in_
+  pipeline_split / account_for_loss_in_pipeline_split -> the split megatron-core makes of them
+  (stage_flags: the embedding and the loss each take one layer's place in the first / last
+  stage's share of (layers + 2) / (pp x vp) per virtual stage), given as the same two flags.
+* NOT INPUTS, this set's (no field the planner reads, no flag): FP8 training (current scaling,
+  MXFP8: the planner counts bf16 weights and activations), virtual pipeline stages
+  (virtual_pipeline_size: 1F1B's in-flight micro-batches are counted without interleaving),
+  training CUDA graphs (cuda_graph), cp_comm_type, vLLM's expert parallelism (rollout_ep: the
+  same bytes per GPU as its TP), vllm_version, enforce_eager, the allocator's settings.
+* REFUSED by the rules (counted not right, reported apart): both slime cases (no GPU named, no
+  memory class, no published peak: the third set's rule). REFUSED by the planner (exit status 2,
+  counted not right, reported apart with the command's words): a layout the planner's rules do
+  not allow.
+* PEAKS: three cases publish a per-GPU peak ("GB", read as 10^9 bytes: test_public_record.
+  published_gib); the median |error| is over those the planner estimates.
+* DOUBT and CONFLICT cases (9 of 16) stay in and are counted; the fixture's "excluded" list (18
+  candidates, each with why) stays excluded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+from pathlib import Path
+
+from test_public_record import cli_args, evaluate, planner_inputs, published_gib
+from test_validation_set import _parser, assumed_for
+from test_validation_set_3 import THIRD_FRAMEWORKS, assumed_gpu_3, flagged
+
+from megatron_ba.cli import main as cli_main
+from megatron_ba.model_shape import PRESETS
+from megatron_ba.planning.memory import load_model
+from megatron_ba.planning.verdict import GPU_MEMORY_GIB
+
+FIXTURE = Path(__file__).parent / "fixtures" / "validation_runs_4.json"
+DATA = json.loads(FIXTURE.read_text())
+CASES = DATA["cases"]
+
+_NO_ENGINE = {"vllm_util": None, "in_process": False, "refit_bucket_mb": 0,
+              "refit_before_kv": False}  # fmt: skip
+FOURTH_FRAMEWORKS = THIRD_FRAMEWORKS | {
+    "Megatron-Bridge": {"offload": "none", "logprobs": "megatron", "grad_reduce": "bf16",
+                        **_NO_ENGINE},
+    "Megatron": {"offload": "none", "logprobs": "megatron", "grad_reduce": "fp32", **_NO_ENGINE},
+}  # fmt: skip
+
+# MODEL, the addition: a model field's words -> (the release, why)
+MODEL_BY_SIZE = {
+    "Qwen3.5 122B": (
+        "Qwen3.5-122B-A10B",
+        "named by its size only: the Qwen3.5 release of 122 B parameters (Megatron-Bridge "
+        "docs/models/qwen/qwen35-vl.md)",
+    ),
+}
+
+# REFUSED by the rules: cases no rule gives an input, each with why
+REFUSED = {
+    case_id: (
+        "GPU: the script and its docs at the commit name none, nor a memory class, and no peak "
+        "is published (the third set's rule gives none; no GPU is chosen per case)"
+    )
+    for case_id in (
+        "slime-94b3595-qwen3-4b-1n8g-tp1-colocate",
+        "slime-94b3595-qwen3-4b-1n8g-tp2-colocate",
+    )
+}
+
+
+def assumed_for_4(case: dict) -> dict:
+    """Every rule's value for one case: the third set's GPU rule, the second set's MODEL and
+    SEQUENCE with MODEL_BY_SIZE; AssertionError where no rule gives an input (a refusal)."""
+    gpu = assumed_gpu_3(case)  # raises where no rule gives a GPU
+    out = assumed_for(case if gpu is None else case | {"gpu": gpu[0]})
+    if gpu is not None:
+        out["gpu"] = gpu
+    for words, model in MODEL_BY_SIZE.items():
+        if case["model"].startswith(words):
+            out["model"] = model
+    if out["model"][0] not in PRESETS:
+        raise AssertionError(f"{case['id']}: no preset for {out['model'][0]}")
+    if case["framework"].split()[0] not in FOURTH_FRAMEWORKS:
+        raise AssertionError(f"{case['id']}: no defaults for {case['framework']}")
+    return out
+
+
+def _try_assumed(case: dict) -> dict | None:
+    try:
+        return assumed_for_4(case)
+    except AssertionError:
+        return None
+
+
+ASSUMED_4 = {case["id"]: a for case in CASES if (a := _try_assumed(case)) is not None}
+JUDGED = [case for case in CASES if case["id"] in ASSUMED_4]
+
+
+def stage_flags(case: dict) -> dict[str, int]:
+    """STAGES: the split a case states, or the one megatron-core makes when the embedding and the
+    loss take a layer's place (account_for_*_in_pipeline_split); {} for the even default."""
+    first, last = case.get("pp_first_stage_layers"), case.get("pp_last_stage_layers")
+    embedding = bool(case.get("account_for_embedding_in_pipeline_split"))
+    loss = bool(case.get("account_for_loss_in_pipeline_split"))
+    if first is None and last is None and (embedding or loss):
+        layers = load_model(ASSUMED_4[case["id"]]["model"][0]).num_layers
+        virtual = case["pp"] * (case.get("virtual_pipeline_size") or 1)
+        slots = layers + embedding + loss
+        assert slots % virtual == 0, case["id"]  # megatron-core asks it of such a split
+        per_stage = slots // case["pp"]
+        first, last = per_stage - embedding, per_stage - loss
+    flags = {}
+    if first is not None:
+        flags["--pp-first-stage-layers"] = first
+    if last is not None:
+        flags["--pp-last-stage-layers"] = last
+    return flags
+
+
+def validation_args_4(case: dict) -> list[str]:
+    """`megatron-ba layout --json` for a case of the set: the record's cli_args with the rules
+    above (ASSUMED_4, FOURTH_FRAMEWORKS), its stage split and the fields this set adds."""
+    args = cli_args(case, ASSUMED_4, FOURTH_FRAMEWORKS)
+    for flag, layers in stage_flags(case).items():
+        args += [flag, str(layers)]
+    if case.get("sequence_parallel") is False and (case["tp"] or 1) > 1:
+        args += ["--no-sequence-parallel"]
+    etp = case.get("expert_tensor_parallel_size")
+    if etp is not None and "--etp" in args:
+        args[args.index("--etp") + 1] = str(etp)
+    return args
+
+
+@functools.cache
+def validation_run_4(case_id: str) -> tuple[int, dict | None, str]:
+    """The command's (exit status, JSON, stderr) on a case of the set: one run per case."""
+    out, err = io.StringIO(), io.StringIO()
+    case = next(c for c in CASES if c["id"] == case_id)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli_main(validation_args_4(case))
+    printed = json.loads(out.getvalue()) if out.getvalue().strip() else None
+    return status, printed, err.getvalue().strip()
+
+
+def test_the_set_is_the_committed_one():
+    assert len(CASES) == 16 and len({c["id"] for c in CASES}) == 16
+    assert sum(c["outcome"] == "ran" for c in CASES) == 8
+    assert sum(c["outcome"] == "oom" for c in CASES) == 8
+    excluded = {e["id"] for e in DATA["excluded"]}
+    assert len(excluded) == 18 and not excluded & {c["id"] for c in CASES}
+    for c in CASES:
+        assert c["source"] and c["outcome"] in ("ran", "oom"), c["id"]
+    assert sum(bool(flagged(c)) for c in CASES) == 9  # all stay in
+
+
+def test_the_refusals_are_the_rules():
+    """The cases no rule gives an input are exactly those named in REFUSED."""
+    assert {c["id"] for c in CASES} - set(ASSUMED_4) == set(REFUSED)
+    assert len(JUDGED) == 16 - len(REFUSED)
+
+
+def test_every_rule_gives_a_known_input():
+    """Each judged case's model is a preset, its GPU in GPU_MEMORY_GIB, its framework's defaults
+    stated; the size rule names the 122 B model; the embedding-and-loss split is megatron-core's
+    for Qwen3-235B-A22B's 94 layers at pp 8 (11, 12 x 6, 11)."""
+    for case in JUDGED:
+        inputs = ASSUMED_4[case["id"]]
+        assert inputs["model"][0] in PRESETS, case["id"]
+        gpu = inputs["gpu"][0] if "gpu" in inputs else case["gpu"]
+        assert gpu.split()[0].split("-")[0] in GPU_MEMORY_GIB, case["id"]
+    sized = [c for c in JUDGED if c["model"].startswith("Qwen3.5 122B")]
+    assert [ASSUMED_4[c["id"]]["model"][0] for c in sized] == ["Qwen3.5-122B-A10B"]
+    pretrain = next(c for c in JUDGED if c.get("account_for_loss_in_pipeline_split"))
+    assert stage_flags(pretrain) == {"--pp-first-stage-layers": 11, "--pp-last-stage-layers": 11}
+
+
+def test_every_case_builds_its_cli_arguments():
+    """Phase 1, no run: every judged case's planner inputs build and its arguments parse as
+    `megatron-ba layout`'s, each rule's flag among them."""
+    for case in JUDGED:
+        inputs = planner_inputs(case, ASSUMED_4, FOURTH_FRAMEWORKS)
+        assert inputs["shape"] is load_model(ASSUMED_4[case["id"]]["model"][0])
+        args = validation_args_4(case)
+        print(case["id"], " ".join(args))
+        parsed = _parser.parse_args(args[1:])
+        assert parsed.json and parsed.tp == inputs["layout"].tp and parsed.pp == inputs["layout"].pp
+        for flag, layers in stage_flags(case).items():
+            assert getattr(parsed, flag[2:].replace("-", "_")) == layers
+        engine = FOURTH_FRAMEWORKS[case["framework"].split()[0]]["vllm_util"] is not None
+        if not engine or case["colocated_generation"] is False:  # TASK, FIELDS: no engine
+            assert parsed.vllm_gpu_util == 0, case["id"]
+        if not engine:
+            assert "--logprob-batch-size" not in args, case["id"]
+        no_sp = case.get("sequence_parallel") is False and (case["tp"] or 1) > 1
+        assert parsed.no_sequence_parallel == no_sp, case["id"]
+        if case.get("expert_tensor_parallel_size"):
+            assert parsed.etp == case["expert_tensor_parallel_size"], case["id"]
+
+
+def rows_4() -> tuple[list[dict], dict[str, str]]:
+    """(each judged case's row as test_public_record.evaluate makes it, the cases the command
+    refused with exit status 2 -> its words)."""
+    refused = {}
+    for case in JUDGED:
+        status, _, err = validation_run_4(case["id"])
+        if status == 2:
+            refused[case["id"]] = err
+    planned = [c for c in JUDGED if c["id"] not in refused]
+    return evaluate(planned, run=lambda c: validation_run_4(c["id"])[:2]), refused
+
+
+def test_a_peak_is_read_in_gib():
+    """PEAKS: the three published figures, "GB" of 10^9 bytes, in GiB."""
+    peaks = {c["id"]: published_gib(c) for c in CASES if c["peak_mem_gib"] is not None}
+    assert len(peaks) == 3 and all(0 < p < 80 for p in peaks.values())
