@@ -12,7 +12,8 @@ CP layouts. The per-micro-batch control must pass where its one micro-batch is t
 (one DP rank, M = 1: TP2, PP2, CP2), which shows it differs from the real loss in its
 normalisation alone. TP2+SP runs sequence parallelism with the local spec (cpu_compat shim 6);
 its control, the norms' gradients not summed over TP, must fail there and pass on TP2 without SP
-(where no parameter is marked for that sum). Each launch also
+(where no parameter is marked for that sum). TP4 puts tp above the model's 2 KV heads. Each
+launch also
 checks that the plan statistics were all-reduced exactly once per global batch on each rank that
 computes the loss, our CP shards against megatron-core's get_batch_on_this_cp_rank, forward-only
 log-probs and entropy, and one clipped AdamW step. Groups of 3 responses are split across the DP
@@ -57,6 +58,9 @@ LAYOUTS: dict[str, tuple[ParallelLayout, list[Case]]] = {
         [Case("balanced", 3, per_token_loss=True), WHOLE_BATCH_MB, SP_GRADS_UNREDUCED],
     ),
     "TP2+SP": (ParallelLayout(tp=2, sequence_parallel=True), [SP_GRADS_UNREDUCED]),
+    # tp above the debug model's 2 KV heads: megatron-core all-gathers the fused QKV and each
+    # rank keeps its group's KV head (transformer/attention.py)
+    "TP4": (ParallelLayout(tp=4), []),
     "PP2": (
         ParallelLayout(pp=2),
         [Case("token", 3, per_token_loss=True), NEGATIVE_MB, WHOLE_BATCH_MB],

@@ -443,3 +443,22 @@ def test_compute_ranking_prefers_no_recomputation_by_hand(capsys):
     assert cli_main([*cli, "--gpus-per-node", "8", "--gpu", "H100", "--prefer", "compute"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [out[k] for k in ("tp", "cp", "dp", "recompute_mode")] == [2, 8, 2, "none"]
+
+
+def test_tp_above_the_kv_heads_keeps_a_whole_kv_head_per_rank():
+    """Qwen2.5-1.5B (2 KV heads of 128) at tp 4 with sequence parallelism: a layer keeps its
+    elements / tp per token, plus the one KV head's k and v each rank keeps where an even split
+    would keep half a head (2 x 128 x (1 - 2/4)); at tp 2 nothing is added. The search never
+    proposes tp 4 for it; pinned, it is planned."""
+    from megatron_ba.planning.memory import PRECISION, layer_activations
+
+    shape = load_model("Qwen2.5-1.5B")
+    a, n = shape.layer_activation_elements(), 1000
+    tp4 = ParallelLayout(tp=4, sequence_parallel=True)
+    assert layer_activations(shape, tp4, PRECISION, n) == 2 * n * (a / 4 + 2 * 128 * (1 - 2 / 4))
+    tp2 = ParallelLayout(tp=2, sequence_parallel=True)
+    assert layer_activations(shape, tp2, PRECISION, n) == 2 * n * a / 2
+    kw = dict(nodes=1, gpus_per_node=8, gpu_mem_gib=79.11, max_response_len=1, seq_len=32768)
+    assert propose(shape, **kw).layout.tp <= 2
+    cli = ["layout", "--model", "Qwen2.5-1.5B", "--seq-len", "32768", "--nodes", "1", "--json"]
+    assert cli_main([*cli, "--gpus-per-node", "8", "--gpu", "H100", "--tp", "4"]) == 0

@@ -10,6 +10,7 @@ versions wrote (a dense run's without ep and etp, an expert-parallel run's with 
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -63,6 +64,21 @@ def test_model_rules_name_the_field():
     ParallelLayout(pp=2).check_model(DENSE)
     ParallelLayout(dp=4, ep=2).check_model(MOE)
     ParallelLayout(dp=4, ep=2, etp=2).check_model(MOE)
+
+
+def test_tp_may_be_a_multiple_of_the_kv_heads_as_megatron_core_allows():
+    """Qwen2.5-Math-7B's 4 KV heads: tp 8 (a multiple: each rank gathers one KV head, checked
+    exactly by tests/test_layout_matrix.py's TP4 on the debug model's 2) is a layout, tp 3
+    (neither) is refused naming tp."""
+    q7 = PRESETS["Qwen2.5-Math-7B"]  # 28 heads, 4 KV heads
+    ParallelLayout(tp=4).check_model(q7)
+    ParallelLayout(tp=8).check_model(
+        dataclasses.replace(q7, num_attention_heads=32, kv_channels=128)
+    )
+    with pytest.raises(LayoutError, match=r"num_query_groups=4 is not a multiple of tp=3 \(nor a"):
+        ParallelLayout(tp=3).check_model(
+            dataclasses.replace(q7, num_attention_heads=24, kv_channels=128)
+        )
 
 
 def test_pipeline_stages_even_or_split_as_megatron_core_splits_them():

@@ -238,11 +238,19 @@ class ParallelLayout:
         self._check_experts(size)
 
     def _check_tensor_split(self, size: dict) -> None:
+        """TP splits the heads, the MLP and the vocabulary. The KV heads (num_query_groups) may
+        also be fewer than tp when tp is a multiple of them, as megatron-core allows (its
+        TransformerConfig: "a multiple or divisor"): every rank then all-gathers the fused QKV
+        and keeps its group's one KV head beside its share of the query heads
+        (transformer/attention.py, get_query_key_value_tensors)."""
         keys = ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
         problems = [
             f"{key}={size[key]} is not a multiple of tp={self.tp}"
+            + (" (nor a divisor)" if key == "num_query_groups" else "")
             for key in keys
-            if size[key] is not None and size[key] % self.tp
+            if size[key] is not None
+            and size[key] % self.tp
+            and not (key == "num_query_groups" and self.tp % size[key] == 0)
         ]
         if problems:
             raise LayoutError("tp", "; ".join(problems))

@@ -257,9 +257,10 @@ def candidate_layouts(
     shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, only=None, refused=None
 ):
     """Every ParallelLayout the model can train on over `world` GPUs (module docstring): tp
-    within a node, pp dividing the layers or a power of two (its layers split by the pinned
-    uneven stages, else balanced_stages), cp a power of two (seq_len a multiple of 2 cp), the
-    fields of `only` pinned, sequence parallelism wherever tp > 1 (unless pinned off).
+    within a node and, unless pinned, at most the KV heads, pp dividing the layers or a power of
+    two (its layers split by the pinned uneven stages, else balanced_stages), cp a power of two
+    (seq_len a multiple of 2 cp), the fields of `only` pinned, sequence parallelism wherever
+    tp > 1 (unless pinned off).
     `refused` (a dict) collects the first reason each rule refused a candidate, keyed by field."""
     only, refused = only or {}, {} if refused is None else refused
     sp = only.get("sequence_parallel", True)
@@ -269,6 +270,11 @@ def candidate_layouts(
     split = {k: only[k] for k in UNEVEN if k in only}
     node = f"does not divide the {gpus_per_node} GPUs of a node (TP stays inside one)"
     for tp in _tried("tp", _divisors(gpus_per_node), only, refused, node):
+        if "tp" not in only and tp > shape.num_query_groups:
+            # valid (ParallelLayout: megatron-core gathers a KV head per rank), but the search
+            # keeps whole KV heads on each rank rather than all-gather the fused QKV
+            refused.setdefault("tp", f"above the {shape.num_query_groups} KV heads (pin --tp)")
+            continue
         for pp in _pp_values(shape.num_layers, only):
             for cp in _tried("cp", CP_VALUES, only, refused, f"is not one of {CP_VALUES}"):
                 sizes, mp = {"tp": tp, "pp": pp, "cp": cp}, tp * pp * cp
@@ -285,7 +291,7 @@ def candidate_layouts(
                     stages = split or balanced_stages(shape.num_layers, pp)
                     layout = ParallelLayout(**sizes, dp=world // mp, **experts, **stages,
                                             sequence_parallel=sp and tp > 1)  # fmt: skip
-                    layout.check_training(shape)  # Gated DeltaNet layers: cp 1 among its rules
+                    layout.check_training(shape)  # Gated DeltaNet: tp x cp divides its heads
                 except LayoutError as e:
                     refused.setdefault(e.key, e.renamed(FLAGS))
                     continue

@@ -325,6 +325,11 @@ def layer_activations(
     out /= t  # TP shards heads and the MLP; sequence parallelism shards the rest
     if t > 1 and not layout.sequence_parallel:
         out += 4 * shape.hidden_size * prec.act_bytes * n * (1 - 1 / t)
+    groups = shape.num_query_groups
+    if t > groups and not (index is not None and shape.is_linear_attention_layer(index)):
+        # tp above the KV heads: each rank keeps its group's whole KV head, k and v, for the
+        # core attention (megatron-core's get_query_key_value_tensors), not 2 kv / t
+        out += 2 * shape.head_dim * prec.act_bytes * n * (1 - groups / t)
     return out
 
 
