@@ -462,3 +462,27 @@ def test_tp_above_the_kv_heads_keeps_a_whole_kv_head_per_rank():
     assert propose(shape, **kw).layout.tp <= 2
     cli = ["layout", "--model", "Qwen2.5-1.5B", "--seq-len", "32768", "--nodes", "1", "--json"]
     assert cli_main([*cli, "--gpus-per-node", "8", "--gpu", "H100", "--tp", "4"]) == 0
+
+
+def test_interleaved_stages_hold_megatron_cores_warm_up_by_hand():
+    """--vp V: megatron-core's interleaved 1F1B. pp 4, V 2, first stage: (4 - 0 - 1) x 2 +
+    (2 - 1) x 4 + 1 = 11 chunk micro-batches of half the stage's layers, 5.5 micro-batches'
+    worth against the plain schedule's 4 (1 + 1/2 - 1/8 = 1.375); the last stage: 0 + 4 + 1 = 5,
+    2.5 against 1. With 2 micro-batches per rank: every chunk of both, 2 micro-batches' worth.
+    The activations follow; --vp without a pinned pp > 1 is refused naming the flag."""
+    from megatron_ba.planning.memory import in_flight_tokens
+
+    layout = ParallelLayout(pp=4)
+    plain, interleaved = MemorySettings(1000), MemorySettings(1000, virtual_pipeline=2)
+    assert in_flight_tokens(plain, layout, 0) == (4, 4000)
+    assert in_flight_tokens(interleaved, layout, 0) == (11, 5500)
+    assert in_flight_tokens(interleaved, layout, 3) == (5, 2500)
+    two = replace(interleaved, step_tokens=2000)  # 2 micro-batches on the one DP rank
+    assert in_flight_tokens(two, layout, 0) == (4, 2000)
+    shape = load_model("Qwen2.5-7B")
+    acts = [estimate(shape, layout, s, gpu_mem_gib=80).activations for s in (plain, interleaved)]
+    assert acts[1] / acts[0] == pytest.approx(1.375)
+    cli = ["layout", "--model", "Qwen2.5-7B", "--seq-len", "4096", "--nodes", "1", "--json"]
+    assert cli_main([*cli, "--gpus-per-node", "8", "--gpu", "H100", "--vp", "2"]) == 2
+    with pytest.raises(ValueError, match="--vp: must be an integer >= 1"):
+        MemorySettings(1000, virtual_pipeline=0)

@@ -242,6 +242,14 @@ def _optimizer_arguments(p: argparse.ArgumentParser) -> None:
         help="the gradient buffer's dtype: fp32 (megatron-core's grad_reduce_in_fp32, the "
         "mixed-precision recipe and this project's trainer; default) or bf16 (NeMo-RL's)",
     )
+    p.add_argument(
+        "--vp",
+        type=int,
+        default=1,
+        help="virtual pipeline stages per rank (megatron-core's interleaved 1F1B, "
+        "virtual_pipeline_model_parallel_size; needs a pinned --pp > 1): the micro-batches it "
+        "holds in flight; for other frameworks' runs, this project's trainer runs 1",
+    )
 
 
 def parse_offload(text: str) -> tuple[str, float]:
@@ -281,9 +289,12 @@ def _check(args: argparse.Namespace) -> None:
         ("--logprob-batch-size", args.logprob_batch_size),
         ("--pp-first-stage-layers", args.pp_first_stage_layers),
         ("--pp-last-stage-layers", args.pp_last_stage_layers),
+        ("--vp", args.vp),
     ):
         if value is not None and value < 1:
             raise ValueError(f"{flag}: must be >= 1, got {value}")
+    if args.vp > 1 and (args.pp is None or args.pp < 2):
+        raise ValueError(f"--vp: {args.vp} interleaves pipeline stages: pin --pp 2 or more")
     _check_engine(args)
     if (args.model is None) == (args.model_config is None):
         raise ValueError("--model or --model-config: give exactly one")
@@ -354,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
         prefer=args.prefer,
         grad_reduce=args.grad_reduce,
         logprob_batch_size=args.logprob_batch_size,
+        virtual_pipeline=args.vp,
     )
     try:
         plan = propose(
@@ -425,8 +437,7 @@ def _text(j: dict) -> str:
         f"    weights {b['weights']}  gradients ({j['grad_reduce']}) {b['grads']}  optimizer "
         f"({'distributed' if j['distributed_optimizer'] else 'replicated'}) {b['optimizer']}",
         f"    activations {b['activations']} (no recompute {b['activations_no_recompute']}, "
-        f"full recompute {b['activations_full_recompute']}; {j['in_flight_micro_batches']} "
-        f"micro-batch(es) in flight, {j['in_flight_tokens']} tokens)",
+        f"full recompute {b['activations_full_recompute']}; {_in_flight(j)})",
         f"    logits {b['logits']} (naive {b['logits_naive']}, chunked {b['logits_chunked']})",
         *_logprob_lines(j),
         *_engine_lines(j),
@@ -471,6 +482,17 @@ def _engine_lines(j: dict) -> list[str]:
         f"instant {b['refit_phase']}",
         f"    training phase {b['train_phase']}, generation phase {b['generate_phase']}",
     ]
+
+
+def _in_flight(j: dict) -> str:
+    """What 1F1B holds at the worst stage: micro-batches, or interleaved chunk micro-batches."""
+    tokens = round(j["in_flight_tokens"])
+    if j["virtual_pipeline_size"] == 1:
+        return f"{j['in_flight_micro_batches']} micro-batch(es) in flight, {tokens} tokens"
+    return (
+        f"{j['in_flight_micro_batches']} chunk micro-batch(es) of 1/{j['virtual_pipeline_size']} "
+        f"of the stage in flight, {tokens} tokens' worth of its layers"
+    )
 
 
 def _logprob_lines(j: dict) -> list[str]:

@@ -142,6 +142,7 @@ class Plan:
             "logprobs": step.logprob_mode,
             "grad_reduce": step.grad_reduce,
             "logprob_tokens": step.logprob_tokens,
+            "virtual_pipeline_size": step.virtual_pipeline,
             "in_flight_micro_batches": self.estimate.in_flight,
             "in_flight_tokens": self.estimate.in_flight_tokens,
             **engine_json(self.vllm),
@@ -208,6 +209,7 @@ class Settings:
     # sequences of one micro-batch of a forward-only log-prob pass (NeMo-RL's
     # logprob_batch_size; planning/logprob_memory.py); None: no pass of its own
     logprob_batch_size: int | None = None
+    virtual_pipeline: int = 1  # MemorySettings.virtual_pipeline (pinned layouts of other trainers)
 
 
 def rank_key(
@@ -337,6 +339,7 @@ def _base_step(seq_len, recompute, settings: Settings, sequences=None) -> Memory
         grad_reduce=settings.grad_reduce,
         step_tokens=None if sequences is None else sequences * seq_len,
         logprob_tokens=logprob_tokens(settings.logprob_batch_size, seq_len),
+        virtual_pipeline=settings.virtual_pipeline,
     )
 
 

@@ -142,6 +142,10 @@ class MemorySettings:
     # logprob_batch_size sequences: planning/logprob_memory.py), before CP splits them. None: no
     # pass of its own (this project's trainer computes log-probs in its training micro-batches).
     logprob_tokens: int | None = None
+    # Model chunks per pipeline rank of megatron-core's interleaved 1F1B (virtual pipeline
+    # stages; in_flight_tokens): the planner estimates other frameworks' runs with it, this
+    # project's trainer runs one chunk per rank (1).
+    virtual_pipeline: int = 1
 
     def __post_init__(self) -> None:
         if self.recompute_mode not in RECOMPUTE:
@@ -156,6 +160,8 @@ class MemorySettings:
             raise ValueError(
                 f"--grad-reduce: one of {', '.join(GRAD_BYTES)}, got {self.grad_reduce!r}"
             )
+        if not (isinstance(self.virtual_pipeline, int) and self.virtual_pipeline >= 1):
+            raise ValueError(f"--vp: must be an integer >= 1, got {self.virtual_pipeline!r}")
         if self.logprob_tokens is not None and self.logprob_tokens < 1:
             raise ValueError(f"--logprob-batch-size: {self.logprob_tokens} tokens; must be >= 1")
         if self.step_tokens is not None and self.step_tokens < 1:
@@ -203,7 +209,7 @@ class MemoryEstimate:
     refit_phase: float = 0.0  # the refit's instant (in generate_phase's max)
     engine_process: float = 0.0  # the engine's own process outside its pool (in overhead)
     in_flight: int = 0  # micro-batches 1F1B holds at the worst stage before its first backward
-    in_flight_tokens: int = 0  # their tokens, before CP splits them
+    in_flight_tokens: float = 0  # their tokens, before CP splits them (/ V interleaved)
     logprob_logits: float = 0.0  # the log-prob pass's logits path (planning/logprob_memory.py)
     logprob_phase: float = 0.0  # the log-prob pass's peak (0: no pass of its own)
     # What one sequence takes in the engine's KV cache (generation_memory.sequence_cache_bytes;
@@ -302,17 +308,38 @@ def _states(shape, layout, step, stage, prec):
     return params * prec.param_bytes, params * GRAD_BYTES[step.grad_reduce], optimizer
 
 
-def in_flight_tokens(step: MemorySettings, layout: ParallelLayout, stage: int) -> tuple[int, int]:
+def in_flight_tokens(step: MemorySettings, layout: ParallelLayout, stage: int) -> tuple[int, float]:
     """(micro-batches, their tokens) 1F1B has in flight on `stage` before its first backward:
     min(pp - stage, the micro-batches of a data-parallel rank's share of the step), each with
     its own tokens (the share's last micro-batch holds what is left of it); pp - stage full
-    micro-batches when the step's size is unknown (step_tokens None)."""
-    mbt, room = step.micro_batch_tokens, layout.pp - stage
+    micro-batches when the step's size is unknown (step_tokens None).
+
+    With V virtual stages per rank (megatron-core's interleaved schedule, schedules.py
+    forward_backward_pipelining_with_interleaving) the stage runs chunks of 1/V of its layers:
+    it holds (pp - stage - 1) x 2 + (V - 1) x pp warm-up chunk micro-batches plus the one of
+    its first steady step (at most every chunk of every micro-batch), chunk k being micro-batch
+    (k // (g V)) g + k % g, g = pp (or the rank's micro-batches, when fewer). The count returned
+    is of those chunk micro-batches, the tokens theirs / V: the stage's whole layers' worth (on
+    the first stage about 1 + 1/V - 1/(pp V) times what the plain schedule holds)."""
+    mbt, pp, v = step.micro_batch_tokens, layout.pp, step.virtual_pipeline
     if step.step_tokens is None:
-        return room, room * mbt
-    share = -(-step.step_tokens // layout.dp)  # a rank's tokens (the search: an equal share)
-    count = min(room, -(-share // mbt))
-    return count, sum(min(mbt, share - i * mbt) for i in range(count))
+        share, micro_batches = None, None
+    else:
+        share = -(-step.step_tokens // layout.dp)  # a rank's tokens (the search: an equal share)
+        micro_batches = -(-share // mbt)
+
+    def tokens_of(i: int) -> int:  # micro-batch i's tokens (the last holds what is left)
+        return mbt if share is None else min(mbt, share - i * mbt)
+
+    if v == 1:
+        count = pp - stage if micro_batches is None else min(pp - stage, micro_batches)
+        return count, sum(tokens_of(i) for i in range(count))
+    chunks = (pp - stage - 1) * 2 + (v - 1) * pp + 1
+    group = pp  # micro-batches per chunk in turn (microbatch_group_size_per_vp_stage)
+    if micro_batches is not None:
+        chunks, group = min(chunks, micro_batches * v), min(pp, micro_batches)
+    ids = [(k // (group * v)) * group + k % group for k in range(chunks)]
+    return chunks, sum(tokens_of(i) for i in ids) / v
 
 
 def layer_activations(
