@@ -49,8 +49,9 @@ Terms the engine adds beyond its pool, each with its source:
 * ENGINE_PROCESS_GIB: an engine in a process of its own (this project's, NeMo-RL's, SGLang's)
   keeps a CUDA context, its communicators and what its sleep mode does not release, in both
   phases (it sleeps while the policy trains, it is not gone). Read off the same two
-  out-of-memory messages as planning.memory.NON_TORCH_GIB, each of which names the other process
-  on the GPU: slime's colocated SGLang engine, asleep while its trainer went out of memory:
+  out-of-memory messages as planning.memory_settings.NON_TORCH_GIB, each of which names the
+  other process on the GPU: slime's colocated SGLang engine, asleep while its trainer went out
+  of memory:
   https://github.com/THUDM/slime/issues/1767 (H100): "Process 520735 has 3.17 GiB memory in use"
   beside the trainer's 48.84; https://github.com/THUDM/slime/issues/1951 (H200): "Process 22249
   has 3.24 GiB memory in use" beside the trainer's 88.83. The mean, 3.205 GiB. An engine in the
