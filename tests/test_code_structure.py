@@ -272,7 +272,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "conversion": CORE | SHAPE | {"parallel", "megatron"},
     "generation": CORE | SHAPE | {"parallel", "megatron", "conversion", "recipe"},
     "evaluation": frozenset({"errors", "data", "rewards", "generation"}),
-    "integrations": CORE | {"parallel", "megatron", "rewards", "recipe"},
+    "integrations": CORE | SHAPE | {"parallel", "megatron", "rewards", "recipe"},
     "train": CORE
     | SHAPE
     | {"parallel", "megatron", "conversion", "generation", "recipe", "tokenization"}

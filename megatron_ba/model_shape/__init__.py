@@ -1,5 +1,5 @@
 """The shape of a Qwen-family decoder, its parameter and activation counts, and the named shapes
-every part of the project uses: ModelShape (shape.py), read from a config.json (hf_config.py),
+every part of the project uses: ModelShape (shape.py), read from a config.json (config_json.py),
 the named shapes (presets.py).
 
     shape = PRESETS["Qwen2.5-Math-7B"]          # or preset("qwen2.5-math-7b"), case-insensitive
@@ -23,7 +23,7 @@ ModelShape's fields; the counts take each layer by its type (`total_params` equa
 Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM parameter count: tests/test_planner_qwen3_5.py).
 """
 
-from megatron_ba.model_shape.hf_config import (
+from megatron_ba.model_shape.config_json import (
     QWEN3_5_MODEL_TYPES,
     qwen3_5_layer_pattern,
     qwen3_5_text_config,

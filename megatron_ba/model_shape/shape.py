@@ -1,14 +1,14 @@
 """ModelShape: a Qwen-family decoder's shape and its parameter and activation counts.
 
 The package's front page (megatron_ba/model_shape/__init__.py) says what the shape describes;
-config.json is read in hf_config.py, the named shapes are in presets.py.
+config.json is read in config_json.py, the named shapes are in presets.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_ba.model_shape.hf_config import shape_fields
+from megatron_ba.model_shape.config_json import shape_fields
 from megatron_ba.rope_scaling import RopeScaling, coerce
 
 FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
@@ -182,7 +182,7 @@ class ModelShape:
     def from_hf_config(cls, cfg: dict, name: str = "model") -> ModelShape:
         """The shape of a Hugging Face Qwen2 / Qwen3 / Qwen3.5 config.json (a dict; Qwen3.5's
         ConditionalGeneration layout keeps its text model under `text_config`), read by
-        megatron_ba.model_shape.hf_config."""
+        megatron_ba.model_shape.config_json."""
         return cls(**shape_fields(cfg, name))
 
     @property

@@ -141,7 +141,7 @@ def candidate_layouts(
         if "tp" not in only and tp > shape.num_query_groups:
             # valid (ParallelLayout: megatron-core gathers a KV head per rank), but the search
             # keeps whole KV heads on each rank rather than all-gather the fused QKV
-            refused.setdefault("tp", f"above the {shape.num_query_groups} KV heads (pin --tp)")
+            refused.setdefault("tp", f"{tp} is searched only up to num_query_groups (pin --tp)")
             continue
         for pp in _pp_values(shape.num_layers, only):
             for cp in _tried("cp", CP_VALUES, only, refused, f"is not one of {CP_VALUES}"):
