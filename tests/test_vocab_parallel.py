@@ -26,6 +26,17 @@ from megatron_ba.megatron.vocab_parallel import vocab_parallel_logprobs
 TOL32 = 2e-5  # fp32 arithmetic against a float64 reference, relative to max(1, |reference|)
 
 
+def fp32_tolerance(logits: torch.Tensor, temperature: float) -> float:
+    """TOL32, or float32's own floor where that is larger: a log-softmax of z / T in float32
+    is off by about eps x max |z / T| (the max-shifted logits' rounding), a gradient through it
+    by 1 / T more; 4 of those cover the few operations that compound it (exp, sum, log). Large
+    logits at a low temperature (12 x 4 = 48 per unit of z) reach it; a wrong formula is off by
+    far more."""
+    z = float(logits.abs().max()) / temperature if logits.numel() else 0.0
+    floor = torch.finfo(torch.float32).eps * max(1.0, z) * max(1.0, 1.0 / temperature)
+    return max(TOL32, 4 * floor)
+
+
 # `stack`: what a release of megatron-core, torch or Python changes; run again on the current
 # stack by scripts/run_current_tests.sh (pyproject.toml's markers).
 pytestmark = pytest.mark.stack
@@ -113,10 +124,23 @@ def test_matches_float64_reference(seed, lead, vocab, scale, temperature, chunk_
     logits, targets = make_case(seed, lead, vocab, scale)
     r_lp, r_h, r_grad = reference(logits, targets, temperature, use)
     lp, h, grad = ours(logits, targets, use, temperature=temperature, chunk_size=chunk_size)
+    tol = fp32_tolerance(logits, temperature)
     assert lp.shape == h.shape == targets.shape and lp.dtype == torch.float32
-    assert rel_err(lp, r_lp) < TOL32
-    assert rel_err(h, r_h) < TOL32
-    assert grad.dtype == logits.dtype and rel_err(grad, r_grad) < TOL32
+    assert rel_err(lp, r_lp) < tol
+    assert rel_err(h, r_h) < tol
+    assert grad.dtype == logits.dtype and rel_err(grad, r_grad) < tol
+
+
+def test_the_shrunk_float32_case_is_within_its_floor_and_a_wrong_gradient_is_not():
+    """The example a search found over TOL32 (entropy only, logits of scale 11 at T 0.25): its
+    gradient is 2.4e-5 off float64, within fp32_tolerance; the same gradient at T 0.5 instead
+    of 0.25 (a wrong temperature) is far outside it."""
+    logits, targets = make_case(0, [4], 25, 11.0)
+    _, _, r_grad = reference(logits, targets, 0.25, ("h",))
+    _, _, grad = ours(logits, targets, ("h",), temperature=0.25, chunk_size=1)
+    assert TOL32 < rel_err(grad, r_grad) < fp32_tolerance(logits, 0.25)
+    _, _, wrong = ours(logits, targets, ("h",), temperature=0.5, chunk_size=1)
+    assert rel_err(wrong, r_grad) > 100 * fp32_tolerance(logits, 0.25)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 8])
