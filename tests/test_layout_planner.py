@@ -243,7 +243,7 @@ def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):
     from megatron_ba.planning.cluster_layout import DEFAULT_VLLM, propose
     from megatron_ba.planning.memory import VLLMShare, load_model
     from megatron_ba.recipe import RolloutSection, load_recipe
-    from megatron_ba.train import rollouts
+    from megatron_ba.train import engine_setup
 
     assert DEFAULT_VLLM.gpu_util == VLLMShare().gpu_util == RolloutSection().gpu_memory_utilization
     plan = propose(
@@ -256,10 +256,10 @@ def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):
     )
     assert {"rollout.gpu_memory_utilization=0.55", "rollout.sleep=true"} <= set(plan.overrides())
     seen = {}
-    monkeypatch.setattr(rollouts, "VLLMEngine", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(engine_setup, "VLLMEngine", lambda *a, **kw: seen.update(kw))
     recipe = load_recipe(ROOT / "recipes/tiny-cpu.yaml", ["rollout.gpu_memory_utilization=0.45"])
     policy = types.SimpleNamespace(spec=types.SimpleNamespace(max_context=64))
-    rollouts._vllm_engine(recipe, ROOT, policy, None)
+    engine_setup.vllm_engine(recipe, ROOT, policy, None)
     assert seen["gpu_memory_utilization"] == 0.45
 
 

@@ -112,13 +112,13 @@ def _recipe(*overrides: str):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU errors")
 def test_gpu_only_rollout_keys_fail_clearly_on_cpu():
-    from megatron_ba.train.rollouts import _check_device_keys
+    from megatron_ba.train.engine_setup import check_device_keys
 
-    _check_device_keys(_recipe())  # the defaults pass
+    check_device_keys(_recipe())  # the defaults pass
     with pytest.raises(ValueError, match=r"rollout\.sleep: .*needs CUDA"):
-        _check_device_keys(_recipe("rollout.sleep=true"))
+        check_device_keys(_recipe("rollout.sleep=true"))
     with pytest.raises(ValueError, match=r"rollout\.engine_tp: 2 needs CUDA"):
-        _check_device_keys(_recipe("rollout.engine_tp=2"))
+        check_device_keys(_recipe("rollout.engine_tp=2"))
 
 
 def test_rollout_keys_are_validated():
@@ -134,12 +134,12 @@ def test_rollout_keys_are_validated():
 
 def test_rollout_dtype_picks_the_engine_and_refit_dtype():
     from megatron_ba.recipe import RecipeError
-    from megatron_ba.train.rollouts import _engine_dtype
+    from megatron_ba.train.engine_setup import engine_dtype
 
     auto = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    assert _engine_dtype(_recipe()) == auto
-    assert _engine_dtype(_recipe("rollout.dtype=bfloat16")) == torch.bfloat16
-    assert _engine_dtype(_recipe("rollout.dtype=float32")) == torch.float32
+    assert engine_dtype(_recipe()) == auto
+    assert engine_dtype(_recipe("rollout.dtype=bfloat16")) == torch.bfloat16
+    assert engine_dtype(_recipe("rollout.dtype=float32")) == torch.float32
     with pytest.raises(RecipeError, match=r"rollout\.dtype: auto, float32 or bfloat16"):
         _recipe("rollout.dtype=fp16")
 

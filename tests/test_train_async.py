@@ -39,7 +39,7 @@ def cache_dir(tmp_path_factory):
 
 
 # The same threads in every run, so that runs compare schedules: one trainer thread (an
-# asynchronous run's default on 2 cores: train/rollouts.py cpu_split) and the engine unbound
+# asynchronous run's default on 2 cores: train/engine_setup.py cpu_split) and the engine unbound
 # (the variable a user exports wins over the split's binding).
 THREADS = ("rollout.threads=1",)
 ENV = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -146,7 +146,7 @@ def test_resumed_with_a_smaller_staleness_the_old_batch_is_dropped(runs, cache_d
 
 def test_an_async_cpu_run_gives_the_engine_and_the_trainer_their_own_cores():
     from megatron_ba.recipe import load_recipe
-    from megatron_ba.train.rollouts import cpu_split
+    from megatron_ba.train.engine_setup import cpu_split
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:

