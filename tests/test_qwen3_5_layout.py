@@ -116,6 +116,16 @@ def test_tp_must_divide_the_deltanet_heads():
     )
     with pytest.raises(LayoutError, match="linear_num_key_heads=2 is not a multiple of tp=4"):
         ParallelLayout(tp=4).check_model(wide)
+    # with CP the refusal names the flag to change: tp where tp alone splits the heads unevenly
+    with pytest.raises(
+        LayoutError, match="linear_num_key_heads=2 is not a multiple of tp\\*cp=4\\*2"
+    ) as tp_first:
+        ParallelLayout(tp=4, cp=2).check_model(wide)
+    assert tp_first.value.key == "tp", tp_first.value
+    even_tp = replace(wide, linear_num_key_heads=4, linear_num_value_heads=4)
+    with pytest.raises(LayoutError) as cp_too_many:
+        ParallelLayout(tp=4, cp=2).check_model(even_tp)
+    assert cp_too_many.value.key == "cp", cp_too_many.value
 
 
 def float32_errors() -> dict:

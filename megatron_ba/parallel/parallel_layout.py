@@ -255,6 +255,8 @@ class ParallelLayout:
         if problems:
             raise LayoutError("tp", "; ".join(problems))
 
+    _LINEAR_HEADS = ("linear_num_key_heads", "linear_num_value_heads")
+
     def _check_linear_attention(self, model) -> None:
         """Gated DeltaNet layers (Qwen3.5): TP and CP split their key and value heads.
         megatron-core 0.19.2 (the GPU stack's pin, requirements/gpu.txt) asks both head counts
@@ -266,11 +268,13 @@ class ParallelLayout:
         problems = [
             f"{key}={getattr(model, key)} is not a multiple of "
             + (f"tp={self.tp}" if self.cp == 1 else f"tp*cp={self.tp}*{self.cp}")
-            for key in ("linear_num_key_heads", "linear_num_value_heads")
+            for key in self._LINEAR_HEADS
             if getattr(model, key) % split
         ]
         if problems:
-            raise LayoutError("tp" if self.cp == 1 else "cp", "; ".join(problems))
+            # the flag to change: tp where tp alone does not divide the heads, else cp
+            tp_alone = any(getattr(model, key) % self.tp for key in self._LINEAR_HEADS)
+            raise LayoutError("tp" if self.cp == 1 or tp_alone else "cp", "; ".join(problems))
 
     def _check_experts(self, size: dict) -> None:
         experts = size["num_experts"] or 0
