@@ -135,6 +135,24 @@ def test_fp32_logprob_path_by_hand():
     assert estimate(q32, cp4, step, gpu_mem_gib=79.11).logits == e.logits / 4
 
 
+def test_te_fused_cross_entropy_by_hand():
+    """Transformer Engine's fused cross entropy (megatron-core's cross_entropy_fusion_impl "te")
+    writes the gradient into the bf16 logits in place: 2 bytes per logit of T x V / tp, and per
+    token the fp32 loss and (max, sum, target logit), all-gathered over TP (4 + 12 + 12 tp);
+    megatron-core's unfused path keeps 8 bytes per logit, NeMo-RL's log-prob pass 2 in TE's."""
+    lo, step = plan(8, 1, 1, 4, 131072, recompute="full", logprobs="te")
+    q32, per_byte = load_model("Qwen3-32B"), 131072 * (151936 / 8)
+    e = estimate(q32, lo, step, gpu_mem_gib=79.11)
+    assert e.logits == per_byte * 2 + 131072 * (4 + 12 + 12 * 8)
+    assert round(e.logits / GIB, 2) == 4.65
+    mega = estimate(q32, lo, replace(step, logprobs="megatron"), gpu_mem_gib=79.11)
+    assert mega.train_phase - e.train_phase == per_byte * 6 - 131072 * 112
+    one = replace(lo, tp=1, dp=32, sequence_parallel=False)  # no TP: no all-gathered statistics
+    assert estimate(q32, one, step, gpu_mem_gib=79.11).logits == 131072 * (151936 * 2 + 16)
+    passes = replace(step, logprob_tokens=4 * 4096)
+    assert estimate(q32, lo, passes, gpu_mem_gib=79.11).logprob_logits == 4 * 4096 * 151936 / 8 * 2
+
+
 def test_pipeline_stages_by_hand():
     pp2 = ParallelLayout(pp=2)
     assert stage_params(Q7, pp2, 0) == 14 * Q7_LAYER + 152064 * 3584

@@ -42,8 +42,9 @@ from megatron_ba.planning.generation_memory import engine_fields, trainer_kept
 # * "naive": log_softmax of the fp32 logits: the bf16 logits, their fp32 cast and its
 #   log-softmax, 2 + 4 + 4;
 # * "chunked": the bf16 logits (2), and LOGPROB_CHUNK_BUFFERS fp32 buffers of one chunk
-#   (logprob_phase_bytes).
-LOGPROB_FORWARD_BYTES = {"fp32": 12, "megatron": 6, "naive": 10, "chunked": 2}
+#   (logprob_phase_bytes);
+# * "te": Transformer Engine's fused cross entropy computes in place in the bf16 logits, 2.
+LOGPROB_FORWARD_BYTES = {"fp32": 12, "megatron": 6, "naive": 10, "chunked": 2, "te": 2}
 LOGPROB_CHUNK_BUFFERS = 2  # the chunked path's two fp32 chunk buffers (planning/memory.py _logits)
 
 

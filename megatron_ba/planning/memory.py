@@ -32,49 +32,54 @@ from pathlib import Path
 from megatron_ba.model_shape import PRESETS, ModelShape, preset
 from megatron_ba.parallel.parallel_layout import FLAGS, LayoutError, ParallelLayout
 from megatron_ba.planning.architectures import check_modelled
-from megatron_ba.planning.generation_memory import EngineShare as EngineShare  # re-exported
-from megatron_ba.planning.generation_memory import VLLMShare as VLLMShare
-from megatron_ba.planning.generation_memory import engine_process_bytes
 from megatron_ba.planning.generation_memory import (
-    kv_cache_bytes_per_token as kv_cache_bytes_per_token,
+    EngineShare,
+    VLLMShare,
+    engine_process_bytes,
+    kv_cache_bytes_per_token,
 )
 from megatron_ba.planning.logprob_memory import step_phases
 from megatron_ba.planning.memory_settings import (
-    FRAGMENTATION as FRAGMENTATION,
+    FRAGMENTATION,
+    GIB,
+    GRAD_BYTES,
+    LOGPROBS,
+    NON_TORCH_GIB,
+    OFFLOAD,
+    PRECISION,
+    RECOMPUTE,
+    MemoryEstimate,
+    MemorySettings,
+    Precision,
+    overhead_bytes,
 )
-from megatron_ba.planning.memory_settings import (
-    GIB as GIB,
-)
-from megatron_ba.planning.memory_settings import (
-    GRAD_BYTES as GRAD_BYTES,
-)
-from megatron_ba.planning.memory_settings import (
-    LOGPROBS as LOGPROBS,
-)
-from megatron_ba.planning.memory_settings import (
-    NON_TORCH_GIB as NON_TORCH_GIB,
-)
-from megatron_ba.planning.memory_settings import (
-    OFFLOAD as OFFLOAD,
-)
-from megatron_ba.planning.memory_settings import (
-    PRECISION as PRECISION,
-)
-from megatron_ba.planning.memory_settings import (
-    RECOMPUTE as RECOMPUTE,
-)
-from megatron_ba.planning.memory_settings import (
-    MemoryEstimate as MemoryEstimate,
-)
-from megatron_ba.planning.memory_settings import (
-    MemorySettings as MemorySettings,
-)
-from megatron_ba.planning.memory_settings import (  # re-exported: the estimate's inputs and terms
-    Precision as Precision,
-)
-from megatron_ba.planning.memory_settings import (
-    overhead_bytes as overhead_bytes,
-)
+
+# The estimate's inputs and terms are imported from here by every caller (their types and
+# constants live in memory_settings.py and generation_memory.py).
+__all__ = [
+    "FRAGMENTATION",
+    "GIB",
+    "GRAD_BYTES",
+    "LOGPROBS",
+    "NON_TORCH_GIB",
+    "OFFLOAD",
+    "PRECISION",
+    "RECOMPUTE",
+    "SEQ_PAD",
+    "EngineShare",
+    "MemoryEstimate",
+    "MemorySettings",
+    "Precision",
+    "VLLMShare",
+    "estimate",
+    "in_flight_tokens",
+    "kv_cache_bytes_per_token",
+    "layer_activations",
+    "load_model",
+    "overhead_bytes",
+    "padded_seq_len",
+    "stage_params",
+]
 
 
 def load_model(name_or_path: str) -> ModelShape:
@@ -248,10 +253,10 @@ def _activations(shape, layout, step, stage, prec):
     return no_recompute, full_recompute, tokens, flight
 
 
-def _logits(shape, layout, step, stage, tokens, prec):
-    """(naive, chunked, megatron, fp32) bytes of the log-prob path on this stage."""
+def _logits(shape, layout, step, stage, tokens, prec) -> dict[str, float]:
+    """Bytes of each log-prob / loss path (LOGPROBS) over this stage's logits."""
     if stage != layout.pp - 1:
-        return 0.0, 0.0, 0.0, 0.0
+        return dict.fromkeys(LOGPROBS, 0.0)
     v_local = shape.vocab_size / layout.tp
     # naive (log_softmax of the fp32 logits through autograd): the bf16 logits plus 20 bytes
     # per logit of fp32 saved tensors and the gradient, as measured (docs/performance.md,
@@ -270,17 +275,22 @@ def _logits(shape, layout, step, stage, tokens, prec):
     # once: the fp32 logits, their max-shifted copy and its exp (summed), then the fp32 logits,
     # the log-softmax and its exp, the softmax saved for the backward.
     fp32 = tokens * v_local * 3 * 4
-    return naive, chunked, megatron, fp32
+    # Transformer Engine's fused cross entropy (megatron-core's cross_entropy_loss_fusion with
+    # cross_entropy_fusion_impl "te": transformer_engine/pytorch/triton/cross_entropy.py): its
+    # forward writes the gradient into the bf16 logits in place and keeps them for the backward,
+    # so a logit costs its own bytes; per token, the fp32 loss and the fp32 (max, sum, target
+    # logit) row statistics, all-gathered over TP into tp x 3 more.
+    te_rows = 4 + 12 + (12 * layout.tp if layout.tp > 1 else 0)
+    te = tokens * (v_local * prec.logits_bytes + te_rows)
+    return {"naive": naive, "chunked": chunked, "megatron": megatron, "fp32": fp32, "te": te}
 
 
 def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec, seq_len=None):
     weights, grads, optimizer = _states(shape, layout, step, stage, prec)
     no_recompute, full_recompute, tokens, flight = _activations(shape, layout, step, stage, prec)
     activations = full_recompute if step.recompute_mode == "full" else no_recompute
-    naive, chunked, megatron, fp32 = _logits(shape, layout, step, stage, tokens, prec)
-    logits = {"naive": naive, "chunked": chunked, "megatron": megatron, "fp32": fp32}[
-        step.logprob_mode
-    ]
+    by_path = _logits(shape, layout, step, stage, tokens, prec)
+    logits = by_path[step.logprob_mode]
     reference = weights if step.reference else 0.0  # sharded as the policy
     parts = (weights, grads, optimizer, activations, logits, reference)
     p = step_phases(shape, layout, step, stage, gpu_mem_gib * GIB, vllm, parts,
@@ -299,8 +309,8 @@ def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec, seq_len
         activations_no_recompute=no_recompute,
         activations_full_recompute=full_recompute,
         logits=logits,
-        logits_naive=naive,
-        logits_chunked=chunked,
+        logits_naive=by_path["naive"],
+        logits_chunked=by_path["chunked"],
         train_phase=p["train"],
         peak=p["peak"],
         worst_stage=stage,

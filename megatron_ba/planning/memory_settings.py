@@ -50,7 +50,7 @@ def overhead_bytes(torch_bytes: float) -> float:
 # ddp_overrides). NeMo-RL's megatron config reduces in bf16 (grad_reduce_in_fp32: false).
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
 RECOMPUTE = ("none", "selective", "full")
-LOGPROBS = ("chunked", "megatron", "fp32", "naive")
+LOGPROBS = ("chunked", "megatron", "fp32", "naive", "te")
 OFFLOAD = ("auto", "none", "states")
 
 
@@ -77,7 +77,8 @@ class MemorySettings:
     # The log-prob / loss path over the vocabulary: "chunked" (this project's), "megatron"
     # (megatron-core's vocab-parallel cross entropy: an fp32 softmax), "fp32" (NeMo-RL's
     # DistributedLogprob on the model's fp32 logits), "naive" (autograd's log_softmax of fp32
-    # logits); chunked_logprobs=False means "naive".
+    # logits), "te" (Transformer Engine's fused cross entropy: the gradient written into the
+    # bf16 logits); chunked_logprobs=False means "naive".
     logprobs: str = "chunked"
     grad_reduce: str = "fp32"  # the gradient buffer's dtype (GRAD_BYTES): "fp32" or "bf16"
     # Tokens of one optimiser step over every data-parallel rank (its sequences x their padded
