@@ -98,14 +98,15 @@ CASES = DATA["cases"]
 # mixed_precision.py @0a07447):
 # * no engine, no log-prob pass (pretraining): vllm_util None, no "logprob_batch";
 # * nothing offloaded (no CPU offload in the recipe or the script): "none";
-# * the loss: megatron-core's vocab-parallel cross entropy (the script sets
-#   cross_entropy_loss_fusion True, cross_entropy_fusion_impl "te"): the planner's "megatron";
+# * the loss: the script sets cross_entropy_loss_fusion True, cross_entropy_fusion_impl "te":
+#   the planner's "megatron" in the run, its "te" (Transformer Engine's fused cross entropy)
+#   since that path was added, after the run (the case's verdict and estimate did not move);
 # * gradients fp32: bf16_mixed() sets grad_reduce_in_fp32=True; helpers.set_precision_configs
 #   turns it off only for fp8 compute (the case is BF16);
 # * recomputation: the script resets the recipe's (recompute_granularity None): the record's
 #   null, none; the distributed optimiser: the record's null, on.
 THIRD_FRAMEWORKS = VALIDATION_FRAMEWORKS | {
-    "NeMo": {"offload": "none", "vllm_util": None, "logprobs": "megatron", "grad_reduce": "fp32",
+    "NeMo": {"offload": "none", "vllm_util": None, "logprobs": "te", "grad_reduce": "fp32",
              "in_process": False, "refit_bucket_mb": 0, "refit_before_kv": False},
 }  # fmt: skip
 
@@ -264,7 +265,7 @@ def test_every_case_builds_its_cli_arguments():
     nemo2 = next(c for c in CASES if c["task"] == "pretrain")
     args = validation_args_3(nemo2)
     assert args[args.index("--grad-reduce") + 1] == "fp32"
-    assert args[args.index("--logprobs") + 1] == "megatron"
+    assert args[args.index("--logprobs") + 1] == "te"
 
 
 # The verdicts the planner gets wrong on the set, each with its cause read off the JSON's
