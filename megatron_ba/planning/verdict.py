@@ -55,6 +55,11 @@ from megatron_ba.planning.memory import GIB, EngineShare, MemoryEstimate, Memory
 #   279 GB for it beside 180 for the B200 (src/megatron/bridge/perf_recipes/qwen/b200/
 #   qwen3_moe.py @9c0cd25), the same 1.7-point gap as the B200's to torch's; no torch message
 #   of an NVL72 GB300 was found
+# * B300: 267.69 GiB ("GPU 0 has a total capacity of 267.69 GiB" in torch's out-of-memory
+#   messages of two public Megatron run reports on 8 x B300 nodes, 2026-08; the search index that
+#   found them does not name their repositories); nvidia-smi gives the "NVIDIA B300 SXM6 AC"
+#   275040 MiB (268.59 GiB: simone-chen/aiconfigurator src/aiconfigurator/systems/
+#   b300_sxm.yaml @84ba899), torch's figure below it as the H100's 79.11 is below its 79.65
 GPU_MEMORY_GIB = {
     "H100": 79.11,
     "H200": 139.81,
@@ -65,6 +70,7 @@ GPU_MEMORY_GIB = {
     "GB200": 184.0,
     "B200": 178.35,
     "GB300": 276.5,
+    "B300": 267.69,
 }
 
 HEADROOM = 0.1  # the fraction of the GPU the tensors' peak must leave free (module docstring)
