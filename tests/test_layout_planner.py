@@ -250,6 +250,13 @@ def test_layout_command_json(capsys):
     assert "recipe overrides: parallel.tp=" in text and "optimizer (distributed)" in text
     assert cli_main([*args[:-1], "--group-size", "0"]) == 2
     assert "--group-size: must be >= 1" in capsys.readouterr().err
+    # the optimiser states' dtype reaches the estimate: half the fp32 optimiser per GPU for bf16
+    pinned = [*args, "--tp", str(j["tp"]), "--pp", str(j["pp"]), "--cp", str(j["cp"])]
+    assert cli_main([*pinned, "--optimizer-states", "bf16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert j["optimizer_states"] == "fp32" and bf16["optimizer_states"] == "bf16"
+    fp32_opt, bf16_opt = j["breakdown_gib"]["optimizer"], bf16["breakdown_gib"]["optimizer"]
+    assert abs(bf16_opt - fp32_opt / 2) < 0.01, (fp32_opt, bf16_opt)
 
 
 def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):

@@ -57,6 +57,25 @@ def test_hand_figures_of_the_model():
     assert ACT == Q15.layer_activation_elements() == 36_608
 
 
+def test_optimizer_states_by_their_bytes_per_parameter():
+    """megatron-core's Adam states per parameter, sharded over DP: an fp32 main copy and two
+    fp32 moments (12); the precision-aware optimiser's int16 master remainder beside fp32
+    moments (10); with bf16 moments (6). Only the optimiser term moves."""
+    lo = ParallelLayout(1, 1, 1, 8)
+    by_states = {
+        states: estimate(Q15, lo, MemorySettings(1024, optimizer_states=states), gpu_mem_gib=80)
+        for states in ("fp32", "precision-aware", "bf16")
+    }
+    assert by_states["fp32"].optimizer == PARAMS * 12 / 8
+    assert by_states["precision-aware"].optimizer == PARAMS * (2 + 4 + 4) / 8
+    assert by_states["bf16"].optimizer == PARAMS * (2 + 2 + 2) / 8
+    fp32, bf16 = by_states["fp32"], by_states["bf16"]
+    assert fp32.train_phase - bf16.train_phase == PARAMS * 6 / 8
+    assert (bf16.weights, bf16.grads) == (fp32.weights, fp32.grads)
+    with pytest.raises(ValueError, match="--optimizer-states: one of fp32, precision-aware, bf16"):
+        MemorySettings(1024, optimizer_states="fp16")
+
+
 def test_gradients_fp32_or_bf16_and_bf16_halves_them_exactly():
     lo = ParallelLayout(1, 1, 1, 8)
     fp32 = estimate(Q15, lo, MemorySettings(1024), gpu_mem_gib=80)

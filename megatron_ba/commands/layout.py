@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         reference=args.reference,
         prefer=args.prefer,
         grad_reduce=args.grad_reduce,
+        optimizer_states=args.optimizer_states,
         logprob_batch_size=args.logprob_batch_size,
         virtual_pipeline=args.vp,
     )

@@ -7,7 +7,7 @@ import argparse
 
 from megatron_ba.planning.cluster_layout import PREFER
 from megatron_ba.planning.generation_memory import ENGINES, REFIT_BUCKET_MB
-from megatron_ba.planning.memory import GRAD_BYTES, LOGPROBS, RECOMPUTE
+from megatron_ba.planning.memory import GRAD_BYTES, LOGPROBS, OPTIMIZER_STATE_BYTES, RECOMPUTE
 from megatron_ba.planning.verdict import GPU_MEMORY_GIB, HEADROOM
 from megatron_ba.recipe import VLLM_GPU_MEMORY_UTILIZATION
 
@@ -216,6 +216,15 @@ def _optimizer_arguments(p: argparse.ArgumentParser) -> None:
         default="fp32",
         help="the gradient buffer's dtype: fp32 (megatron-core's grad_reduce_in_fp32, the "
         "mixed-precision recipe and this project's trainer; default) or bf16 (NeMo-RL's)",
+    )
+    p.add_argument(
+        "--optimizer-states",
+        choices=tuple(OPTIMIZER_STATE_BYTES),
+        default="fp32",
+        help="the Adam states' bytes per parameter: fp32 (an fp32 main copy and moments, 12; "
+        "default), precision-aware (megatron-core's use_precision_aware_optimizer with fp32 "
+        "states: the master's low 16 bits beside the bf16 weights, 10), bf16 (precision-aware "
+        "with bf16 exp_avg / exp_avg_sq, 6)",
     )
     p.add_argument(
         "--vp",

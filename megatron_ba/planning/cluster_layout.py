@@ -72,6 +72,7 @@ class Settings:
     reference: bool = False
     prefer: str = "parallelism"
     grad_reduce: str = "fp32"  # MemorySettings.grad_reduce
+    optimizer_states: str = "fp32"  # MemorySettings.optimizer_states
     # sequences of one micro-batch of a forward-only log-prob pass (NeMo-RL's
     # logprob_batch_size; planning/logprob_memory.py); None: no pass of its own
     logprob_batch_size: int | None = None
@@ -203,6 +204,7 @@ def _base_step(seq_len, recompute, settings: Settings, sequences=None) -> Memory
         logprobs=settings.logprobs,
         reference=settings.reference,
         grad_reduce=settings.grad_reduce,
+        optimizer_states=settings.optimizer_states,
         step_tokens=None if sequences is None else sequences * seq_len,
         logprob_tokens=logprob_tokens(settings.logprob_batch_size, seq_len),
         virtual_pipeline=settings.virtual_pipeline,

@@ -46,6 +46,7 @@ from megatron_ba.planning.memory_settings import (
     LOGPROBS,
     NON_TORCH_GIB,
     OFFLOAD,
+    OPTIMIZER_STATE_BYTES,
     PRECISION,
     RECOMPUTE,
     MemoryEstimate,
@@ -63,6 +64,7 @@ __all__ = [
     "LOGPROBS",
     "NON_TORCH_GIB",
     "OFFLOAD",
+    "OPTIMIZER_STATE_BYTES",
     "PRECISION",
     "RECOMPUTE",
     "SEQ_PAD",
@@ -174,7 +176,7 @@ def _states(shape, layout, step, stage, prec):
         opt_params = dense / (d * c) + experts / layout.expert_dp
     else:
         opt_params = params
-    optimizer = opt_params * prec.optimizer_bytes * (1 - step.cpu_adam)
+    optimizer = opt_params * OPTIMIZER_STATE_BYTES[step.optimizer_states] * (1 - step.cpu_adam)
     return params * prec.param_bytes, params * GRAD_BYTES[step.grad_reduce], optimizer
 
 

@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True)
 class Precision:
     param_bytes: int = 2  # bf16 weights
-    optimizer_bytes: int = 12  # fp32 master weights + Adam m + Adam v, sharded over DP x CP
     act_bytes: int = 2  # bf16 activations
     logits_bytes: int = 2  # bf16 logits out of the output layer
 
@@ -49,6 +48,17 @@ def overhead_bytes(torch_bytes: float) -> float:
 # grad_reduce_in_fp32=True (megatron_ba/megatron/model.py build_model_chunks, optimizer_choice.py
 # ddp_overrides). NeMo-RL's megatron config reduces in bf16 (grad_reduce_in_fp32: false).
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
+# Bytes per parameter of the Adam optimiser's states on the GPU (sharded over DP x CP by the
+# distributed optimiser), by megatron-core's OptimizerConfig (optimizer/optimizer_config.py,
+# distrib_optimizer.py, optimizer/__init__.py; 0.16.1):
+# * "fp32": the default: an fp32 main copy of each bf16 parameter and fp32 exp_avg, exp_avg_sq;
+# * "precision-aware": use_precision_aware_optimizer with fp32 main params and moments: TE's
+#   FusedAdam keeps the master weights, and with store_param_remainders (the default from TE
+#   2.1 with bf16) only each fp32 master's low 16 bits beside the bf16 parameter, an int16
+#   state: 2 + 4 + 4 (NeMo-RL's megatron default turns the optimiser on);
+# * "bf16": precision-aware with bf16 exp_avg_dtype and exp_avg_sq_dtype (and the master as
+#   remainders or as main_params_dtype bf16, 2 bytes either way): 2 + 2 + 2.
+OPTIMIZER_STATE_BYTES = {"fp32": 12, "precision-aware": 10, "bf16": 6}
 RECOMPUTE = ("none", "selective", "full")
 LOGPROBS = ("chunked", "megatron", "fp32", "naive", "te")
 OFFLOAD = ("auto", "none", "states")
@@ -81,6 +91,7 @@ class MemorySettings:
     # bf16 logits); chunked_logprobs=False means "naive".
     logprobs: str = "chunked"
     grad_reduce: str = "fp32"  # the gradient buffer's dtype (GRAD_BYTES): "fp32" or "bf16"
+    optimizer_states: str = "fp32"  # the Adam states' bytes (OPTIMIZER_STATE_BYTES)
     # Tokens of one optimiser step over every data-parallel rank (its sequences x their padded
     # length): a rank's share, in micro-batches, gives the micro-batches 1F1B has in flight
     # (in_flight_tokens). None: unknown (p - s in flight).
@@ -106,6 +117,11 @@ class MemorySettings:
         if self.grad_reduce not in GRAD_BYTES:
             raise ValueError(
                 f"--grad-reduce: one of {', '.join(GRAD_BYTES)}, got {self.grad_reduce!r}"
+            )
+        if self.optimizer_states not in OPTIMIZER_STATE_BYTES:
+            raise ValueError(
+                f"--optimizer-states: one of {', '.join(OPTIMIZER_STATE_BYTES)}, got "
+                f"{self.optimizer_states!r}"
             )
         if not (isinstance(self.virtual_pipeline, int) and self.virtual_pipeline >= 1):
             raise ValueError(f"--vp: must be an integer >= 1, got {self.virtual_pipeline!r}")

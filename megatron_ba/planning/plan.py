@@ -104,6 +104,7 @@ class Plan:
             "chunked_logprobs": step.chunked_logprobs,
             "logprobs": step.logprob_mode,
             "grad_reduce": step.grad_reduce,
+            "optimizer_states": step.optimizer_states,
             "logprob_tokens": step.logprob_tokens,
             "virtual_pipeline_size": step.virtual_pipeline,
             "in_flight_micro_batches": self.estimate.in_flight,
