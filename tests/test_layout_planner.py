@@ -323,6 +323,22 @@ def test_moe_shape_from_config_and_preset(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_moe_activations_by_hand():
+    """Qwen3-30B-A3B's layer keeps per token: 4h, q/k/v and the attention output, the router's
+    128 logits, and per routed copy (top 8) the expert's input and its gate, up and weighted
+    SwiGLU output. No copy of the experts' outputs: megatron-core weights each copy inside the
+    activation and unpermutes without probs (transformer/moe/experts.py, token_dispatcher.py)."""
+    shape = PRESETS["Qwen3-30B-A3B"]
+    h, q, kv, experts, k, fe = 2048, 32 * 128, 4 * 128, 128, 8, 768
+    per_copy = h + 3 * fe
+    assert shape.layer_activation_elements() == 4 * h + (q + 2 * kv) + q + experts + k * per_copy
+    assert shape.layer_activation_elements() == 52_352
+    # the control: counting each copy's returned output as well is k x h more (68,736)
+    assert shape.layer_activation_elements() + k * h == 68_736
+    shared = replace(shape, shared_expert_ffn_hidden_size=5632)
+    assert shared.layer_activation_elements() == 52_352 + 3 * 5632  # a dense SwiGLU beside
+
+
 def test_expert_parallelism_shards_experts_and_their_optimizer():
     moe = PRESETS["Qwen3-30B-A3B"]
     lo, step = plan(2, 1, 1, 8, 4096, ep=8, etp=1)  # whole experts on each GPU

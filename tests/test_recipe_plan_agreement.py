@@ -226,9 +226,10 @@ def test_launcher_and_planner_agree_on_every_recipe(path, tmp_path, capsys):
 
 def test_the_flagship_moe_recipe_fits_with_its_experts_split_and_not_at_ep1(tmp_path, capsys):
     launcher, planner = both_verdicts(FLAGSHIP, tmp_path, capsys)
-    # 72.02 GiB before the engine's own process (CUDA context, communicators) was counted:
+    # 70.94 GiB before the engine's own process (CUDA context, communicators) was counted:
     # its 3.205 GiB (generation_memory.ENGINE_PROCESS_GIB) come on top of the training peak
-    gib = 72.02 + ENGINE_PROCESS_GIB
+    # (72.02 before the experts' outputs, which megatron-core does not keep, left the count)
+    gib = 70.94 + ENGINE_PROCESS_GIB
     assert launcher == {"fits": True, "gib": pytest.approx(gib, abs=0.01)}
     assert planner["fits"] and planner["gib"] == pytest.approx(gib, abs=0.01)
     # the control: the same recipe, layout and GPUs with every expert on each GPU

@@ -56,6 +56,12 @@ keeping nothing beside vLLM (offload_after_refit: FRAMEWORK_DEFAULTS offload "st
 vLLM's own accounting (planning/generation_memory.py: its CUDA graphs named outside its share,
 not sized). The rerun: 11 of 16 (the 70B at 0.8 now a miss: its right verdict had rested on
 the trainer's weights that NeMo-RL's code moves off), the median |error| 5.1 % as before.
+
+Later the same day the MoE layers' activations were read off megatron-core 0.16.1 and 0.19.2
+again: each routed copy keeps its input and its expert's gate, up and weighted SwiGLU output,
+and no copy of the experts' outputs (the router's weight is applied inside the activation; the
+dispatchers unpermute without it). 10 of 16 since: verl's Qwen3-30B-A3B at 32,000 tokens on
+A100 now fits (70.0 GiB), a right verdict that had rested on that over-count.
 """
 
 from __future__ import annotations
@@ -295,8 +301,8 @@ VALIDATION_MISSES: dict[str, str] = {
     "nemorl-pr2333-qwen3-30b-a3b-4n4g-gb200-ep16-logprob4": (
         "the fix halves logprob_batch_size (16,384 -> 8,192 tokens per log-prob micro-batch); "
         "since 2026-12-07 the planner counts that pass (--logprob-batch-size, the notes' value by "
-        "the LOGPROB_BATCH rule): 36.2 GiB at 16,384 tokens (27.8 of them the fp32 logits) "
-        "against 21.2 GiB for the pair that ran, both far under the 184-GiB GPU, so the estimate "
+        "the LOGPROB_BATCH rule): 35.7 GiB at 16,384 tokens (27.8 of them the fp32 logits) "
+        "against 21.0 GiB for the pair that ran, both far under the 184-GiB GPU, so the estimate "
         "stays generation's 117.6 GiB for both: the term the fix points at is counted and does "
         "not reach the GPU; what ran out in that pass (with expandable_segments off) is not in "
         "the planner's terms"
@@ -309,6 +315,15 @@ VALIDATION_MISSES: dict[str, str] = {
         "of the trainer beside the 110.4-GiB pool: 117.6 of 184 GiB; with the optimiser and "
         "gradients kept (--offload none) the planner's own terms refuse 0.6 and pass 0.4; which "
         "of NeMo-RL's states stayed is not in the record"
+    ),
+    "verl-2935-qwen3-30b-a3b-32xa100-32k-tp4ep32-offload": (
+        "a miss since the MoE layers' activations were read off megatron-core again (no copy "
+        "of the experts' outputs is kept; 2026-12-07, after the run): 70.0 of 79.11 GiB in "
+        "training, 64.4 of tensors (37.4 activations of one 32,000-token micro-batch without "
+        "recomputation, 10.7 optimiser, 9.1 logits, 4.8 fp32 gradients, 2.4 weights), under "
+        "the 71.2 the headroom leaves; the issue states neither the prompt and response split "
+        "nor the recomputation, nor where the out-of-memory happened (the maintainer's "
+        "question is unanswered)"
     ),
 }
 
@@ -324,6 +339,6 @@ def test_validation_verdicts():
         assert r["json"]["fits"] == (r["status"] == 0), r["case"]["id"]
     misses = {r["case"]["id"] for r in rows if not r["right"]}
     assert misses == set(VALIDATION_MISSES), f"unexpected: {misses ^ set(VALIDATION_MISSES)}"
-    assert sum(r["right"] for r in rows) == len(CASES) - len(VALIDATION_MISSES) == 11
+    assert sum(r["right"] for r in rows) == len(CASES) - len(VALIDATION_MISSES) == 10
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     assert len(errors) == 3 and statistics.median(errors) <= 0.15

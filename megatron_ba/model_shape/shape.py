@@ -300,8 +300,14 @@ class ModelShape:
         Gated DeltaNet: linear_attention_activation_elements. Dense MLP: its gate and up
         outputs (SwiGLU's backward needs both) and SwiGLU's output (the down projection's
         input). MoE: the router's logits, each of the top-k copies of the token as dispatched
-        (the experts' input) and as returned (before the weighted sum), and per copy the
-        expert's gate, up and SwiGLU outputs; the shared expert as a dense MLP."""
+        (the experts' input), and per copy the expert's gate and up outputs and its weighted
+        SwiGLU output; the shared expert as a dense MLP. megatron-core (0.16.1 and 0.19.2,
+        transformer/moe/experts.py) weights each copy by its router probability inside the
+        activation and its dispatchers unpermute without probs, a scatter whose backward needs
+        no copy of the experts' outputs: none is kept. The activation is the fused one
+        (bias_activation_fusion: weighted_bias_swiglu_impl keeps its input alone), as NeMo-RL
+        and Megatron-Bridge set it; megatron-core's unfused path keeps the unweighted SwiGLU
+        output too (one more expert width per copy)."""
         if index is None:
             kinds = {(self.is_linear_attention_layer(i), self.is_moe_layer(i)): i
                      for i in range(self.num_layers)}  # fmt: skip
@@ -320,7 +326,7 @@ class ModelShape:
             self.moe_ffn_hidden_size,
             self.shared_expert_ffn_hidden_size,
         )
-        return 4 * h + mixer + self.num_experts + k * (2 * h + 3 * fe) + 3 * fs
+        return 4 * h + mixer + self.num_experts + k * (h + 3 * fe) + 3 * fs
 
     def linear_attention_activation_elements(self) -> int:
         """What a Gated DeltaNet (megatron-core 0.16.1's GatedDeltaNet with FLA's
