@@ -323,6 +323,18 @@ def test_moe_shape_from_config_and_preset(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_the_sixth_sets_presets_have_their_cards_parameter_counts():
+    """Presets added for the sixth validation set, each against its model card's count (Qwen3-8B
+    "8.2B", Llama 3.2 1B "1.23B", Llama 3.1 405B "405B", Qwen2.5-Math-1.5B "1.54B"); a tie flag
+    flipped is off by its vocabulary's matrix, over the cards' rounding."""
+    cards = {"Qwen3-8B": 8.2, "Llama-3.2-1B": 1.23, "Llama-3.1-405B": 405.0,
+             "Qwen2.5-Math-1.5B": 1.54}  # fmt: skip
+    for name, billions in cards.items():
+        assert abs(PRESETS[name].total_params() / 1e9 - billions) < 0.01 * billions + 0.01, name
+    untied = replace(PRESETS["Llama-3.2-1B"], tie_word_embeddings=False)
+    assert abs(untied.total_params() / 1e9 - 1.23) > 0.25
+
+
 def test_moe_activations_by_hand():
     """Qwen3-30B-A3B's layer keeps per token: 4h, q/k/v and the attention output, the router's
     128 logits, and per routed copy (top 8) the expert's input and its gate, up and weighted

@@ -113,6 +113,22 @@ PRESETS: dict[str, ModelShape] = {
         kv_channels=128,
         tie_word_embeddings=True,
     ),
+    # Qwen/Qwen3-8B (the -Base checkpoint has the same shapes, max_position_embeddings 32768):
+    # hidden 4096, 36 layers, 32 heads of 128, 8 KV heads, intermediate 12288, vocab 151936,
+    # untied (citsjtu2020/LLM-Prof sglang/Model_Config.md @8434c8d, its config.json verbatim;
+    # Megatron-Bridge src/megatron/bridge/models/qwen/qwen_provider.py @07d0d14
+    # Qwen3ModelProvider8B and litgpt agree).
+    "Qwen3-8B": _qwen3(
+        "Qwen3-8B",
+        vocab_size=151936,
+        hidden_size=4096,
+        num_layers=36,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=12288,
+        kv_channels=128,
+        max_position_embeddings=40960,
+    ),
     "Qwen3-30B-A3B": _qwen3(
         "Qwen3-30B-A3B",
         family="qwen3_moe",
@@ -160,6 +176,46 @@ PRESETS: dict[str, ModelShape] = {
         norm_eps=1e-5,
         qkv_bias=False,
         name="Llama-3.1-8B",
+    ),
+    # meta-llama/Llama-3.1-405B: hidden 16384, 126 layers, 128 heads, 8 KV heads, intermediate
+    # 53248, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, max_position_embeddings
+    # 131072, untied (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/llama/
+    # llama_provider.py @2afd2d3 Llama31ModelProvider405B; Lightning-AI/litgpt litgpt/config.py
+    # @2685705, which links the release's config.json and once had 16 KV heads, corrected in its
+    # issue 1942). Its "llama3" rope scaling (factor 8) changes no size and is not kept.
+    "Llama-3.1-405B": ModelShape(
+        128256,
+        16384,
+        126,
+        128,
+        8,
+        53248,
+        max_position_embeddings=131072,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        name="Llama-3.1-405B",
+    ),
+    # meta-llama/Llama-3.2-1B(-Instruct): hidden 2048, 16 layers, 32 heads of 64, 8 KV heads,
+    # intermediate 8192, vocab 128256, tied, rope_theta 500000, rms_norm_eps 1e-05,
+    # max_position_embeddings 131072 (kevinstephano/thunder_model_blocks thunder_model_blocks/
+    # hf_llama/llama_config.py @867e9db, the Instruct config.json at the hub's 4e20de3;
+    # Megatron-Bridge's Llama32ModelProvider1B @2afd2d3 agrees). Its "llama3" rope scaling
+    # (factor 32) changes no size and is not kept.
+    "Llama-3.2-1B": ModelShape(
+        128256,
+        2048,
+        16,
+        32,
+        8,
+        8192,
+        max_position_embeddings=131072,
+        rope_theta=500_000.0,
+        norm_eps=1e-5,
+        qkv_bias=False,
+        kv_channels=64,
+        tie_word_embeddings=True,
+        name="Llama-3.2-1B",
     ),
     # meta-llama/Llama-3.3-70B-Instruct (_name_or_path of huggingface.co/relaxml/
     # Llama-3.3-70B-Instruct-QTIP-3Bit config.json): hidden 8192, 80 layers, 64 heads, 8 KV
@@ -316,6 +372,23 @@ PRESETS: dict[str, ModelShape] = {
         max_position_embeddings=32768,
         tie_word_embeddings=True,
         name="qwen2.5-0.5b",
+    ),
+    # Qwen/Qwen2.5-Math-1.5B(-Instruct): Qwen2.5-1.5B's shapes (hidden 1536, 28 layers, 12
+    # heads, 2 KV heads, intermediate 8960, vocab 151936, q/k/v bias) with rope_theta 10000 and
+    # 4096 positions (litgpt litgpt/config.py @2685705; NVIDIA NeMo-Skills' docs edit those two
+    # keys of its config.json); tied as the Qwen2.5 1.5B models are (not seen in a copy of this
+    # config.json itself).
+    "Qwen2.5-Math-1.5B": ModelShape(
+        151936,
+        1536,
+        28,
+        12,
+        2,
+        8960,
+        max_position_embeddings=4096,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
+        name="Qwen2.5-Math-1.5B",
     ),
     "qwen2.5-1.5b": ModelShape(
         151936, 1536, 28, 12, 2, 8960, tie_word_embeddings=True, name="qwen2.5-1.5b"

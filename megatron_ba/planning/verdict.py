@@ -60,6 +60,9 @@ from megatron_ba.planning.memory import GIB, EngineShare, MemoryEstimate, Memory
 #   found them does not name their repositories); nvidia-smi gives the "NVIDIA B300 SXM6 AC"
 #   275040 MiB (268.59 GiB: simone-chen/aiconfigurator src/aiconfigurator/systems/
 #   b300_sxm.yaml @84ba899), torch's figure below it as the H100's 79.11 is below its 79.65
+# * L20 48 GB: 44.53 GiB ("GPU 0 has a total capacity of 44.53 GiB", torch on an 8 x L20
+#   machine: https://github.com/Tencent-Hunyuan/HunyuanCustom/issues/36); nvidia-smi gives the
+#   "NVIDIA L20" 46068 MiB
 GPU_MEMORY_GIB = {
     "H100": 79.11,
     "H200": 139.81,
@@ -71,6 +74,7 @@ GPU_MEMORY_GIB = {
     "B200": 178.35,
     "GB300": 276.5,
     "B300": 267.69,
+    "L20": 44.53,
 }
 
 HEADROOM = 0.1  # the fraction of the GPU the tensors' peak must leave free (module docstring)
