@@ -1,0 +1,273 @@
+"""The planner on a sixth validation set, every input rule stated before the planner ran on it.
+
+    python -m pytest tests/test_validation_set_6.py -q -s      # prints the table and the summary
+
+tests/fixtures/validation_runs_6.json holds 14 public runs (7 ran, 7 went out of memory; NeMo-RL,
+verl and Megatron-Bridge; Qwen2.5, Qwen3, Qwen3-30B-A3B, Llama 3, 3.1 and 3.2; H100, GB200, B200,
+L20; no published peak), collected by search alone and committed (f6ff517) before the planner
+ran on any of them. The planner's last change before then, the MoE activations read off
+megatron-core again (898c087), was made while the set was being collected, before it was read.
+Each case is judged as the fifth set judges its own, through the earlier sets' functions and
+rules (imported, not copied): `megatron-ba layout --json` as a user would run it, the verdict
+being the exit status; the record's null conventions, the second set's MODEL, SEQUENCE and
+LOGPROB_BATCH rules, the third set's GPU and FIELDS rules, the fourth set's FRAMEWORKS and
+FIELDS rules (TE's fused cross entropy as --logprobs te) and the fifth set's cross-entropy and
+logprob_batch_size fields hold unchanged.
+
+Added to the planner after the set was read and before it ran, for inputs it states that had no
+entry, each from a source and for every model alike (never from an outcome): presets for the
+models it names that had none, and the L20's capacity (PRESETS_ADDED, GPUS_ADDED; sources in
+megatron_ba/model_shape/presets.py and planning/verdict.py).
+
+What this set needs beyond the earlier rules, each stated here once, for every case alike:
+
+* MODEL (MODEL_BY_NAME): Meta-Llama-3.1-405B is Llama-3.1-405B (Meta's earlier name of the same
+  release); Qwen2.5-0.5B is the preset qwen2.5-0.5b (its spelling).
+* TASK: a task that starts with "SFT" or "pretraining" trains without an engine and without a
+  log-prob pass (the earlier sets' SFT, whatever its words in brackets).
+* TRAINER GPUS (trainer_gpus): where the engine runs on other GPUs of the same job
+  (colocated_generation false) and the fixture's nodes count the whole job, the planner plans
+  the trainer's GPUs, the stated dp x tp x pp x cp (whole nodes where they divide, else one node
+  of that many), as the earlier sets recorded such runs' training GPUs alone.
+* LOGPROB_BATCH: the logprob_batch_size field where stated, for every framework with a log-prob
+  pass before training (verl's and NeMo-RL's), the earlier rule otherwise.
+* OPTIMIZER (optimizer_states_6): "bf16" where a case's precision field names bf16 Adam moments;
+  "precision-aware" where its precision field or notes say the precision-aware optimiser is on
+  ("precision-aware optimizer on", "use_precision_aware_optimizer true"), with fp32 states kept
+  as 16-bit master remainders (the fifth set's reading); "fp32" otherwise (off, forced off, or
+  not stated).
+* CROSS ENTROPY: cross_entropy_fusion_impl "te" -> --logprobs te; "native" (megatron-core's own
+  fused kernel) -> --logprobs megatron, megatron-core's cross entropy.
+* STAGES: account_for_embedding / loss_in_pipeline_split as the fourth set's rule computes them
+  (the embedding and the loss each take one layer's place in the first / last stage).
+* REFUSED by the rules (counted not right, reported apart): the Megatron-Bridge Llama-3.1-405B
+  run on Megatron FSDP with 95 of its 126 layers' activations offloaded to the CPU: FSDP's
+  sharding of parameters and gradients and activation offloading are not a layout or input the
+  planner models.
+* NOT INPUTS, this set's: FP8 and NVFP4 training, training and engine CUDA graphs, FP8 rollout
+  weights and KV cache (the planner counts the engine's in bf16), params_dtype, router replay,
+  the refit transport (delta compression, verl's checkpoint engine and its bucket), vLLM's
+  version and expert parallelism, the allocator's and NCCL's settings.
+* DOUBT and CONFLICT cases stay in and are counted; the fixture's "excluded" list (14
+  candidates, each with why) stays excluded. No case publishes a per-GPU peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+from pathlib import Path
+
+from test_public_record import cli_args, planner_inputs
+from test_validation_set import _parser, assumed_for
+from test_validation_set_3 import flagged
+from test_validation_set_5 import FIFTH_FRAMEWORKS, _set
+
+from megatron_ba.cli import main as cli_main
+from megatron_ba.model_shape import PRESETS
+from megatron_ba.planning.memory import load_model
+from megatron_ba.planning.verdict import GPU_MEMORY_GIB
+
+FIXTURE = Path(__file__).parent / "fixtures" / "validation_runs_6.json"
+DATA = json.loads(FIXTURE.read_text())
+CASES = DATA["cases"]
+
+SIXTH_FRAMEWORKS = FIFTH_FRAMEWORKS
+PRESETS_ADDED = ("Qwen3-8B", "Llama-3.2-1B", "Llama-3.1-405B", "Qwen2.5-Math-1.5B")
+GPUS_ADDED = ("L20",)
+
+# MODEL, the additions: a base model's name -> (the preset, why)
+MODEL_BY_NAME = {
+    "Meta-Llama-3.1-405B": ("Llama-3.1-405B", "Meta's earlier name of the Llama 3.1 405B release"),
+    "Qwen2.5-0.5B": ("qwen2.5-0.5b", "the preset's spelling of Qwen2.5-0.5B"),
+}
+
+REFUSED = {
+    "mbridge-2f63339-llama31-405b-pretrain-128xgb200-fp8cs-mfsdp-tp2-offload95": (
+        "SHARDING: Megatron FSDP (optim_grads_params) shards parameters and gradients and 95 of "
+        "126 layers' activations go to the CPU; neither is a layout or input the planner models"
+    ),
+}
+
+_TRAINS_ONLY = ("SFT", "pretraining")
+
+
+def trainer_gpus(case: dict) -> tuple[int, int]:
+    """TRAINER GPUS: (nodes, GPUs per node) the planner plans for a case."""
+    nodes, per_node = case["nodes"], case["gpus_per_node"]
+    if case["colocated_generation"] is not False:
+        return nodes, per_node
+    gpus = case["dp"] * (case["tp"] or 1) * (case["pp"] or 1) * (case["cp"] or 1)
+    return (gpus // per_node, per_node) if gpus % per_node == 0 else (1, gpus)
+
+
+def judged_as(case: dict) -> dict:
+    """The case as the earlier rules read it: TASK (a task starting with SFT or pretraining is
+    "SFT": no engine, no log-prob pass) and TRAINER GPUS."""
+    nodes, per_node = trainer_gpus(case)
+    judged = case | {"nodes": nodes, "gpus_per_node": per_node}
+    return judged | {"task": "SFT"} if case["task"].startswith(_TRAINS_ONLY) else judged
+
+
+def assumed_for_6(case: dict) -> dict:
+    """Every rule's value for one case: the second set's MODEL and SEQUENCE with MODEL_BY_NAME;
+    AssertionError where no rule gives an input (a refusal)."""
+    if case["id"] in REFUSED:
+        raise AssertionError(f"{case['id']}: {REFUSED[case['id']]}")
+    out = assumed_for(case)
+    if out["model"][0] in MODEL_BY_NAME:
+        out["model"] = MODEL_BY_NAME[out["model"][0]]
+    if out["model"][0] not in PRESETS:
+        raise AssertionError(f"{case['id']}: no preset for {out['model'][0]}")
+    if case["gpu"] not in GPU_MEMORY_GIB:
+        raise AssertionError(f"{case['id']}: no capacity for {case['gpu']}")
+    return out
+
+
+def _try_assumed(case: dict) -> dict | None:
+    try:
+        return assumed_for_6(case)
+    except AssertionError:
+        return None
+
+
+ASSUMED_6 = {case["id"]: a for case in CASES if (a := _try_assumed(case)) is not None}
+JUDGED = [case for case in CASES if case["id"] in ASSUMED_6]
+
+_AWARE_ON = ("precision-aware optimizer on", "use_precision_aware_optimizer true")
+
+
+def optimizer_states_6(case: dict) -> str:
+    """OPTIMIZER: the --optimizer-states a case's precision field and notes state."""
+    precision = case.get("precision") or ""
+    if "bf16 main params, grads and Adam moments" in precision:
+        return "bf16"
+    if any(words in precision or words in (case["notes"] or "") for words in _AWARE_ON):
+        return "precision-aware"
+    return "fp32"
+
+
+def stage_flags_6(case: dict) -> dict[str, int]:
+    """STAGES: megatron-core's split when the embedding and the loss take a layer's place."""
+    embedding = bool(case.get("account_for_embedding_in_pipeline_split"))
+    loss = bool(case.get("account_for_loss_in_pipeline_split"))
+    if not (embedding or loss) or (case["pp"] or 1) == 1:
+        return {}
+    layers = load_model(ASSUMED_6[case["id"]]["model"][0]).num_layers
+    virtual = case["pp"] * (case.get("virtual_pipeline_size") or 1)
+    slots = layers + embedding + loss
+    assert slots % virtual == 0, case["id"]  # megatron-core asks it of such a split
+    per_stage = slots // case["pp"]
+    return {"--pp-first-stage-layers": per_stage - embedding,
+            "--pp-last-stage-layers": per_stage - loss}  # fmt: skip
+
+
+def validation_args_6(case: dict) -> list[str]:
+    """`megatron-ba layout --json` for a case of the set: the record's cli_args with the rules
+    above and the fields the fourth, fifth and this set add."""
+    judged = judged_as(case)
+    args = cli_args(judged, ASSUMED_6, SIXTH_FRAMEWORKS)
+    for flag, layers in stage_flags_6(case).items():
+        args += [flag, str(layers)]
+    if case.get("sequence_parallel") is False and (case["tp"] or 1) > 1:
+        args += ["--no-sequence-parallel"]
+    etp = case.get("expert_tensor_parallel_size")
+    if etp is not None and "--etp" in args:
+        args = _set(args, "--etp", str(etp))
+    if (case.get("virtual_pipeline_size") or 1) > 1:
+        args += ["--vp", str(case["virtual_pipeline_size"])]
+    impl = case.get("cross_entropy_fusion_impl")
+    if impl in ("te", "native"):
+        args = _set(args, "--logprobs", "te" if impl == "te" else "megatron")
+    if case.get("logprob_batch_size") and judged["task"] != "SFT":
+        args = _set(args, "--logprob-batch-size", str(case["logprob_batch_size"]))
+    return _set(args, "--optimizer-states", optimizer_states_6(case))
+
+
+@functools.cache
+def validation_run_6(case_id: str) -> tuple[int, dict | None, str]:
+    """The command's (exit status, JSON, stderr) on a case of the set: one run per case."""
+    out, err = io.StringIO(), io.StringIO()
+    case = next(c for c in CASES if c["id"] == case_id)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli_main(validation_args_6(case))
+    printed = json.loads(out.getvalue()) if out.getvalue().strip() else None
+    return status, printed, err.getvalue().strip()
+
+
+def test_the_set_is_the_committed_one():
+    assert len(CASES) == 14 and len({c["id"] for c in CASES}) == 14
+    assert sum(c["outcome"] == "ran" for c in CASES) == 7
+    assert sum(c["outcome"] == "oom" for c in CASES) == 7
+    excluded = {e["id"] for e in DATA["excluded"]}
+    assert len(excluded) == 14 and not excluded & {c["id"] for c in CASES}
+    earlier = set()
+    for name in ("public_runs", "validation_runs", "validation_runs_3", "validation_runs_4",
+                 "validation_runs_5"):  # fmt: skip
+        earlier |= {
+            c["id"] for c in json.loads((FIXTURE.parent / f"{name}.json").read_text())["cases"]
+        }
+    assert not earlier & {c["id"] for c in CASES}
+    for c in CASES:
+        assert c["source"] and c["outcome"] in ("ran", "oom"), c["id"]
+        assert c["peak_mem_gib"] is None, c["id"]
+        assert not (c.get("pp_first_stage_layers") or c.get("pp_last_stage_layers")), c["id"]
+
+
+def test_the_refusals_are_the_rules():
+    """The cases no rule judges are exactly those named in REFUSED; the refused case's fields say
+    what REFUSED says of it."""
+    assert {c["id"] for c in CASES} - set(ASSUMED_6) == set(REFUSED)
+    fsdp = next(c for c in CASES if c["id"] in REFUSED)
+    assert "Megatron FSDP" in fsdp["precision"] and "cpu_offloading_num_layers 95" in fsdp["notes"]
+
+
+def test_every_rule_gives_a_known_input():
+    """Each judged case's model is a preset and its GPU in GPU_MEMORY_GIB; OPTIMIZER and TASK
+    give what each case states."""
+    for case in JUDGED:
+        assert ASSUMED_6[case["id"]]["model"][0] in PRESETS, case["id"]
+    models = {ASSUMED_6[c["id"]]["model"][0] for c in JUDGED}
+    assert set(PRESETS_ADDED) <= models and set(GPUS_ADDED) <= {c["gpu"] for c in JUDGED}
+    states = {c["id"]: optimizer_states_6(c) for c in JUDGED}
+    assert states["nemorl-nightly-qwen3-8b-base-1n8g-h100-tp4-fp8kvrollout"] == "fp32"  # "false"
+    assert states["nemorl-nightly-llama32-1b-instruct-1n8g-h100-tp1-mbs4"] == "precision-aware"
+    assert states["mbridge-9230619-llama31-405b-pretrain-256xgb200-nvfp4-tp4pp16vp8-v2"] == "fp32"
+    sft = [c["id"] for c in JUDGED if judged_as(c)["task"] == "SFT"]
+    assert len(sft) == 4  # two NeMo-RL SFT runs, a Megatron-Bridge SFT and its pretraining run
+    apart = {c["id"]: trainer_gpus(c) for c in JUDGED if c["colocated_generation"] is False}
+    assert apart == {
+        "verl-ci-83624c3-qwen25-05b-fullyasync-megatron-tp1pp2-4t4r-l20": (1, 4),
+        "verl-ci-db9a567-qwen25-05b-onestepoff-megatron-tp1pp2-6t2r-l20": (1, 6),
+        "nemorl-nightly-qwen3-30ba3b-4n8g-h100-ep8-noncolocated-vllm-2n": (2, 8),
+    }
+    nvfp4 = next(c for c in JUDGED if c["id"].startswith("mbridge-9230619"))
+    assert stage_flags_6(nvfp4) == {"--pp-first-stage-layers": 7, "--pp-last-stage-layers": 7}
+
+
+def test_every_case_builds_its_cli_arguments():
+    """Phase 1, no run: every judged case's planner inputs build and its arguments parse as
+    `megatron-ba layout`'s, each rule's flag among them."""
+    for case in JUDGED:
+        inputs = planner_inputs(judged_as(case), ASSUMED_6, SIXTH_FRAMEWORKS)
+        assert inputs["shape"] is load_model(ASSUMED_6[case["id"]]["model"][0])
+        args = validation_args_6(case)
+        print(case["id"], " ".join(args))
+        parsed = _parser.parse_args(args[1:])
+        assert parsed.json and parsed.tp == inputs["layout"].tp and parsed.pp == inputs["layout"].pp
+        assert parsed.optimizer_states == optimizer_states_6(case), case["id"]
+        if judged_as(case)["task"] == "SFT" or case["colocated_generation"] is False:
+            assert parsed.vllm_gpu_util == 0, case["id"]  # TASK, FIELDS: no engine
+        if judged_as(case)["task"] == "SFT":
+            assert "--logprob-batch-size" not in args, case["id"]
+        if case.get("sglang_mem_fraction_static") and case["colocated_generation"] is not False:
+            assert parsed.engine == "sglang", case["id"]
+        no_sp = case.get("sequence_parallel") is False and (case["tp"] or 1) > 1
+        assert parsed.no_sequence_parallel == no_sp, case["id"]
+        assert parsed.no_distributed_optimizer == (case["distributed_optimizer"] is False)
+        assert parsed.nodes * parsed.gpus_per_node == case["dp"] * (case["tp"] or 1) * (
+            case["pp"] or 1
+        ) * (case["cp"] or 1), case["id"]  # the stated layout's GPUs, and only them
+        print("   ", flagged(case))
