@@ -181,8 +181,8 @@ PRESETS: dict[str, ModelShape] = {
     # 53248, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, max_position_embeddings
     # 131072, untied (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/llama/
     # llama_provider.py @2afd2d3 Llama31ModelProvider405B; Lightning-AI/litgpt litgpt/config.py
-    # @2685705, which links the release's config.json and once had 16 KV heads, corrected in its
-    # issue 1942). Its "llama3" rope scaling (factor 8) changes no size and is not kept.
+    # @2685705, which links the release's config.json; it once had 16 KV heads, corrected after
+    # a report that the config says 8). Its "llama3" rope scaling (factor 8) changes no size.
     "Llama-3.1-405B": ModelShape(
         128256,
         16384,
