@@ -254,16 +254,30 @@ def test_every_case_builds_its_cli_arguments():
         print("   ", flagged(case))
 
 
-def rows_5() -> tuple[list[dict], dict[str, str]]:
-    """(each judged case's row as test_public_record.evaluate makes it, the cases the command
-    refused with exit status 2 -> its words)."""
-    refused = {}
-    for case in JUDGED:
-        status, _, err = validation_run_5(case["id"])
-        if status == 2:
-            refused[case["id"]] = err
-    planned = [c for c in JUDGED if c["id"] not in refused]
-    return evaluate(planned, run=lambda c: validation_run_5(c["id"])[:2]), refused
+def judge(judged: list[dict], run, total: int, refused_by_rules: dict[str, str]):
+    """Every judged case through the command (`run`: case id -> (exit status, JSON, stderr)),
+    its table and summary printed: (the rows as test_public_record.evaluate makes them, the
+    cases the command refused with exit status 2 -> its words, the verdicts right). The JSON's
+    "fits" is asserted to be what the exit status says on every planned case."""
+    refused = {c["id"]: run(c["id"])[2] for c in judged if run(c["id"])[0] == 2}
+    planned = [c for c in judged if c["id"] not in refused]
+    rows = evaluate(planned, run=lambda c: run(c["id"])[:2])
+    for r in rows:
+        c, j = r["case"], r["json"]
+        print(
+            f"{'ok' if r['right'] else 'MISS':4} {c['id']:68} {c['outcome']:4} "
+            f"{j['memory_gib_per_gpu']:6.1f} of {j['gpu_mem_gib']:6.2f} GiB "
+            f"({j['peak_phase']:8}) -> {'fits' if r['fits'] else 'OOM':4} {flagged(c)}"
+        )
+        assert r["status"] in (0, 1) and j["fits"] == (r["status"] == 0), c["id"]
+    for case_id, words in {**refused, **refused_by_rules}.items():
+        print(f"REF  {case_id:68} {words}")
+    right = sum(r["right"] for r in rows)
+    print(
+        f"{right} of {total} verdicts right ({100 * right / total:.1f} %; {len(refused)} "
+        f"refused by the command, {len(refused_by_rules)} by the rules)"
+    )
+    return rows, refused, right
 
 
 # The run's misses, each with its cause read off the JSON's breakdown and the case's source.
@@ -291,26 +305,10 @@ def test_validation_verdicts():
     """The run: every judged case through the command (exit status = verdict), the table printed;
     every verdict right or in MISSES_5, none refused by the command; the JSON's "fits" what the
     exit status says."""
-    rows, refused = rows_5()
-    right = sum(r["right"] for r in rows)
-    for r in rows:
-        c, j = r["case"], r["json"]
-        print(
-            f"{'ok' if r['right'] else 'MISS':4} {c['id']:68} {c['outcome']:4} "
-            f"{j['memory_gib_per_gpu']:6.1f} of {j['gpu_mem_gib']:6.2f} GiB "
-            f"({j['peak_phase']:8}) -> {'fits' if r['fits'] else 'OOM':4} {flagged(c)}"
-        )
-        assert r["status"] in (0, 1) and j["fits"] == (r["status"] == 0), c["id"]
-    for case_id, words in {**refused, **REFUSED}.items():
-        print(f"REF  {case_id:68} {words}")
-    print(
-        f"{right} of {len(CASES)} verdicts right ({100 * right / len(CASES):.1f} %; "
-        f"{len(refused)} refused by the command, {len(REFUSED)} by the rules)"
-    )
+    rows, refused, right = judge(JUDGED, validation_run_5, len(CASES), REFUSED)
     misses = {r["case"]["id"] for r in rows if not r["right"]}
     assert misses == set(MISSES_5), f"unexpected: {misses ^ set(MISSES_5)}"
-    assert refused == {}, refused
-    assert right == 9
+    assert refused == {} and right == 9
 
 
 def test_the_bf16_states_verdict_rests_on_the_optimizer_input():

@@ -69,10 +69,10 @@ import io
 import json
 from pathlib import Path
 
-from test_public_record import cli_args, evaluate, planner_inputs
+from test_public_record import cli_args, planner_inputs
 from test_validation_set import _parser, assumed_for
 from test_validation_set_3 import flagged
-from test_validation_set_5 import FIFTH_FRAMEWORKS, _set
+from test_validation_set_5 import FIFTH_FRAMEWORKS, _set, judge
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS
@@ -282,18 +282,6 @@ def test_every_case_builds_its_cli_arguments():
         print("   ", flagged(case))
 
 
-def rows_6() -> tuple[list[dict], dict[str, str]]:
-    """(each judged case's row as test_public_record.evaluate makes it, the cases the command
-    refused with exit status 2 -> its words)."""
-    refused = {}
-    for case in JUDGED:
-        status, _, err = validation_run_6(case["id"])
-        if status == 2:
-            refused[case["id"]] = err
-    planned = [c for c in JUDGED if c["id"] not in refused]
-    return evaluate(planned, run=lambda c: validation_run_6(c["id"])[:2]), refused
-
-
 # The run's misses, each with its cause read off the JSON's breakdown and the case's source:
 # all five are runs the sources report out of memory where the planner finds room, four of them
 # intermittent or of a side the source does not name.
@@ -338,22 +326,7 @@ def test_validation_verdicts():
     """The run: every judged case through the command (exit status = verdict), the table printed;
     every verdict right or in MISSES_6, none refused by the command; the JSON's "fits" what the
     exit status says."""
-    rows, refused = rows_6()
-    right = sum(r["right"] for r in rows)
-    for r in rows:
-        c, j = r["case"], r["json"]
-        print(
-            f"{'ok' if r['right'] else 'MISS':4} {c['id']:68} {c['outcome']:4} "
-            f"{j['memory_gib_per_gpu']:6.1f} of {j['gpu_mem_gib']:6.2f} GiB "
-            f"({j['peak_phase']:8}) -> {'fits' if r['fits'] else 'OOM':4} {flagged(c)}"
-        )
-        assert r["status"] in (0, 1) and j["fits"] == (r["status"] == 0), c["id"]
-    for case_id, words in {**refused, **REFUSED}.items():
-        print(f"REF  {case_id:68} {words}")
-    print(
-        f"{right} of {len(CASES)} verdicts right ({100 * right / len(CASES):.1f} %; "
-        f"{len(refused)} refused by the command, {len(REFUSED)} by the rules)"
-    )
+    rows, refused, right = judge(JUDGED, validation_run_6, len(CASES), REFUSED)
     misses = {r["case"]["id"] for r in rows if not r["right"]}
     assert misses == set(MISSES_6), f"unexpected: {misses ^ set(MISSES_6)}"
     assert refused == {} and right == 8
