@@ -1,5 +1,6 @@
 """The named shapes: the paper's and the public record's models, each from its release's
-config.json (sources beside them), and the tiny debug models the CPU runs build.
+config.json (sources beside them), and the tiny debug models the CPU runs build
+(tiny_presets.py).
 
     PRESETS["Qwen2.5-Math-7B"]; preset("qwen/qwen2.5-math-7b-instruct")   # case-insensitive
 """
@@ -7,11 +8,7 @@ config.json (sources beside them), and the tiny debug models the CPU runs build.
 from __future__ import annotations
 
 from megatron_ba.model_shape.shape import ModelShape
-
-
-def _qwen3(name: str, **fields) -> ModelShape:
-    defaults = {"family": "qwen3", "qkv_bias": False, "qk_layernorm": True}
-    return ModelShape(name=name, **{**defaults, **fields})
+from megatron_ba.model_shape.tiny_presets import TINY_PRESETS, qwen3
 
 
 # What the published Qwen3.5 text configs share (each config.json's `text_config`): vocabulary
@@ -42,37 +39,12 @@ def _qwen3_5(name: str, num_layers: int, **fields) -> ModelShape:
     return ModelShape(name=name, num_layers=num_layers, **{**shared, **fields})
 
 
-# The tiny Qwen3.5 presets' shared fields (see "tiny-qwen3.5" below).
-_TINY_QWEN3_5 = dict(
-    vocab_size=512,
-    hidden_size=128,
-    num_layers=4,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=256,
-    max_position_embeddings=1024,
-    rope_theta=10_000_000.0,
-    qkv_bias=False,
-    qk_layernorm=True,
-    kv_channels=32,
-    linear_attention_pattern=(1, 1, 1, 0),
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=64,
-    linear_value_head_dim=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    attention_output_gate=True,
-    rotary_percent=0.25,
-    norm_zero_centered=True,
-)
-
-
 PRESETS: dict[str, ModelShape] = {
     # The paper's models (and two the planner is compared with in docs/cluster-planning.md): the
     # values of each model's public config.json on the Hugging Face hub that the planner reads;
     # max_position_embeddings, rope_theta and norm_eps are left at the defaults.
     "Qwen2.5-Math-7B": ModelShape(152064, 3584, 28, 28, 4, 18944, name="Qwen2.5-Math-7B"),
-    "Qwen3-1.7B": _qwen3(
+    "Qwen3-1.7B": qwen3(
         "Qwen3-1.7B",
         vocab_size=151936,
         hidden_size=2048,
@@ -85,7 +57,7 @@ PRESETS: dict[str, ModelShape] = {
     ),
     # Not a model of the paper's recipes: the shape of NeMo-RL's Qwen3-32B recipe, which
     # docs/cluster-planning.md compares the planner with.
-    "Qwen3-32B": _qwen3(
+    "Qwen3-32B": qwen3(
         "Qwen3-32B",
         vocab_size=151936,
         hidden_size=5120,
@@ -102,7 +74,7 @@ PRESETS: dict[str, ModelShape] = {
     "Qwen2.5-7B": ModelShape(152064, 3584, 28, 28, 4, 18944, name="Qwen2.5-7B"),
     "Qwen2.5-14B": ModelShape(152064, 5120, 48, 40, 8, 13824, name="Qwen2.5-14B"),
     "Qwen2.5-72B": ModelShape(152064, 8192, 80, 64, 8, 29568, name="Qwen2.5-72B"),
-    "Qwen3-4B": _qwen3(
+    "Qwen3-4B": qwen3(
         "Qwen3-4B",
         vocab_size=151936,
         hidden_size=2560,
@@ -118,7 +90,7 @@ PRESETS: dict[str, ModelShape] = {
     # untied (citsjtu2020/LLM-Prof sglang/Model_Config.md @8434c8d, its config.json verbatim;
     # Megatron-Bridge src/megatron/bridge/models/qwen/qwen_provider.py @07d0d14
     # Qwen3ModelProvider8B and litgpt agree).
-    "Qwen3-8B": _qwen3(
+    "Qwen3-8B": qwen3(
         "Qwen3-8B",
         vocab_size=151936,
         hidden_size=4096,
@@ -129,7 +101,7 @@ PRESETS: dict[str, ModelShape] = {
         kv_channels=128,
         max_position_embeddings=40960,
     ),
-    "Qwen3-30B-A3B": _qwen3(
+    "Qwen3-30B-A3B": qwen3(
         "Qwen3-30B-A3B",
         family="qwen3_moe",
         vocab_size=151936,
@@ -143,7 +115,7 @@ PRESETS: dict[str, ModelShape] = {
         moe_ffn_hidden_size=768,
         moe_router_topk=8,
     ),
-    "Qwen3-235B-A22B": _qwen3(
+    "Qwen3-235B-A22B": qwen3(
         "Qwen3-235B-A22B",
         family="qwen3_moe",
         vocab_size=151936,
@@ -393,74 +365,10 @@ PRESETS: dict[str, ModelShape] = {
     "qwen2.5-1.5b": ModelShape(
         151936, 1536, 28, 12, 2, 8960, tie_word_embeddings=True, name="qwen2.5-1.5b"
     ),
-    # CPU-sized shapes of the same family. tiny: the CPU recipes' policy (recipe.TINY_SHAPE;
-    # the recipe's vocabulary is its tokenizer's) and the benchmarks' default.
-    "tiny": ModelShape(
-        1024, 128, 2, 4, 2, 384, max_position_embeddings=256, rope_theta=10_000.0, name="tiny"
-    ),
-    "small": ModelShape(32768, 512, 8, 8, 2, 1408, name="small"),
-    # The model of the multi-process CPU tests and the layout check (~60k parameters): head_dim
-    # 16, 4 query heads in 2 groups (TP=2 splits both), 4 layers (PP=2 or 4 splits them).
-    "debug": ModelShape(
-        128, 64, 4, 4, 2, 96, max_position_embeddings=256, rope_theta=10_000.0, name="debug"
-    ),
-    # Hugging Face tiny models (megatron_ba.testing.tiny_hf; `megatron-ba tiny-model`): tied,
-    # head_dim 32 (the smallest vLLM's CPU attention takes); the vocabulary is the tokenizer's.
-    "tiny-qwen2": ModelShape(512, 128, 2, 4, 2, 256, tie_word_embeddings=True, name="tiny-qwen2"),
-    "tiny-qwen3": _qwen3(
-        "tiny-qwen3",
-        vocab_size=512,
-        hidden_size=128,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=256,
-        max_position_embeddings=1024,
-        kv_channels=32,
-        tie_word_embeddings=True,
-    ),
-    # A CPU Qwen3-MoE (megatron_ba.testing.tiny_hf.build_tiny_qwen3_moe; `megatron-ba tiny-model
-    # --family qwen3_moe`): 8 experts, top-2, head_dim 32 for vLLM's CPU attention.
-    "tiny-moe": _qwen3(
-        "tiny-moe",
-        vocab_size=512,
-        hidden_size=128,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=256,
-        max_position_embeddings=1024,
-        kv_channels=32,
-        tie_word_embeddings=True,
-        family="qwen3_moe",
-        num_experts=8,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=64,
-        moe_aux_loss_coeff=0.001,
-    ),
-    # CPU-sized Qwen3.5 (megatron_ba.testing.tiny_hf; `megatron-ba tiny-model --family qwen3_5`,
-    # `--family qwen3_5_moe`): 4 layers, 3 Gated DeltaNet then 1 full attention (Qwen3.5's
-    # every-4th pattern; PP2 splits it 2 + 2), head_dim 32 for vLLM's CPU attention with a
-    # quarter of it rotated, 2 key and 4 value heads of 64 channels in the DeltaNet (TP2 splits
-    # both; vLLM's CPU delta-rule kernel takes head dims 64 and 128 only), untied (a tied model
-    # cannot run PP > 1 on CPU: megatron_ba.megatron.model.build_gpt_model).
-    "tiny-qwen3.5": ModelShape(
-        name="tiny-qwen3.5",
-        family="qwen3_5",
-        **_TINY_QWEN3_5,
-    ),
-    # Its mixture of experts: 8 routed experts, top-2, and a gated shared expert in every layer.
-    "tiny-qwen3.5-moe": ModelShape(
-        name="tiny-qwen3.5-moe",
-        family="qwen3_5_moe",
-        **{**_TINY_QWEN3_5, "ffn_hidden_size": 64},
-        num_experts=8,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=64,
-        shared_expert_ffn_hidden_size=64,
-        moe_aux_loss_coeff=0.001,
-    ),
 }
+
+# The CPU-sized debug shapes (tiny_presets.py) beside the released models'.
+PRESETS.update(TINY_PRESETS)
 
 
 def preset(name: str) -> ModelShape:
