@@ -257,6 +257,9 @@ def test_layout_command_json(capsys):
     assert j["optimizer_states"] == "fp32" and bf16["optimizer_states"] == "bf16"
     fp32_opt, bf16_opt = j["breakdown_gib"]["optimizer"], bf16["breakdown_gib"]["optimizer"]
     assert abs(bf16_opt - fp32_opt / 2) < 0.01, (fp32_opt, bf16_opt)
+    text_args = [a for a in pinned if a != "--json"]
+    assert cli_main([*text_args, "--optimizer-states", "bf16"]) == 0
+    assert f"optimizer (distributed, bf16 states) {bf16_opt}" in capsys.readouterr().out
 
 
 def test_vllm_share_is_one_recipe_key_with_one_default(monkeypatch):

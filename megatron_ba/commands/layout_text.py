@@ -17,7 +17,8 @@ def render(j: dict) -> str:
         f"  per GPU (worst pipeline stage {j['worst_stage']}, {j['peak_phase']} phase): "
         f"{j['memory_gib_per_gpu']} GiB, fits={j['fits']} (headroom {j['headroom']:g})",
         f"    weights {b['weights']}  gradients ({j['grad_reduce']}) {b['grads']}  optimizer "
-        f"({'distributed' if j['distributed_optimizer'] else 'replicated'}) {b['optimizer']}",
+        f"({'distributed' if j['distributed_optimizer'] else 'replicated'}{_states(j)}) "
+        f"{b['optimizer']}",
         f"    activations {b['activations']} (no recompute {b['activations_no_recompute']}, "
         f"full recompute {b['activations_full_recompute']}; {_in_flight(j)})",
         f"    logits {b['logits']} (naive {b['logits_naive']}, chunked {b['logits_chunked']})",
@@ -93,3 +94,8 @@ def _split(j: dict) -> str:
     if j["pp_first_stage_layers"] is None and j["pp_last_stage_layers"] is None:
         return ""
     return f" (stage layers {','.join(map(str, j['stage_layers']))})"
+
+
+def _states(j: dict) -> str:
+    """The Adam states' kind where it is not the default fp32 (--optimizer-states)."""
+    return "" if j["optimizer_states"] == "fp32" else f", {j['optimizer_states']} states"
