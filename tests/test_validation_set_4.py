@@ -174,14 +174,15 @@ ASSUMED_4 = {case["id"]: a for case in CASES if (a := _try_assumed(case)) is not
 JUDGED = [case for case in CASES if case["id"] in ASSUMED_4]
 
 
-def stage_flags(case: dict) -> dict[str, int]:
+def stage_flags(case: dict, model: str | None = None) -> dict[str, int]:
     """STAGES: the split a case states, or the one megatron-core makes when the embedding and the
-    loss take a layer's place (account_for_*_in_pipeline_split); {} for the even default."""
+    loss take a layer's place (account_for_*_in_pipeline_split); {} for the even default.
+    model: the preset the case is planned as (default: this set's rule's)."""
     first, last = case.get("pp_first_stage_layers"), case.get("pp_last_stage_layers")
     embedding = bool(case.get("account_for_embedding_in_pipeline_split"))
     loss = bool(case.get("account_for_loss_in_pipeline_split"))
     if first is None and last is None and (embedding or loss):
-        layers = load_model(ASSUMED_4[case["id"]]["model"][0]).num_layers
+        layers = load_model(model or ASSUMED_4[case["id"]]["model"][0]).num_layers
         virtual = case["pp"] * (case.get("virtual_pipeline_size") or 1)
         slots = layers + embedding + loss
         assert slots % virtual == 0, case["id"]  # megatron-core asks it of such a split
@@ -201,13 +202,20 @@ def validation_args_4(case: dict) -> list[str]:
     args = cli_args(case, ASSUMED_4, FOURTH_FRAMEWORKS)
     for flag, layers in stage_flags(case).items():
         args += [flag, str(layers)]
+    return fourth_fields(case, args)
+
+
+def fourth_fields(case: dict, args: list[str]) -> list[str]:
+    """FIELDS this set adds, on a case's arguments: sequence parallelism off, expert TP, and VP
+    (an input since the rerun); the later sets take them as they are."""
     if case.get("sequence_parallel") is False and (case["tp"] or 1) > 1:
-        args += ["--no-sequence-parallel"]
+        args = [*args, "--no-sequence-parallel"]
     etp = case.get("expert_tensor_parallel_size")
     if etp is not None and "--etp" in args:
+        args = [*args]
         args[args.index("--etp") + 1] = str(etp)
-    if (case.get("virtual_pipeline_size") or 1) > 1:  # VP, an input since the rerun
-        args += ["--vp", str(case["virtual_pipeline_size"])]
+    if (case.get("virtual_pipeline_size") or 1) > 1:
+        args = [*args, "--vp", str(case["virtual_pipeline_size"])]
     return args
 
 

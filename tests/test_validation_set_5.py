@@ -78,7 +78,7 @@ from pathlib import Path
 from test_public_record import cli_args, evaluate, planner_inputs
 from test_validation_set import _parser
 from test_validation_set_3 import flagged
-from test_validation_set_4 import FOURTH_FRAMEWORKS, assumed_for_4
+from test_validation_set_4 import FOURTH_FRAMEWORKS, assumed_for_4, fourth_fields
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS
@@ -150,12 +150,7 @@ def _set(args: list[str], flag: str, value: str) -> list[str]:
 def validation_args_5(case: dict) -> list[str]:
     """`megatron-ba layout --json` for a case of the set: the record's cli_args with the rules
     above (ASSUMED_5, FIFTH_FRAMEWORKS) and the fields the fourth and this set add."""
-    args = cli_args(case, ASSUMED_5, FIFTH_FRAMEWORKS)
-    if case.get("sequence_parallel") is False and (case["tp"] or 1) > 1:
-        args += ["--no-sequence-parallel"]
-    etp = case.get("expert_tensor_parallel_size")
-    if etp is not None and "--etp" in args:
-        args = _set(args, "--etp", str(etp))
+    args = fourth_fields(case, cli_args(case, ASSUMED_5, FIFTH_FRAMEWORKS))
     if case.get("cross_entropy_loss_fusion") and case.get("cross_entropy_fusion_impl") == "te":
         args = _set(args, "--logprobs", "te")
     if case.get("logprob_batch_size") and "--logprob-batch-size" in args:

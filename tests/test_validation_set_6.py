@@ -72,6 +72,7 @@ from pathlib import Path
 from test_public_record import cli_args, planner_inputs
 from test_validation_set import _parser, assumed_for
 from test_validation_set_3 import flagged
+from test_validation_set_4 import fourth_fields, stage_flags
 from test_validation_set_5 import FIFTH_FRAMEWORKS, _set, judge
 
 from megatron_ba.cli import main as cli_main
@@ -158,35 +159,14 @@ def optimizer_states_6(case: dict) -> str:
     return "fp32"
 
 
-def stage_flags_6(case: dict) -> dict[str, int]:
-    """STAGES: megatron-core's split when the embedding and the loss take a layer's place."""
-    embedding = bool(case.get("account_for_embedding_in_pipeline_split"))
-    loss = bool(case.get("account_for_loss_in_pipeline_split"))
-    if not (embedding or loss) or (case["pp"] or 1) == 1:
-        return {}
-    layers = load_model(ASSUMED_6[case["id"]]["model"][0]).num_layers
-    virtual = case["pp"] * (case.get("virtual_pipeline_size") or 1)
-    slots = layers + embedding + loss
-    assert slots % virtual == 0, case["id"]  # megatron-core asks it of such a split
-    per_stage = slots // case["pp"]
-    return {"--pp-first-stage-layers": per_stage - embedding,
-            "--pp-last-stage-layers": per_stage - loss}  # fmt: skip
-
-
 def validation_args_6(case: dict) -> list[str]:
     """`megatron-ba layout --json` for a case of the set: the record's cli_args with the rules
     above and the fields the fourth, fifth and this set add."""
     judged = judged_as(case)
     args = cli_args(judged, ASSUMED_6, SIXTH_FRAMEWORKS)
-    for flag, layers in stage_flags_6(case).items():
+    for flag, layers in stage_flags(case, ASSUMED_6[case["id"]]["model"][0]).items():
         args += [flag, str(layers)]
-    if case.get("sequence_parallel") is False and (case["tp"] or 1) > 1:
-        args += ["--no-sequence-parallel"]
-    etp = case.get("expert_tensor_parallel_size")
-    if etp is not None and "--etp" in args:
-        args = _set(args, "--etp", str(etp))
-    if (case.get("virtual_pipeline_size") or 1) > 1:
-        args += ["--vp", str(case["virtual_pipeline_size"])]
+    args = fourth_fields(case, args)
     impl = case.get("cross_entropy_fusion_impl")
     if impl in ("te", "native"):
         args = _set(args, "--logprobs", "te" if impl == "te" else "megatron")
@@ -253,7 +233,10 @@ def test_every_rule_gives_a_known_input():
         "nemorl-nightly-qwen3-30ba3b-4n8g-h100-ep8-noncolocated-vllm-2n": (2, 8),
     }
     nvfp4 = next(c for c in JUDGED if c["id"].startswith("mbridge-9230619"))
-    assert stage_flags_6(nvfp4) == {"--pp-first-stage-layers": 7, "--pp-last-stage-layers": 7}
+    assert stage_flags(nvfp4, "Llama-3.1-405B") == {
+        "--pp-first-stage-layers": 7,
+        "--pp-last-stage-layers": 7,
+    }
 
 
 def test_every_case_builds_its_cli_arguments():
