@@ -338,6 +338,20 @@ def test_the_sixth_sets_presets_have_their_cards_parameter_counts():
     assert abs(untied.total_params() / 1e9 - 1.23) > 0.25
 
 
+def test_more_presets_have_their_cards_parameter_counts():
+    """Presets added from Megatron-Bridge's providers, each against its model card's count
+    (Qwen3-0.6B "0.6B", Qwen3-14B "14.8B", Qwen2.5-3B "3.09B", Llama 3.2 3B "3.21B", Llama 3.1
+    70B "70.6B" as Llama 3.3 70B); untied, the tied ones are off by their vocabulary's matrix."""
+    cards = {"Qwen3-0.6B": 0.6, "Qwen3-14B": 14.8, "Qwen2.5-3B": 3.09, "Llama-3.2-3B": 3.21,
+             "Llama-3.1-70B": 70.6}  # fmt: skip
+    for name, billions in cards.items():
+        assert abs(PRESETS[name].total_params() / 1e9 - billions) < 0.01 * billions + 0.01, name
+    for name in ("Qwen3-0.6B", "Qwen2.5-3B", "Llama-3.2-3B"):
+        untied = replace(PRESETS[name], tie_word_embeddings=False)
+        assert abs(untied.total_params() / 1e9 - cards[name]) > 0.15, name
+    assert PRESETS["Llama-3.1-70B"].total_params() == PRESETS["Llama-3.3-70B"].total_params()
+
+
 def test_moe_activations_by_hand():
     """Qwen3-30B-A3B's layer keeps per token: 4h, q/k/v and the attention output, the router's
     128 logits, and per routed copy (top 8) the expert's input and its gate, up and weighted

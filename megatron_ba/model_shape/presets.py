@@ -7,6 +7,7 @@ config.json (sources beside them), and the tiny debug models the CPU runs build
 
 from __future__ import annotations
 
+from megatron_ba.model_shape.llama_presets import LLAMA_PRESETS
 from megatron_ba.model_shape.shape import ModelShape
 from megatron_ba.model_shape.tiny_presets import TINY_PRESETS, qwen3
 
@@ -85,6 +86,35 @@ PRESETS: dict[str, ModelShape] = {
         kv_channels=128,
         tie_word_embeddings=True,
     ),
+    # Qwen/Qwen3-0.6B and Qwen/Qwen3-14B (Megatron-Bridge src/megatron/bridge/models/qwen/
+    # qwen_provider.py @fcc2063bc^, Qwen3ModelProvider600M and 14B over Qwen3ModelProvider:
+    # vocab 151936, heads of 128, 8 KV heads; the 0.6B tied, the 14B not), and Qwen/Qwen2.5-3B
+    # (Qwen25ModelProvider3B: vocab 151936, tied, q/k/v bias). Their cards' counts (0.6B, 14.8B,
+    # 3.09B): tests/test_layout_planner.py.
+    "Qwen3-0.6B": qwen3(
+        "Qwen3-0.6B",
+        vocab_size=151936,
+        hidden_size=1024,
+        num_layers=28,
+        num_attention_heads=16,
+        num_query_groups=8,
+        ffn_hidden_size=3072,
+        kv_channels=128,
+        tie_word_embeddings=True,
+    ),
+    "Qwen3-14B": qwen3(
+        "Qwen3-14B",
+        vocab_size=151936,
+        hidden_size=5120,
+        num_layers=40,
+        num_attention_heads=40,
+        num_query_groups=8,
+        ffn_hidden_size=17408,
+        kv_channels=128,
+    ),
+    "Qwen2.5-3B": ModelShape(
+        151936, 2048, 36, 16, 2, 11008, tie_word_embeddings=True, name="Qwen2.5-3B"
+    ),
     # Qwen/Qwen3-8B (the -Base checkpoint has the same shapes, max_position_embeddings 32768):
     # hidden 4096, 36 layers, 32 heads of 128, 8 KV heads, intermediate 12288, vocab 151936,
     # untied (citsjtu2020/LLM-Prof sglang/Model_Config.md @8434c8d, its config.json verbatim;
@@ -128,99 +158,6 @@ PRESETS: dict[str, ModelShape] = {
         num_experts=128,
         moe_ffn_hidden_size=1536,
         moe_router_topk=8,
-    ),
-    # The models of the second validation set (tests/fixtures/validation_runs.json) that the
-    # record lacks, from each config.json as published (copies that keep the hub's
-    # `_name_or_path`). Llama is read as from_hf_config reads a `llama` config: grouped-query
-    # attention without biases, untied, family "qwen2" (the conversion table's name only); its
-    # llama3 RoPE scaling changes no memory term and is left out (no context check).
-    # meta-llama/Llama-3.1-8B-Instruct (_name_or_path of e.g. huggingface.co/NaniDAO/
-    # Meta-Llama-3.1-8B-Instruct-ablated config.json): hidden 4096, 32 layers, 32 heads, 8 KV
-    # heads, intermediate 14336, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, untied.
-    "Llama-3.1-8B": ModelShape(
-        128256,
-        4096,
-        32,
-        32,
-        8,
-        14336,
-        rope_theta=500_000.0,
-        norm_eps=1e-5,
-        qkv_bias=False,
-        name="Llama-3.1-8B",
-    ),
-    # meta-llama/Llama-3.1-405B: hidden 16384, 126 layers, 128 heads, 8 KV heads, intermediate
-    # 53248, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, max_position_embeddings
-    # 131072, untied (NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/models/llama/
-    # llama_provider.py @2afd2d3 Llama31ModelProvider405B; Lightning-AI/litgpt litgpt/config.py
-    # @2685705, which links the release's config.json; it once had 16 KV heads, corrected after
-    # a report that the config says 8). Its "llama3" rope scaling (factor 8) changes no size.
-    "Llama-3.1-405B": ModelShape(
-        128256,
-        16384,
-        126,
-        128,
-        8,
-        53248,
-        max_position_embeddings=131072,
-        rope_theta=500_000.0,
-        norm_eps=1e-5,
-        qkv_bias=False,
-        name="Llama-3.1-405B",
-    ),
-    # meta-llama/Llama-3.2-1B(-Instruct): hidden 2048, 16 layers, 32 heads of 64, 8 KV heads,
-    # intermediate 8192, vocab 128256, tied, rope_theta 500000, rms_norm_eps 1e-05,
-    # max_position_embeddings 131072 (kevinstephano/thunder_model_blocks thunder_model_blocks/
-    # hf_llama/llama_config.py @867e9db, the Instruct config.json at the hub's 4e20de3;
-    # Megatron-Bridge's Llama32ModelProvider1B @2afd2d3 agrees). Its "llama3" rope scaling
-    # (factor 32) changes no size and is not kept.
-    "Llama-3.2-1B": ModelShape(
-        128256,
-        2048,
-        16,
-        32,
-        8,
-        8192,
-        max_position_embeddings=131072,
-        rope_theta=500_000.0,
-        norm_eps=1e-5,
-        qkv_bias=False,
-        kv_channels=64,
-        tie_word_embeddings=True,
-        name="Llama-3.2-1B",
-    ),
-    # meta-llama/Llama-3.3-70B-Instruct (_name_or_path of huggingface.co/relaxml/
-    # Llama-3.3-70B-Instruct-QTIP-3Bit config.json): hidden 8192, 80 layers, 64 heads, 8 KV
-    # heads, intermediate 28672, vocab 128256, rope_theta 500000, rms_norm_eps 1e-05, untied.
-    "Llama-3.3-70B": ModelShape(
-        128256,
-        8192,
-        80,
-        64,
-        8,
-        28672,
-        rope_theta=500_000.0,
-        norm_eps=1e-5,
-        qkv_bias=False,
-        name="Llama-3.3-70B",
-    ),
-    # meta-llama/Meta-Llama-3-70B: hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate
-    # 28672, vocab 128256, rope_theta 500000, max_position_embeddings 8192, untied (NVIDIA-NeMo/
-    # Megatron-Bridge src/megatron/bridge/models/llama/llama_provider.py @4db3ed97,
-    # Llama3ModelProvider70B and Llama3ModelProvider; its vocabulary in scripts/performance/
-    # configs/llama3/llama3_llm_pretrain.py): Llama-3.3-70B's shape with Llama 3's 8K context.
-    "Meta-Llama-3-70B": ModelShape(
-        128256,
-        8192,
-        80,
-        64,
-        8,
-        28672,
-        max_position_embeddings=8192,
-        rope_theta=500_000.0,
-        norm_eps=1e-5,
-        qkv_bias=False,
-        name="Meta-Llama-3-70B",
     ),
     # Qwen/Qwen1.5-MoE-A2.7B (qwen2_moe; _name_or_path of huggingface.co/MaziyarPanahi/
     # Qwen1.5-MoE-A2.7B-Wikihow config.json): hidden 2048, 24 layers, 16 heads, 16 KV heads,
@@ -368,6 +305,7 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 # The CPU-sized debug shapes (tiny_presets.py) beside the released models'.
+PRESETS.update(LLAMA_PRESETS)
 PRESETS.update(TINY_PRESETS)
 
 
