@@ -219,15 +219,20 @@ def fourth_fields(case: dict, args: list[str]) -> list[str]:
     return args
 
 
+def layout_json(args: list[str]) -> tuple[int, dict | None, str]:
+    """`megatron-ba layout` in this process: (exit status, the JSON it printed or None, its
+    stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = cli_main(args)
+    printed = json.loads(out.getvalue()) if out.getvalue().strip() else None
+    return status, printed, err.getvalue().strip()
+
+
 @functools.cache
 def validation_run_4(case_id: str) -> tuple[int, dict | None, str]:
     """The command's (exit status, JSON, stderr) on a case of the set: one run per case."""
-    out, err = io.StringIO(), io.StringIO()
-    case = next(c for c in CASES if c["id"] == case_id)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = cli_main(validation_args_4(case))
-    printed = json.loads(out.getvalue()) if out.getvalue().strip() else None
-    return status, printed, err.getvalue().strip()
+    return layout_json(validation_args_4(next(c for c in CASES if c["id"] == case_id)))
 
 
 def test_the_set_is_the_committed_one():
@@ -359,12 +364,9 @@ MISSES_4: dict[str, str] = {
 }
 
 
-def test_validation_verdicts():
-    """The rerun: every judged case through the command (exit status = verdict), the table
-    printed; every verdict right or in MISSES_4, none refused by the command; the JSON's "fits"
-    what the exit status says; the median |error| on the published peaks."""
-    rows, refused = rows_4()
-    right = sum(r["right"] for r in rows)
+def print_rows(rows: list[dict]) -> None:
+    """Each row's verdict, estimate, peak phase and peak error printed; the JSON's "fits"
+    asserted to be what the exit status says."""
     for r in rows:
         c, j = r["case"], r["json"]
         error = "" if r["error"] is None else f" peak error {100 * r['error']:+.0f} %"
@@ -374,6 +376,15 @@ def test_validation_verdicts():
             f"({j['peak_phase']:8}) -> {'fits' if r['fits'] else 'OOM':4}{error} {flagged(c)}"
         )
         assert r["status"] in (0, 1) and j["fits"] == (r["status"] == 0), c["id"]
+
+
+def test_validation_verdicts():
+    """The rerun: every judged case through the command (exit status = verdict), the table
+    printed; every verdict right or in MISSES_4, none refused by the command; the JSON's "fits"
+    what the exit status says; the median |error| on the published peaks."""
+    rows, refused = rows_4()
+    right = sum(r["right"] for r in rows)
+    print_rows(rows)
     for case_id, words in {**refused, **REFUSED}.items():
         print(f"REF  {case_id:68} {words}")
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]

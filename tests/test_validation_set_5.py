@@ -78,7 +78,7 @@ from pathlib import Path
 from test_public_record import cli_args, evaluate, planner_inputs
 from test_validation_set import _parser
 from test_validation_set_3 import flagged
-from test_validation_set_4 import FOURTH_FRAMEWORKS, assumed_for_4, fourth_fields
+from test_validation_set_4 import FOURTH_FRAMEWORKS, assumed_for_4, fourth_fields, layout_json
 
 from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS
@@ -164,12 +164,7 @@ def validation_args_5(case: dict) -> list[str]:
 @functools.cache
 def validation_run_5(case_id: str) -> tuple[int, dict | None, str]:
     """The command's (exit status, JSON, stderr) on a case of the set: one run per case."""
-    out, err = io.StringIO(), io.StringIO()
-    case = next(c for c in CASES if c["id"] == case_id)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = cli_main(validation_args_5(case))
-    printed = json.loads(out.getvalue()) if out.getvalue().strip() else None
-    return status, printed, err.getvalue().strip()
+    return layout_json(validation_args_5(next(c for c in CASES if c["id"] == case_id)))
 
 
 def test_the_set_is_the_committed_one():

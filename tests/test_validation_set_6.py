@@ -65,17 +65,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import io
 import json
 from pathlib import Path
 
 from test_public_record import cli_args, planner_inputs
 from test_validation_set import _parser, assumed_for
 from test_validation_set_3 import flagged
-from test_validation_set_4 import fourth_fields, stage_flags
+from test_validation_set_4 import fourth_fields, layout_json, stage_flags
 from test_validation_set_5 import FIFTH_FRAMEWORKS, _set, judge
 
-from megatron_ba.cli import main as cli_main
 from megatron_ba.model_shape import PRESETS
 from megatron_ba.planning.memory import load_model
 from megatron_ba.planning.verdict import GPU_MEMORY_GIB
@@ -129,21 +127,33 @@ def assumed_for_6(case: dict) -> dict:
     out = assumed_for(case)
     if out["model"][0] in MODEL_BY_NAME:
         out["model"] = MODEL_BY_NAME[out["model"][0]]
+    return known_inputs(case, out)
+
+
+def known_inputs(case: dict, out: dict, frameworks: dict | None = None) -> dict:
+    """`out`, the rules' values for `case`, where the planner knows them: the model a preset, the
+    GPU in GPU_MEMORY_GIB and (given `frameworks`) the framework's defaults; AssertionError
+    naming what is missing otherwise (a refusal)."""
     if out["model"][0] not in PRESETS:
         raise AssertionError(f"{case['id']}: no preset for {out['model'][0]}")
     if case["gpu"] not in GPU_MEMORY_GIB:
         raise AssertionError(f"{case['id']}: no capacity for {case['gpu']}")
+    if frameworks is not None and case["framework"].split()[0] not in frameworks:
+        raise AssertionError(f"{case['id']}: no defaults for {case['framework']}")
     return out
 
 
-def _try_assumed(case: dict) -> dict | None:
-    try:
-        return assumed_for_6(case)
-    except AssertionError:
-        return None
+def assumed_where_given(cases: list[dict], rules) -> dict[str, dict]:
+    """Case id -> `rules(case)` for every case the rules give inputs (the others raise
+    AssertionError: refusals)."""
+    out = {}
+    for case in cases:
+        with contextlib.suppress(AssertionError):
+            out[case["id"]] = rules(case)
+    return out
 
 
-ASSUMED_6 = {case["id"]: a for case in CASES if (a := _try_assumed(case)) is not None}
+ASSUMED_6 = assumed_where_given(CASES, assumed_for_6)
 JUDGED = [case for case in CASES if case["id"] in ASSUMED_6]
 
 _AWARE_ON = ("precision-aware optimizer on", "use_precision_aware_optimizer true")
@@ -159,12 +169,14 @@ def optimizer_states_6(case: dict) -> str:
     return "fp32"
 
 
-def validation_args_6(case: dict) -> list[str]:
+def validation_args_6(case: dict, assumed: dict | None = None) -> list[str]:
     """`megatron-ba layout --json` for a case of the set: the record's cli_args with the rules
-    above and the fields the fourth, fifth and this set add."""
+    above and the fields the fourth, fifth and this set add. assumed: the rules' values by case
+    id (ASSUMED_6; a later set passes its own)."""
+    assumed = ASSUMED_6 if assumed is None else assumed
     judged = judged_as(case)
-    args = cli_args(judged, ASSUMED_6, SIXTH_FRAMEWORKS)
-    for flag, layers in stage_flags(case, ASSUMED_6[case["id"]]["model"][0]).items():
+    args = cli_args(judged, assumed, SIXTH_FRAMEWORKS)
+    for flag, layers in stage_flags(case, assumed[case["id"]]["model"][0]).items():
         args += [flag, str(layers)]
     args = fourth_fields(case, args)
     impl = case.get("cross_entropy_fusion_impl")
@@ -178,12 +190,7 @@ def validation_args_6(case: dict) -> list[str]:
 @functools.cache
 def validation_run_6(case_id: str) -> tuple[int, dict | None, str]:
     """The command's (exit status, JSON, stderr) on a case of the set: one run per case."""
-    out, err = io.StringIO(), io.StringIO()
-    case = next(c for c in CASES if c["id"] == case_id)
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = cli_main(validation_args_6(case))
-    printed = json.loads(out.getvalue()) if out.getvalue().strip() else None
-    return status, printed, err.getvalue().strip()
+    return layout_json(validation_args_6(next(c for c in CASES if c["id"] == case_id)))
 
 
 def test_the_set_is_the_committed_one():
