@@ -153,6 +153,22 @@ def test_te_fused_cross_entropy_by_hand():
     assert estimate(q32, lo, passes, gpu_mem_gib=79.11).logprob_logits == 4 * 4096 * 151936 / 8 * 2
 
 
+def test_te_fp32_gradient_by_hand():
+    """From Transformer Engine 2.18 its fused cross entropy keeps the gradient in a new fp32
+    tensor (NVIDIA/TransformerEngine 01bbe3eea): 4 bytes per logit more than "te", in training
+    and in a forward-only log-prob pass (2 + 4). Megatron-Bridge's report of the 64 x GB300
+    Qwen3-30B-A3B run: an 18.55 GiB fp32 cross-entropy temporary at 8 x 4,096 tokens, TP 1."""
+    lo, step = plan(8, 1, 1, 4, 131072, recompute="full", logprobs="te")
+    q32, per_byte = load_model("Qwen3-32B"), 131072 * (151936 / 8)
+    te = estimate(q32, lo, step, gpu_mem_gib=79.11)
+    fp32_grad = estimate(q32, lo, replace(step, logprobs="te-fp32-grad"), gpu_mem_gib=79.11)
+    assert fp32_grad.logits - te.logits == per_byte * 4
+    assert fp32_grad.train_phase - te.train_phase == per_byte * 4
+    passes = replace(step, logprobs="te-fp32-grad", logprob_tokens=4 * 4096)
+    assert estimate(q32, lo, passes, gpu_mem_gib=79.11).logprob_logits == 4 * 4096 * 151936 / 8 * 6
+    assert round(32768 * 151936 * 4 / GIB, 2) == 18.55  # the report's temporary, TP 1
+
+
 def test_pipeline_stages_by_hand():
     pp2 = ParallelLayout(pp=2)
     assert stage_params(Q7, pp2, 0) == 14 * Q7_LAYER + 152064 * 3584

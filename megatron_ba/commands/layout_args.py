@@ -175,8 +175,9 @@ def _setting_arguments(p: argparse.ArgumentParser) -> None:
             "the log-prob / loss path over the vocabulary: chunked (megatron-ba's, default), "
             "megatron (megatron-core's vocab-parallel cross entropy, fp32 softmax), fp32 "
             "(NeMo-RL's: the logits cast to fp32, then a vocab-parallel log-softmax), naive, "
-            "te (Transformer Engine's fused cross entropy, megatron-core's "
-            "cross_entropy_fusion_impl te: the gradient written into the bf16 logits)"
+            "te (Transformer Engine's fused cross entropy up to 2.17, megatron-core's "
+            "cross_entropy_fusion_impl te: the gradient written into the bf16 logits), "
+            "te-fp32-grad (the same from Transformer Engine 2.18: an fp32 gradient kept)"
         ),
     )
     p.add_argument(

@@ -43,8 +43,12 @@ from megatron_ba.planning.generation_memory import engine_fields, trainer_kept
 #   log-softmax, 2 + 4 + 4;
 # * "chunked": the bf16 logits (2), and LOGPROB_CHUNK_BUFFERS fp32 buffers of one chunk
 #   (logprob_phase_bytes);
-# * "te": Transformer Engine's fused cross entropy computes in place in the bf16 logits, 2.
-LOGPROB_FORWARD_BYTES = {"fp32": 12, "megatron": 6, "naive": 10, "chunked": 2, "te": 2}
+# * "te": Transformer Engine's fused cross entropy up to 2.17 computes in place in the bf16
+#   logits, 2; "te-fp32-grad", from 2.18, writes the gradient to an fp32 tensor beside them
+#   (forward only as well), 2 + 4.
+LOGPROB_FORWARD_BYTES = {
+    "fp32": 12, "megatron": 6, "naive": 10, "chunked": 2, "te": 2, "te-fp32-grad": 6,
+}  # fmt: skip
 LOGPROB_CHUNK_BUFFERS = 2  # the chunked path's two fp32 chunk buffers (planning/memory.py _logits)
 
 

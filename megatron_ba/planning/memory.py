@@ -284,7 +284,13 @@ def _logits(shape, layout, step, stage, tokens, prec) -> dict[str, float]:
     # logit) row statistics, all-gathered over TP into tp x 3 more.
     te_rows = 4 + 12 + (12 * layout.tp if layout.tp > 1 else 0)
     te = tokens * (v_local * prec.logits_bytes + te_rows)
-    return {"naive": naive, "chunked": chunked, "megatron": megatron, "fp32": fp32, "te": te}
+    # From Transformer Engine 2.18 (NVIDIA/TransformerEngine 01bbe3eea, "Store the input
+    # gradient in FP32 so it is not quantized before backward") the forward writes the gradient
+    # into a new fp32 tensor it keeps for the backward: beside the bf16 logits at the kernel,
+    # 4 bytes more per logit.
+    te_fp32_grad = te + tokens * v_local * 4
+    return {"naive": naive, "chunked": chunked, "megatron": megatron, "fp32": fp32, "te": te,
+            "te-fp32-grad": te_fp32_grad}  # fmt: skip
 
 
 def _estimate_stage(shape, layout, step, stage, gpu_mem_gib, vllm, prec, seq_len=None):

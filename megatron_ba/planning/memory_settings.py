@@ -60,7 +60,7 @@ GRAD_BYTES = {"fp32": 4, "bf16": 2}
 #   remainders or as main_params_dtype bf16, 2 bytes either way): 2 + 2 + 2.
 OPTIMIZER_STATE_BYTES = {"fp32": 12, "precision-aware": 10, "bf16": 6}
 RECOMPUTE = ("none", "selective", "full")
-LOGPROBS = ("chunked", "megatron", "fp32", "naive", "te")
+LOGPROBS = ("chunked", "megatron", "fp32", "naive", "te", "te-fp32-grad")
 OFFLOAD = ("auto", "none", "states")
 
 
@@ -87,8 +87,9 @@ class MemorySettings:
     # The log-prob / loss path over the vocabulary: "chunked" (this project's), "megatron"
     # (megatron-core's vocab-parallel cross entropy: an fp32 softmax), "fp32" (NeMo-RL's
     # DistributedLogprob on the model's fp32 logits), "naive" (autograd's log_softmax of fp32
-    # logits), "te" (Transformer Engine's fused cross entropy: the gradient written into the
-    # bf16 logits); chunked_logprobs=False means "naive".
+    # logits), "te" (Transformer Engine's fused cross entropy up to 2.17: the gradient written
+    # into the bf16 logits), "te-fp32-grad" (from 2.18: the gradient kept in fp32);
+    # chunked_logprobs=False means "naive".
     logprobs: str = "chunked"
     grad_reduce: str = "fp32"  # the gradient buffer's dtype (GRAD_BYTES): "fp32" or "bf16"
     optimizer_states: str = "fp32"  # the Adam states' bytes (OPTIMIZER_STATE_BYTES)
