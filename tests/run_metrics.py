@@ -4,6 +4,7 @@ checkpoint (shared by the training tests)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,15 +18,18 @@ def trajectory(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(x).items() if not k.startswith("time/")} for x in lines]
 
 
-def trajectory_mismatches(a: list[dict], b: list[dict]) -> list[str]:
-    """The first differences between two runs' metrics, bit for bit ([] when identical)."""
+def trajectory_mismatches(a: list[dict], b: list[dict], rel: float = 0.0) -> list[str]:
+    """The first differences between two runs' metrics ([] when they agree): bit for bit, or
+    with `rel` > 0 floats within that relative tolerance of each other (the rest still exact)."""
     if [r["step"] for r in a] != [r["step"] for r in b]:
         return [f"steps {[r['step'] for r in a]} != {[r['step'] for r in b]}"]
     out = []
     for ra, rb in zip(a, b, strict=True):
         for k in sorted(set(ra) | set(rb)):
-            if ra.get(k, "absent") != rb.get(k, "absent"):
-                out.append(f"step {ra['step']} {k}: {ra.get(k, 'absent')} != {rb.get(k, 'absent')}")
+            x, y = ra.get(k, "absent"), rb.get(k, "absent")
+            both_floats = isinstance(x, float) and isinstance(y, float)
+            if x != y and not (rel > 0 and both_floats and math.isclose(x, y, rel_tol=rel)):
+                out.append(f"step {ra['step']} {k}: {x} != {y}")
     return out
 
 

@@ -18,6 +18,7 @@ steps; the run folder's files are written by train/run_log.py. This module only 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -79,6 +80,13 @@ class Trainer:
         self.task = build_task(recipe, self.tokenizer) if ctx.is_main else None
         if self.task is not None and getattr(self.task, "report", None):
             self.log(f"[data] {self.task.report}")
+        # The layout as the model was built (its config's sequence parallelism); after the data,
+        # whose errors are the run's one line.
+        if ctx.is_main:
+            built = replace(
+                ctx.layout, sequence_parallel=self.policy.chunks[0].config.sequence_parallel
+            )
+            self.log(f"[layout] {built}")
         self.start_step = 0
         data_position, pending = 0, None  # prompts drawn so far; the batch waiting for its step
         if resume:
