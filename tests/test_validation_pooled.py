@@ -109,6 +109,23 @@ def pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
     return [(by_id[oom], by_id[ran]) for oom, ran in sorted(found)]
 
 
+def ordered_pairs(rows: list[dict]) -> list[tuple[dict, dict, bool]]:
+    """(the row that went out of memory, the row that ran, whether the planner's estimate is
+    higher for the first) for each pair of `pairs`."""
+    gib = "memory_gib_per_gpu"
+    return [(oom, ran, oom["json"][gib] > ran["json"][gib]) for oom, ran in pairs(rows)]
+
+
+def print_pairs(rows: list[dict]) -> list[bool]:
+    """Each pair printed with both estimates; whether each is ordered."""
+    found = ordered_pairs(rows)
+    for oom, ran, higher in found:
+        print(f"pair {'higher' if higher else 'NOT higher'}: {oom['case']['id']} "
+              f"{oom['json']['memory_gib_per_gpu']:.1f} GiB (oom) against {ran['case']['id']} "
+              f"{ran['json']['memory_gib_per_gpu']:.1f} GiB (ran)")  # fmt: skip
+    return [higher for _, _, higher in found]
+
+
 def test_best_cutoff_by_hand():
     """Hand cases, and the control that tells it from a count of the command's verdicts: runs
     that separate get every point; one that went out of memory below one that ran costs one."""
@@ -173,13 +190,7 @@ def test_pooled_sets():
     assert most == 55 and cut == pytest.approx(0.874, abs=5e-4)
     assert most < 0.9 * len(rows)  # no margin reaches 90 % on these runs
 
-    ordered = []
-    for oom, ran in pairs(rows):
-        higher = oom["json"]["memory_gib_per_gpu"] > ran["json"]["memory_gib_per_gpu"]
-        ordered.append(higher)
-        print(f"pair {'higher' if higher else 'NOT higher'}: {oom['case']['id']} "
-              f"{oom['json']['memory_gib_per_gpu']:.1f} GiB (oom) against {ran['case']['id']} "
-              f"{ran['json']['memory_gib_per_gpu']:.1f} GiB (ran)")  # fmt: skip
+    ordered = print_pairs(rows)
     assert (sum(ordered), len(ordered)) == (6, 9)
 
 
