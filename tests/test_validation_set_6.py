@@ -102,12 +102,17 @@ REFUSED = {
 _TRAINS_ONLY = ("SFT", "pretraining")
 
 
+def layout_gpus(case: dict) -> int:
+    """The GPUs the stated layout spans: dp x tp x pp x cp (a null size is 1)."""
+    return case["dp"] * (case["tp"] or 1) * (case["pp"] or 1) * (case["cp"] or 1)
+
+
 def trainer_gpus(case: dict) -> tuple[int, int]:
     """TRAINER GPUS: (nodes, GPUs per node) the planner plans for a case."""
     nodes, per_node = case["nodes"], case["gpus_per_node"]
     if case["colocated_generation"] is not False:
         return nodes, per_node
-    gpus = case["dp"] * (case["tp"] or 1) * (case["pp"] or 1) * (case["cp"] or 1)
+    gpus = layout_gpus(case)
     return (gpus // per_node, per_node) if gpus % per_node == 0 else (1, gpus)
 
 
@@ -266,9 +271,7 @@ def test_every_case_builds_its_cli_arguments():
         no_sp = case.get("sequence_parallel") is False and (case["tp"] or 1) > 1
         assert parsed.no_sequence_parallel == no_sp, case["id"]
         assert parsed.no_distributed_optimizer == (case["distributed_optimizer"] is False)
-        assert parsed.nodes * parsed.gpus_per_node == case["dp"] * (case["tp"] or 1) * (
-            case["pp"] or 1
-        ) * (case["cp"] or 1), case["id"]  # the stated layout's GPUs, and only them
+        assert parsed.nodes * parsed.gpus_per_node == layout_gpus(case), case["id"]
         print("   ", flagged(case))
 
 

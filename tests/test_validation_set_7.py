@@ -62,6 +62,7 @@ from test_validation_set_6 import (
     assumed_where_given,
     judged_as,
     known_inputs,
+    layout_gpus,
     optimizer_states_6,
     validation_args_6,
 )
@@ -197,9 +198,7 @@ def test_every_case_builds_its_cli_arguments():
             assert parsed.engine == "sglang", case["id"]
         if case["colocated_vllm_gpu_memory_utilization"]:
             assert parsed.vllm_gpu_util == case["colocated_vllm_gpu_memory_utilization"]
-        assert parsed.nodes * parsed.gpus_per_node == case["dp"] * (case["tp"] or 1) * (
-            case["pp"] or 1
-        ) * (case["cp"] or 1), case["id"]  # the stated layout's GPUs, and only them
+        assert parsed.nodes * parsed.gpus_per_node == layout_gpus(case), case["id"]
         print("   ", flagged(case))
 
 

@@ -44,11 +44,11 @@ import statistics
 from pathlib import Path
 
 from test_public_record import evaluate, planner_inputs
-from test_validation_pooled import pairs
+from test_validation_pooled import ordered_pairs, print_pairs
 from test_validation_set import _parser
 from test_validation_set_3 import flagged
 from test_validation_set_4 import layout_json, print_rows
-from test_validation_set_6 import judged_as, validation_args_6
+from test_validation_set_6 import judged_as, layout_gpus, validation_args_6
 from test_validation_set_7 import SEVENTH_FRAMEWORKS, assumed_for_7, with_peak_unit
 
 from megatron_ba.planning.memory import load_model
@@ -126,9 +126,7 @@ def test_every_case_builds_its_cli_arguments():
         print(case["id"], " ".join(args))
         parsed = _parser.parse_args(args[1:])
         assert parsed.json and parsed.tp == inputs["layout"].tp and parsed.pp == inputs["layout"].pp
-        assert parsed.nodes * parsed.gpus_per_node == case["dp"] * (case["tp"] or 1) * (
-            case["pp"] or 1
-        ) * (case["cp"] or 1), case["id"]
+        assert parsed.nodes * parsed.gpus_per_node == layout_gpus(case), case["id"]
         print("   ", flagged(case))
 
 
@@ -148,10 +146,7 @@ def claims(rows: list[dict], n_cases: int) -> dict:
     by the rules count as not right)."""
     right = sum(r["right"] for r in rows)
     planned_oom = [r for r in rows if not r["fits"]]
-    ordered = [
-        oom["json"]["memory_gib_per_gpu"] > ran["json"]["memory_gib_per_gpu"]
-        for oom, ran in pairs(rows)
-    ]
+    ordered = [higher for _, _, higher in ordered_pairs(rows)]
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     median = statistics.median(errors) if errors else None
     return {
@@ -195,9 +190,7 @@ def test_validation_verdicts():
     print_rows(rows)
     for case_id, words in REFUSED.items():
         print(f"REF  {case_id:68} {words}")
-    for oom, ran in pairs(rows):
-        print(f"pair {oom['case']['id']} {oom['json']['memory_gib_per_gpu']:.1f} GiB (oom) against "
-              f"{ran['case']['id']} {ran['json']['memory_gib_per_gpu']:.1f} GiB (ran)")  # fmt: skip
+    print_pairs(rows)
     for name, (held, counted) in claims(rows, len(CASES)).items():
         print(f"{name}: {'holds' if held else 'FAILS'} ({counted})")
 
